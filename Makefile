@@ -1,0 +1,46 @@
+# TRACE on Kubernetes. `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip --disable-pip-version-check -q
+OUT := build
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test lint bench lock clean
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -c requirements/constraints.txt -e '.[dev]'
+	touch $@
+
+setup: $(STAMP) ## Create .venv and install pinned dependencies (quick when nothing changed)
+
+run: setup ## The main job: every strategy at equal budget on the simulator (table + plot)
+	@mkdir -p $(OUT)
+	$(BIN)/trace-rl bench allocation --json $(OUT)/allocation.json --plot $(OUT)/allocation.png
+
+test: setup ## Run the test suite
+	$(BIN)/pytest -q
+
+lint: setup ## ruff (lint + format check) and mypy --strict on trace_core/algo
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy --strict trace_core/algo
+
+bench: setup ## Benchmarks: allocator speed (DP vs fast) and equal-budget allocation
+	@mkdir -p $(OUT)
+	$(BIN)/trace-rl bench allocator-speed --json $(OUT)/allocator-speed.json
+	$(BIN)/trace-rl bench allocation --json $(OUT)/allocation.json --plot $(OUT)/allocation.png
+
+lock: setup ## Rewrite requirements/constraints.txt from the installed environment
+	{ sed -n '1,3p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > requirements/constraints.tmp
+	mv requirements/constraints.tmp requirements/constraints.txt
+
+clean: ## Remove the venv and build outputs
+	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

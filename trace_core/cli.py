@@ -1,0 +1,194 @@
+"""``trace-rl``: the command line. Thin: parse flags, build a config, call one function, print.
+
+trace-rl bench allocation --prompts 2048 --budget 1024 --continuations 2 --json out.json
+trace-rl bench allocator-speed --json speed.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trace_core.algo.plan import STRATEGIES
+from trace_core.bench.allocation import (
+    METRICS,
+    AllocationBenchConfig,
+    AllocationBenchResult,
+    run_allocation_bench,
+)
+from trace_core.bench.allocator_speed import DEFAULT_SIZES, LARGE_SIZE, SpeedRow, rows_to_json
+from trace_core.bench.allocator_speed import run_allocator_speed as _run_speed
+from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
+
+app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
+bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline run alongside.")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+@bench_app.command("allocation")
+def bench_allocation(
+    prompts: Annotated[int, typer.Option(help="B: candidate prompts per iteration.")] = 2048,
+    budget: Annotated[int, typer.Option(help="M: root rollouts of a tree strategy.")] = 1024,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    difficulty: Annotated[str, typer.Option(help="Prompt success probability, beta:a,b.")] = (
+        "beta:0.4,0.4"
+    ),
+    turns: Annotated[str, typer.Option(help="Turns per episode, lo,hi.")] = "2,6",
+    seeds: Annotated[int, typer.Option(help="Independent repetitions.")] = 3,
+    iterations: Annotated[int, typer.Option(help="Iterations per seed (1st is warm-up).")] = 4,
+    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to run.")] = ",".join(
+        STRATEGIES
+    ),
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG bar chart here.")] = None,
+) -> None:
+    """Every strategy at an equal rollout budget on the simulator (mean ± std over seeds)."""
+    try:
+        config = AllocationBenchConfig(
+            prompts=prompts,
+            budget=budget,
+            continuations=continuations,
+            group=group,
+            sim=SimConfig(difficulty=parse_beta(difficulty), turns=parse_range(turns, "turns")),
+            seeds=seeds,
+            iterations=iterations,
+            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with _progress() as bar:
+        task = bar.add_task("simulating", total=seeds * iterations * len(config.strategies))
+        result = run_allocation_bench(
+            config, progress=lambda name: bar.update(task, advance=1, description=name)
+        )
+    console.print(_allocation_table(result))
+    if json_path:
+        result.write_json(json_path)
+        console.print(f"wrote {json_path}")
+    if plot:
+        _plot_allocation(result, plot)
+        console.print(f"wrote {plot}")
+
+
+def _allocation_table(result: AllocationBenchResult) -> Table:
+    c = result.config
+    table = Table(
+        title=(
+            f"Equal budget: B={c.prompts} prompts, M={c.budget} roots × N={c.continuations}"
+            f" → {c.budget * (1 + c.continuations / 2):g} units; {c.seeds} seeds × "
+            f"{c.iterations} iterations"
+        )
+    )
+    heads = ["prompt eff.", "anchor eff.", "mixed/100u", "contrast pairs", "units", "tokens"]
+    table.add_column("strategy")
+    for head in heads:
+        table.add_column(head, justify="right")
+    baseline = result.strategies.get("grpo")
+    if baseline:
+        table.add_column("mixed/100u ÷ grpo", justify="right")
+    for name, metrics in result.strategies.items():
+        cells = []
+        for metric in METRICS:
+            s = metrics[metric]
+            fmt = ".3f" if "ratio" in metric else (".2f" if "per_100" in metric else ",.0f")
+            cells.append(f"{s.mean:{fmt}} ± {s.std:{fmt}}")
+        if baseline:
+            base = baseline["mixed_per_100_units"].mean
+            ratio = metrics["mixed_per_100_units"].mean / base if base else float("nan")
+            cells.append(f"{ratio:.2f}×")
+        table.add_row(name, *cells)
+    return table
+
+
+def _plot_allocation(result: AllocationBenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result.strategies)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in (
+        (axes[0], "mixed_per_100_units", "mixed groups per 100 rollout units"),
+        (axes[1], "prompt_effective_ratio", "prompt effective ratio"),
+    ):
+        means = [result.strategies[n][metric].mean for n in names]
+        stds = [result.strategies[n][metric].std for n in names]
+        ax.bar(names, means, yerr=stds, color="#4c72b0", capsize=3)
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@bench_app.command("allocator-speed")
+def bench_allocator_speed(
+    sizes: Annotated[str, typer.Option(help="Pool sizes B (M = 4B), comma-separated.")] = ",".join(
+        map(str, DEFAULT_SIZES)
+    ),
+    large: Annotated[int, typer.Option(help="Fast solver alone at this B (0: skip).")] = (
+        LARGE_SIZE
+    ),
+    dp_max_prompts: Annotated[
+        int, typer.Option(help="Largest B the O(B·M²) DP is run at; larger ones are estimated.")
+    ] = 2048,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The paper's DP against the exact fast solver: seconds and DP/fast ratio."""
+    try:
+        size_list = tuple(int(s) for s in sizes.split(",") if s.strip())
+    except ValueError:
+        raise _fail(f"--sizes must be comma-separated integers, got {sizes!r}") from None
+    with console.status("timing solvers") as status:
+        rows = _run_speed(
+            size_list, large or None, dp_max_prompts, progress=lambda msg: status.update(msg)
+        )
+    console.print(_speed_table(rows))
+    if json_path:
+        json_path.write_text(json.dumps(rows_to_json(rows), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+def _speed_table(rows: list[SpeedRow]) -> Table:
+    table = Table(title="Stage-1 root allocation: paper's DP vs exact fast solver (M = 4B)")
+    for head in ("B", "M", "fast s", "DP s", "DP / fast", "objective gap"):
+        table.add_column(head, justify="right")
+    for r in rows:
+        if r.dp_seconds is not None:
+            dp, ratio = f"{r.dp_seconds:.3f}", f"{r.speedup:,.0f}×"
+        elif r.dp_estimated_seconds is not None:
+            dp, ratio = f"~{r.dp_estimated_seconds:,.0f} (est., not run)", "—"
+        else:
+            dp, ratio = "not run", "—"
+        gap = "—" if r.objective_gap is None else f"{r.objective_gap:.1e}"
+        table.add_row(f"{r.prompts:,}", f"{r.budget:,}", f"{r.fast_seconds:.4f}", dp, ratio, gap)
+    return table
+
+
+if __name__ == "__main__":
+    app()
