@@ -15,7 +15,6 @@ help: ## List the targets
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	$(PIP) install -c requirements/constraints.txt -e '.[dev]'
 	touch $@
 

@@ -7,6 +7,7 @@ trace-rl bench allocator-speed --json speed.json
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -29,7 +30,8 @@ from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
 app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
 bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline run alongside.")
 app.add_typer(bench_app, name="bench")
-console = Console()
+# Logs and CI are not terminals; keep the tables on one line there.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _progress() -> Progress:
@@ -107,19 +109,19 @@ def _allocation_table(result: AllocationBenchResult) -> Table:
     table.add_column("strategy")
     for head in heads:
         table.add_column(head, justify="right")
-    baseline = result.strategies.get("grpo")
-    if baseline:
-        table.add_column("mixed/100u ÷ grpo", justify="right")
+    ratios = [b for b in ("grpo", "oracle") if b in result.strategies]
+    for base in ratios:
+        table.add_column(f"mixed/100u ÷ {base}", justify="right")
     for name, metrics in result.strategies.items():
         cells = []
         for metric in METRICS:
             s = metrics[metric]
             fmt = ".3f" if "ratio" in metric else (".2f" if "per_100" in metric else ",.0f")
             cells.append(f"{s.mean:{fmt}} ± {s.std:{fmt}}")
-        if baseline:
-            base = baseline["mixed_per_100_units"].mean
-            ratio = metrics["mixed_per_100_units"].mean / base if base else float("nan")
-            cells.append(f"{ratio:.2f}×")
+        for base in ratios:
+            denominator = result.strategies[base]["mixed_per_100_units"].mean
+            mine = metrics["mixed_per_100_units"].mean
+            cells.append(f"{mine / denominator:.2f}×" if denominator else "—")
         table.add_row(name, *cells)
     return table
 
@@ -165,9 +167,12 @@ def bench_allocator_speed(
     except ValueError:
         raise _fail(f"--sizes must be comma-separated integers, got {sizes!r}") from None
     with console.status("timing solvers") as status:
-        rows = _run_speed(
-            size_list, large or None, dp_max_prompts, progress=lambda msg: status.update(msg)
-        )
+        try:
+            rows = _run_speed(
+                size_list, large or None, dp_max_prompts, progress=lambda msg: status.update(msg)
+            )
+        except ValueError as err:
+            raise _fail(str(err)) from None
     console.print(_speed_table(rows))
     if json_path:
         json_path.write_text(json.dumps(rows_to_json(rows), indent=2) + "\n")
@@ -182,7 +187,7 @@ def _speed_table(rows: list[SpeedRow]) -> Table:
         if r.dp_seconds is not None:
             dp, ratio = f"{r.dp_seconds:.3f}", f"{r.speedup:,.0f}×"
         elif r.dp_estimated_seconds is not None:
-            dp, ratio = f"~{r.dp_estimated_seconds:,.0f} (est., not run)", "—"
+            dp, ratio = f"~{r.dp_estimated_seconds:,.3g} (est., not run)", "—"
         else:
             dp, ratio = "not run", "—"
         gap = "—" if r.objective_gap is None else f"{r.objective_gap:.1e}"

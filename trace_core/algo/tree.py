@@ -122,7 +122,7 @@ class RolloutTree:
         rewarded = np.isfinite(self.reward)
         if not np.isin(self.reward[rewarded], (0.0, 1.0)).all():
             i = int(np.flatnonzero(rewarded & ~np.isin(self.reward, (0.0, 1.0)))[0])
-            raise ValueError(f"node {i}: reward {self.reward[i]!r} is not 0 or 1")
+            raise ValueError(f"node {i}: reward {float(self.reward[i])!r} is not 0 or 1")
         if np.isfinite(self.reward[~leaf]).any():
             i = int(np.flatnonzero(~leaf & np.isfinite(self.reward))[0])
             raise ValueError(f"node {i} has children and a reward; only leaves hold rewards")

@@ -48,6 +48,8 @@ class AllocationBenchConfig:
     strategies: tuple[str, ...] = tuple(STRATEGIES)
 
     def __post_init__(self) -> None:
+        if not self.strategies:
+            raise ValueError("strategies is empty; name at least one of " + ", ".join(STRATEGIES))
         for name in self.strategies:
             strategy(name)
         if self.prompts < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -38,6 +38,14 @@ def _timed(solve: Callable[[], np.ndarray]) -> tuple[np.ndarray, float]:
     return out, time.perf_counter() - start
 
 
+def _time_fast(v: np.ndarray, m: int) -> tuple[np.ndarray, float]:
+    allocate_roots(v[: min(len(v), 64)], min(m, 256))  # warm numpy's code paths
+    fast, seconds = _timed(lambda: allocate_roots(v, m))
+    if int(fast.sum()) != m or (fast == 1).any():
+        raise AssertionError(f"fast solver broke the constraints at B={len(v)}")
+    return fast, seconds
+
+
 def run_allocator_speed(
     sizes: tuple[int, ...] = DEFAULT_SIZES,
     large: int | None = LARGE_SIZE,
@@ -45,18 +53,18 @@ def run_allocator_speed(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[SpeedRow]:
+    """One row per size (DP and fast solver), then the fast solver alone at ``large``."""
+    bad = [b for b in (*sizes, *((large,) if large else ())) if b < 1]
+    if bad:
+        raise ValueError(f"pool sizes must be >= 1, got {bad[0]}")
     rng = np.random.default_rng(seed)
-    rows: list[SpeedRow] = []
-    measured: tuple[int, int, float] | None = None  # (B, M, seconds) of the largest DP run
-    for b in (*sizes, *((large,) if large else ())):
+    measured = []
+    for b in sorted(sizes):
         m = 4 * b
         v = rng.beta(0.4, 0.4, size=b)
-        allocate_roots(v[: min(b, 64)], min(m, 256))  # warm numpy's code paths
-        fast, fast_s = _timed(lambda v=v, m=m: allocate_roots(v, m))
-        if int(fast.sum()) != m or (fast == 1).any():
-            raise AssertionError(f"fast solver broke the constraints at B={b}")
-        dp_s = estimate = speedup = gap = None
-        if b in sizes and b <= dp_max_prompts:
+        fast, fast_s = _time_fast(v, m)
+        dp_s = speedup = gap = None
+        if b <= dp_max_prompts:
             if progress:
                 progress(f"DP at B={b}, M={m}")
             dp, dp_s = _timed(lambda v=v, m=m: allocate_roots_dp(v, m))
@@ -64,12 +72,23 @@ def run_allocator_speed(
             if gap > 1e-9:
                 raise AssertionError(f"fast solver is not optimal at B={b}: gap {gap:.3g}")
             speedup = dp_s / fast_s
-            measured = (b, m, dp_s)
-        elif b in sizes and measured is not None:
-            b0, m0, s0 = measured
-            estimate = s0 * (b / b0) * (m / m0) ** 2
-        rows.append(SpeedRow(b, m, fast_s, dp_s, estimate, speedup, gap))
+        measured.append(SpeedRow(b, m, fast_s, dp_s, None, speedup, gap))
+    rows = [_with_estimate(row, measured) for row in measured]
+    if large:
+        _, fast_s = _time_fast(rng.beta(0.4, 0.4, size=large), 4 * large)
+        rows.append(SpeedRow(large, 4 * large, fast_s, None, None, None, None))
     return rows
+
+
+def _with_estimate(row: SpeedRow, rows: list[SpeedRow]) -> SpeedRow:
+    """A DP that was not run gets a time scaled as B·M² from the largest DP that was."""
+    ran = [r for r in rows if r.dp_seconds is not None]
+    if row.dp_seconds is not None or not ran:
+        return row
+    base = max(ran, key=lambda r: r.prompts)
+    assert base.dp_seconds is not None
+    scale = (row.prompts / base.prompts) * (row.budget / base.budget) ** 2
+    return replace(row, dp_estimated_seconds=base.dp_seconds * scale)
 
 
 def rows_to_json(rows: list[SpeedRow]) -> dict[str, object]:

@@ -17,6 +17,7 @@ vocabulary, logprobs those of a uniform sampler, so token counts in reports mean
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -34,21 +35,22 @@ _LOGIT_CLIP = 1e-6
 
 def parse_beta(text: str) -> tuple[float, float]:
     """``"beta:0.4,0.4"`` -> (0.4, 0.4)."""
-    match = re.fullmatch(r"\s*beta:\s*([0-9.eE+-]+)\s*,\s*([0-9.eE+-]+)\s*", text)
+    number = r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)"
+    match = re.fullmatch(rf"\s*beta:\s*{number}\s*,\s*{number}\s*", text, flags=re.ASCII)
     if not match:
         raise ValueError(f"difficulty must look like 'beta:a,b' (e.g. beta:0.4,0.4), got {text!r}")
     a, b = float(match.group(1)), float(match.group(2))
-    if not (a > 0 and b > 0):
-        raise ValueError(f"difficulty beta:{a},{b}: both parameters must be > 0")
+    if not (0 < a < math.inf and 0 < b < math.inf):
+        raise ValueError(f"difficulty beta:{a},{b}: both parameters must be > 0 and finite")
     return a, b
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
     """``"2,6"`` -> (2, 6)."""
-    parts = text.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    match = re.fullmatch(r"\s*([0-9]+)\s*,\s*([0-9]+)\s*", text, flags=re.ASCII)
+    if not match:
         raise ValueError(f"{name} must look like 'lo,hi' with integers, got {text!r}")
-    return int(parts[0]), int(parts[1])
+    return int(match.group(1)), int(match.group(2))
 
 
 @dataclass(frozen=True)
@@ -67,17 +69,17 @@ class SimConfig:
     """Observation tokens per turn, uniform in [lo, hi]."""
 
     def __post_init__(self) -> None:
-        if not all(x > 0 for x in self.difficulty):
-            raise ValueError(f"difficulty parameters must be > 0, got {self.difficulty}")
+        if not all(0 < x < math.inf for x in self.difficulty):
+            raise ValueError(f"difficulty parameters must be > 0 and finite, got {self.difficulty}")
         lo, hi = self.turns
         if not 1 <= lo <= hi:
             raise ValueError(f"turns must satisfy 1 <= lo <= hi, got {lo},{hi}")
         if hi < 2:
             raise ValueError("turns hi must be >= 2 so that rollouts have prefixes to branch from")
-        if self.concentration <= 0:
-            raise ValueError(f"concentration must be > 0, got {self.concentration}")
-        if self.feature_noise < 0:
-            raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
+        if not 0 < self.concentration < math.inf:
+            raise ValueError(f"concentration must be > 0 and finite, got {self.concentration}")
+        if not 0 <= self.feature_noise < math.inf:
+            raise ValueError(f"feature_noise must be >= 0 and finite, got {self.feature_noise}")
         for name in ("gen_tokens", "obs_tokens"):
             a, b = getattr(self, name)
             if not 0 <= a <= b:
