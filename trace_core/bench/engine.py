@@ -1,0 +1,191 @@
+"""``trace-rl bench engine``: TorchEngine against HF ``generate``, and prefix reuse on a tree.
+
+Two measurements on a tiny random-weight Qwen3 policy (≈330-token vocabulary; the weights do
+not matter for speed):
+
+* **Throughput.** ``batch`` prompts of ``prompt_tokens`` random tokens, one sample each,
+  ``new_tokens`` new tokens at temperature 1 with no stop token, so both engines produce
+  exactly ``batch · new_tokens`` tokens. Each engine runs once to warm up, then ``repeats``
+  times; the best run counts. TorchEngine's prefix cache is cleared before every run, so it
+  prefills the prompts as HF does and the ratio is decode against decode.
+* **Tree workload.** The shape of a TRACE rollout: ``tree_prompts`` prompts sampled
+  ``tree_samples`` times; every sample is extended with ``obs_tokens`` observation tokens and
+  sampled again, for ``tree_turns`` turns; then every first turn is cut in half and sampled
+  twice from there (branches from an intermediate prefix). ``unique_tokens`` counts the
+  distinct (prefix-path) token positions in the resulting trees, prompts and generated tokens
+  alike; ``prefill_tokens`` is what the engine ran through prefill, ``generated_tokens`` what
+  it decoded; ``naive_prefill_tokens`` is what an engine without reuse (HF generate) would
+  prefill. With perfect reuse, prefill + generated ≈ unique, plus one rerun token for each
+  prompt that was entirely cached (a branch from an intermediate prefix).
+
+    from trace_core.bench.engine import run_engine_bench
+    print(run_engine_bench(batch=64, new_tokens=64, threads=1))
+
+Timings are wall-clock and sensitive to other load on the machine: on a shared CPU, pass
+``threads=1`` (oversubscribed OpenMP threads slow both engines by an order of magnitude).
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.hf_engine import HFGenerateEngine
+from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
+from trace_core.policy.torch_engine import TorchEngine
+
+
+def run_engine_bench(
+    batch: int = 64,
+    new_tokens: int = 64,
+    prompt_tokens: int = 32,
+    seed: int = 0,
+    repeats: int = 3,
+    threads: int | None = None,
+    tree_prompts: int = 4,
+    tree_samples: int = 4,
+    tree_turns: int = 3,
+    obs_tokens: int = 8,
+    turn_tokens: int = 16,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Throughput of both engines and the tree workload's prefill counts (see module doc)."""
+    if min(batch, new_tokens, prompt_tokens, repeats, tree_prompts, tree_samples) < 1:
+        raise ValueError("batch, token counts, repeats and tree sizes must be >= 1")
+    if tree_turns < 1 or obs_tokens < 1 or turn_tokens < 2:
+        raise ValueError("tree_turns and obs_tokens must be >= 1 and turn_tokens >= 2")
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+        tokenizer = build_word_tokenizer([" ".join(words[:280])])
+        model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+        torch.nn.Module.to(model, torch.device(device))  # in place
+        rng = np.random.default_rng(seed)
+        vocab = len(tokenizer)
+
+        def random_tokens(n: int) -> list[int]:  # any id but the specials
+            return [int(t) for t in rng.integers(len(SPECIAL_TOKENS), vocab, size=n)]
+
+        prompts = [random_tokens(prompt_tokens) for _ in range(batch)]
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens)
+        torch_engine = TorchEngine(model, device=device, max_batch=max(batch, 256))
+        hf_engine = HFGenerateEngine(model)
+        # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
+        torch_s = _best_seconds(torch_engine, prompts, params, repeats, torch_engine.cache.clear)
+        hf_s = _best_seconds(hf_engine, prompts, params, repeats)
+        produced = batch * new_tokens
+
+        tree = _tree_workload(
+            TorchEngine(model, device=device),
+            roots=[random_tokens(prompt_tokens) for _ in range(tree_prompts)],
+            samples=tree_samples,
+            turns=tree_turns,
+            observation=lambda: random_tokens(obs_tokens),
+            turn_tokens=turn_tokens,
+        )
+        return {
+            "torch_tokens_per_s": produced / torch_s,
+            "hf_tokens_per_s": produced / hf_s,
+            "ratio_vs_hf": hf_s / torch_s,
+            "torch_seconds": torch_s,
+            "hf_seconds": hf_s,
+            "batch": float(batch),
+            "new_tokens": float(new_tokens),
+            "prompt_tokens": float(prompt_tokens),
+            "threads": float(torch.get_num_threads()),
+            **tree,
+        }
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _best_seconds(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    repeats: int,
+    reset: Callable[[], None] | None = None,
+) -> float:
+    best = float("inf")
+    for run in range(repeats + 1):  # run 0 warms up
+        if reset is not None:
+            reset()
+        start = time.perf_counter()
+        out = engine.generate(prompts, params, seed=run)
+        seconds = time.perf_counter() - start
+        if sum(len(c.token_ids) for cs in out for c in cs) != len(prompts) * params.max_tokens:
+            raise AssertionError("an engine stopped early with no stop token set")
+        if run:
+            best = min(best, seconds)
+    return best
+
+
+def _tree_workload(
+    engine: TorchEngine,
+    roots: list[list[int]],
+    samples: int,
+    turns: int,
+    observation: Callable[[], list[int]],
+    turn_tokens: int,
+) -> dict[str, float]:
+    """Multi-turn rollouts with branches; prefill against unique token counts."""
+    params = SamplingParams(n=samples, temperature=1.0, max_tokens=turn_tokens)
+    one = SamplingParams(n=1, temperature=1.0, max_tokens=turn_tokens)
+    sequences: list[list[int]] = []  # every prompt + completion the engine produced
+    naive = 0
+
+    def call(prompts: list[list[int]], p: SamplingParams, seed: int) -> list[list[int]]:
+        nonlocal naive
+        naive += sum(len(x) for x in prompts) * p.n
+        out = engine.generate(prompts, p, seed=seed)
+        done = [x + c.token_ids.tolist() for x, cs in zip(prompts, out, strict=True) for c in cs]
+        sequences.extend(done)
+        return done
+
+    first = call(roots, params, seed=0)
+    leaves = first
+    for turn in range(1, turns):
+        leaves = call([x + observation() for x in leaves], one, seed=turn)
+    # Branch from the middle of every first turn, as TRACE does from an intermediate node.
+    root_of = [r for r in roots for _ in range(samples)]
+    mids = [x[: len(r) + turn_tokens // 2] for x, r in zip(first, root_of, strict=True)]
+    call(mids, SamplingParams(n=2, temperature=1.0, max_tokens=turn_tokens), seed=turns)
+
+    stats = engine.stats
+    return {
+        "prefill_tokens": float(stats.prefill_tokens),
+        "unique_tokens": float(count_unique_positions(sequences)),
+        "generated_tokens": float(stats.generated_tokens),
+        "requested_prompt_tokens": float(stats.prompt_tokens),
+        "naive_prefill_tokens": float(naive),
+        "tree_calls": float(stats.calls),
+    }
+
+
+Trie = dict[int, "Trie"]
+
+
+def count_unique_positions(sequences: Sequence[Sequence[int]]) -> int:
+    """Distinct prefixes among all prefixes of ``sequences``: the nodes of their token trie.
+
+    [[1, 2, 3], [1, 2, 4], [1, 2]] -> prefixes (1), (1 2), (1 2 3), (1 2 4): 4.
+    """
+    trie: Trie = {}
+    count = 0
+    for seq in sequences:
+        node = trie
+        for tok in seq:
+            if tok not in node:
+                node[tok] = {}
+                count += 1
+            node = node[tok]
+    return count

@@ -1,0 +1,174 @@
+"""The turn protocol every task speaks: text in, text out, a binary reward at the end.
+
+An episode is a ReAct loop. ``reset(task)`` returns the first observation (the question). Each
+agent turn is free text (a thought, if any) ending in one action; the policy stops sampling at
+its action-end token, and ``step(action_text)`` answers with an observation. The episode ends
+when the agent answers (``answer[...]``) or runs out of turns; only then is the reward 0 or 1.
+
+Nothing the agent writes can raise: a malformed action, an unknown tool or a failing tool call
+becomes an observation the agent can read (``error: ...``). Tool calls are bounded in time and
+in the size of what they return (``bounded_call``, ``clip_observation``).
+
+Environments are deterministic given the task and the actions so far. A rollout tree relies on
+it: to continue from a prefix, a fresh env is reset and the prefix's actions are replayed.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
+import numpy as np
+
+Split = Literal["train", "eval"]
+T = TypeVar("T")
+
+MAX_OBSERVATION_CHARS = 2000
+TOOL_SECONDS = 2.0
+
+# ``name[argument]`` at the end of a turn; the argument may contain nested brackets.
+_ACTION_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem of a task suite."""
+
+    id: str
+    """Stable id, unique within the suite."""
+    prompt: str
+    """The first observation: what the agent is asked."""
+    answer: str
+    """Reference answer ("" where the reward is a state check, as in bfcl)."""
+    difficulty: str
+    """A label to group success rates by (e.g. "ops=2,digits=3", "hops=3", "miss_func")."""
+    split: Split
+    reference: tuple[str, ...] = ()
+    """A correct sequence of agent turns (the scripted demonstration or the ground truth)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    observation: str
+    done: bool
+    reward: float  # 0 or 1; always 0 before the episode is done
+
+
+class Env(Protocol):
+    """One episode at a time; ``reset`` starts a new one."""
+
+    max_turns: int
+
+    def reset(self, task: Task) -> str: ...
+
+    def step(self, action: str) -> Step: ...
+
+
+class TaskSuite(Protocol):
+    """A family of tasks: its problems, and environments to solve them in."""
+
+    name: str
+
+    def tasks(self, split: Split) -> list[Task]: ...
+
+    def make_env(self) -> Env: ...
+
+
+class DemoSuite(TaskSuite, Protocol):
+    """A synthetic suite that can demonstrate its own solutions (for the warm start)."""
+
+    def demonstration(
+        self, task: Task, rng: np.random.Generator, mistake_rate: float
+    ) -> tuple[str, ...]:
+        """Agent turns solving ``task``, each step slipping with probability ``mistake_rate``."""
+        ...
+
+    def mistake_rate_for(self, task: Task) -> float:
+        """The slip rate that makes demonstrations succeed less often on harder tasks."""
+        ...
+
+    def vocabulary(self) -> list[str]:
+        """Texts covering everything the suite's prompts, demos and observations can say."""
+        ...
+
+
+@dataclass(frozen=True)
+class Action:
+    name: str
+    argument: str
+
+
+def parse_action(text: str) -> Action | None:
+    """The last ``name[argument]`` of a turn, brackets balanced; None when there is none.
+
+    Text before the action is the agent's thought and is ignored; trailing whitespace is
+    allowed, anything else after the closing bracket is not.
+    """
+    stripped = text.rstrip()
+    if not stripped.endswith("]"):
+        return None
+    for head in reversed(list(_ACTION_HEAD.finditer(stripped))):
+        depth = 0
+        for i in range(head.end() - 1, len(stripped)):
+            depth += {"[": 1, "]": -1}.get(stripped[i], 0)
+            if depth == 0:
+                break
+        if depth == 0 and i == len(stripped) - 1:
+            return Action(head.group(1), stripped[head.end() : -1].strip())
+    return None
+
+
+def clip_observation(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:
+    """Bound what a tool returns, saying that it was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f" ... [truncated {len(text) - limit} chars]"
+
+
+class ToolTimeout(Exception):
+    pass
+
+
+def bounded_call(fn: Callable[[], T], seconds: float = TOOL_SECONDS) -> T:
+    """Run a tool call with a wall-clock bound; raise ``ToolTimeout`` when it is exceeded.
+
+    The call runs in a daemon thread; a call that never returns is abandoned, not killed,
+    so tools must not hold locks the env needs later. Envs turn the exception into an
+    observation.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as err:  # reported to the caller below
+            error.append(err)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise ToolTimeout(f"tool call exceeded {seconds:g} s")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def replay(env: Env, task: Task, actions: Sequence[str]) -> tuple[list[str], Step | None]:
+    """Reset ``env`` on ``task`` and play ``actions``; stop early if the episode ends.
+
+    Returns every observation (the first is the prompt) and the last step (None if no action
+    was played). Used by ``trace-rl task check`` and to restore an env at a tree prefix.
+    """
+    observations = [env.reset(task)]
+    last = None
+    for action in actions:
+        last = env.step(action)
+        observations.append(last.observation)
+        if last.done:
+            break
+    return observations, last

@@ -1,0 +1,643 @@
+"""Multi-hop questions answered by searching passages with BM25, and the HotpotQA loader.
+
+One episode of the built-in suite (``MultihopSuite``), observations after ``->``:
+
+    what is the country of the birthplace of bo lin ?
+    search[bo lin born]   -> bo lin was born in kara .
+                             bo lin lives in tovi .
+    search[kara city]     -> kara is a city in vesoma .
+                             the capital of vesoma is kara .
+    answer[vesoma]        -> done            (reward 1)
+
+The world is a seeded knowledge base of people, cities, countries and companies with names made
+of syllables, and eight functional relations (born in, lives in, grew up in, works for, founded
+by, based in, city in country, capital of). Every fact is one passage. A question follows a
+chain of 2-4 relations from one entity ("hops=3"), phrased as nested "the <noun> of ...", and
+each hop is found by searching the entity's name plus the relation's keyword, which ranks that
+fact first (tests check it for every task). Texts are short and lower case so that a tiny
+word-level policy can learn them from the scripted demonstrations (``demonstration``).
+
+``HotpotQASuite`` serves HotpotQA questions in the same env; each question searches only its own
+``context`` paragraphs (the distractor setting), and answers are scored by HotpotQA's exact match.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import bm25s
+import numpy as np
+
+from trace_core.envs.base import (
+    Split,
+    Step,
+    Task,
+    ToolTimeout,
+    bounded_call,
+    clip_observation,
+    parse_action,
+)
+from trace_core.envs.source import read_records
+
+DONE = "done"
+TURN_LIMIT = "turn limit reached"
+NO_RESULTS = "no results"
+NO_ACTION = "error: no action . end the turn with search[...] or answer[...]"
+
+KINDS = ("person", "city", "country", "company")
+
+
+@dataclass(frozen=True)
+class Relation:
+    subject: str
+    object: str
+    noun: str
+    """How a question names the object: "the <noun> of <subject>"."""
+    keyword: str
+    """The one word of the passage that a search adds to the subject's name."""
+    template: str
+    """The passage stating the fact, with {s} and {o}."""
+
+    def __post_init__(self) -> None:
+        if self.subject not in KINDS or self.object not in KINDS:
+            raise ValueError(f"relation kinds must be among {KINDS}, got {self}")
+        if self.keyword not in self.template.split():
+            raise ValueError(f"keyword {self.keyword!r} must be a word of {self.template!r}")
+
+
+RELATIONS: dict[str, Relation] = {
+    "born_in": Relation("person", "city", "birthplace", "born", "{s} was born in {o} ."),
+    "lives_in": Relation("person", "city", "residence", "lives", "{s} lives in {o} ."),
+    "grew_up_in": Relation("person", "city", "hometown", "grew", "{s} grew up in {o} ."),
+    "works_for": Relation("person", "company", "employer", "works", "{s} works for {o} ."),
+    "founded_by": Relation("company", "person", "founder", "founded", "{s} was founded by {o} ."),
+    "based_in": Relation("company", "city", "headquarters", "based", "{s} is based in {o} ."),
+    "in_country": Relation("city", "country", "country", "city", "{s} is a city in {o} ."),
+    "capital": Relation("country", "city", "capital", "capital", "the capital of {s} is {o} ."),
+}
+_BY_KEYWORD = {r.keyword: name for name, r in RELATIONS.items()}
+HOPS = (2, 3, 4)
+
+# Per-action slip probability of the demonstrations; a demo of h hops takes h + 1 actions, so it
+# succeeds with probability about (1 - rate) ** (h + 1): 0.89, 0.52 and 0.12.
+_SLIP_RATES = {2: 0.03, 3: 0.15, 4: 0.35}
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+# Words the templates use; no generated name may be one of them.
+_RESERVED = frozenset(
+    word
+    for text in ("who what is the of ?", *(r.template for r in RELATIONS.values()))
+    for word in text.split()
+) | frozenset(r.noun for r in RELATIONS.values())
+_HOPS = re.compile(r"hops=([0-9]+)")
+_SEARCH_TURN = re.compile(r"search\[(.+) ([a-z]+)\]")
+# bm25s's default token pattern, so that queries split exactly as the passages were.
+_TOKEN = re.compile(r"(?u)\b\w\w+\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """HotpotQA's answer normalisation (hotpot_evaluate_v1.py), step for step.
+
+    Lower case, drop punctuation (deleted, not replaced by a space: "Eiffel-Tower" becomes
+    "eiffeltower"), drop the articles a/an/the, collapse whitespace.
+    """
+    text = text.lower()
+    text = "".join(char for char in text if char not in _PUNCTUATION)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+class SearchIndex:
+    """BM25 (bm25s, Lucene variant) over passages; equal scores rank in passage order."""
+
+    def __init__(self, passages: Sequence[str]) -> None:
+        if not passages:
+            raise ValueError("a search index needs at least one passage")
+        self.passages = tuple(passages)
+        self._retriever: bm25s.BM25 | None = None
+        # bm25s cannot index a corpus without a single word; such an index finds nothing.
+        if any(_TOKEN.search(p.lower()) for p in self.passages):
+            self._retriever = bm25s.BM25()
+            self._retriever.index(
+                bm25s.tokenize(list(self.passages), stopwords=None, show_progress=False),
+                show_progress=False,
+            )
+
+    def search(self, query: str, k: int) -> list[str]:
+        """The ``k`` best passages that share a word with ``query`` (fewer if fewer do)."""
+        if self._retriever is None:
+            return []
+        tokens = [t for t in _TOKEN.findall(query.lower()) if t in self._retriever.vocab_dict]
+        if not tokens:
+            return []
+        scores = np.asarray(self._retriever.get_scores(tokens), dtype=np.float64)
+        order = np.argsort(-scores, kind="stable")[:k]  # stable: ties keep passage order
+        return [self.passages[i] for i in order if scores[i] > 0]
+
+
+class MultihopEnv:
+    """``search[query]`` returns the top passages of the task's index; ``answer[x]`` ends it."""
+
+    def __init__(
+        self, index_for: Callable[[Task], SearchIndex], max_turns: int = 8, top_k: int = 2
+    ) -> None:
+        if max_turns < 1 or top_k < 1:
+            raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
+        self.max_turns, self.top_k = max_turns, top_k
+        self._index_for = index_for
+        self._task: Task | None = None
+        self._index: SearchIndex | None = None
+        self._turns = 0
+        self._done = False
+
+    def reset(self, task: Task) -> str:
+        self._index = self._index_for(task)
+        self._task, self._turns, self._done = task, 0, False
+        return task.prompt
+
+    def step(self, action: str) -> Step:
+        if self._task is None or self._index is None:
+            raise ValueError("step() before reset()")
+        if self._done:
+            raise ValueError("step() after the episode ended; call reset() first")
+        self._turns += 1
+        parsed = parse_action(action)
+        if parsed is not None and parsed.name == "answer":
+            self._done = True
+            correct = normalize_answer(parsed.argument) == normalize_answer(self._task.answer)
+            return Step(DONE, done=True, reward=1.0 if correct else 0.0)
+        if parsed is None:
+            observation = NO_ACTION
+        elif parsed.name == "search":
+            observation = self._search(self._index, parsed.argument)
+        else:
+            observation = f"error: unknown tool {parsed.name} . use search or answer"
+        if self._turns >= self.max_turns:
+            self._done = True
+            return Step(TURN_LIMIT, done=True, reward=0.0)
+        return Step(clip_observation(observation), done=False, reward=0.0)
+
+    def _search(self, index: SearchIndex, query: str) -> str:
+        if not query:
+            return "error: empty query"
+        try:
+            passages = bounded_call(lambda: index.search(query, self.top_k))
+        except ToolTimeout as err:
+            return f"error: {err}"
+        return "\n".join(passages) if passages else NO_RESULTS
+
+
+# --- the synthetic world -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class World:
+    """Named entities of each kind and one object per (subject, relation)."""
+
+    entities: Mapping[str, tuple[str, ...]]
+    facts: Mapping[tuple[str, str], str]
+
+    def __post_init__(self) -> None:
+        if set(self.entities) != set(KINDS):
+            raise ValueError(f"a world names entities of exactly the kinds {KINDS}")
+        if len(self._kinds) != sum(len(names) for names in self.entities.values()):
+            raise ValueError("entity names must be unique across kinds")
+        for (subject, relation), obj in self.facts.items():
+            r = RELATIONS[relation]
+            if self._kinds.get(subject) != r.subject or self._kinds.get(obj) != r.object:
+                raise ValueError(f"fact {subject!r} {relation} {obj!r} does not fit {r}")
+
+    @cached_property
+    def _kinds(self) -> dict[str, str]:
+        return {name: kind for kind, names in self.entities.items() for name in names}
+
+    def kind_of(self, name: str) -> str:
+        if name not in self._kinds:
+            raise ValueError(f"{name!r} is not an entity of this world")
+        return self._kinds[name]
+
+    def passage(self, subject: str, relation: str) -> str:
+        obj = self.facts[(subject, relation)]
+        return RELATIONS[relation].template.format(s=subject, o=obj)
+
+    def passages(self) -> list[str]:
+        return [self.passage(s, r) for s, r in self.facts]
+
+    def follow(self, start: str, relations: Sequence[str]) -> list[str]:
+        """The entities a chain of relations visits, ``start`` first."""
+        path = [start]
+        for relation in relations:
+            path.append(self.facts[(path[-1], relation)])
+        return path
+
+    def mentions(self, text: str, kind: str) -> list[str]:
+        """Entities of ``kind`` named in ``text``, in the order of ``entities``."""
+        padded = f" {' '.join(text.split())} "
+        return [n for n in self.entities[kind] if f" {n} " in padded]
+
+
+def draw_world(rng: np.random.Generator, people: int) -> World:
+    """A world of ``people`` people, people // 3 cities and companies, people // 15 countries.
+
+    Names: people "bo lin" (a CV first name, a CVC last name), cities CVCV, companies CVCVC,
+    countries CVCVCV, so kinds never share a name and no name is a template word.
+    """
+    if not 15 <= people <= 3000:
+        # at most 3000: beyond that the syllable name pools run out
+        raise ValueError(f"a world needs at least 15 and at most 3000 people, got {people}")
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+
+    def words(count: int, make: Callable[[], str]) -> list[str]:
+        chosen: dict[str, None] = {}
+        while len(chosen) < count:
+            word = make()
+            if word not in _RESERVED:
+                chosen[word] = None
+        return list(chosen)
+
+    def syllable() -> str:
+        return syllables[int(rng.integers(len(syllables)))]
+
+    def consonant() -> str:
+        return _CONSONANTS[int(rng.integers(len(_CONSONANTS)))]
+
+    side = math.ceil(math.sqrt(people)) + 2
+    firsts = words(side, syllable)
+    lasts = words(side, lambda: syllable() + consonant())
+    pairs = [f"{f} {last}" for f in firsts for last in lasts]
+    persons = [pairs[i] for i in rng.choice(len(pairs), size=people, replace=False).tolist()]
+    n_cities, n_countries = people // 3, max(3, people // 15)
+    entities: dict[str, tuple[str, ...]] = {
+        "person": tuple(persons),
+        "city": tuple(words(n_cities, lambda: syllable() + syllable())),
+        "company": tuple(words(n_cities, lambda: syllable() + syllable() + consonant())),
+        "country": tuple(words(n_countries, lambda: syllable() + syllable() + syllable())),
+    }
+
+    def pick(kind: str) -> str:
+        return entities[kind][int(rng.integers(len(entities[kind])))]
+
+    facts: dict[tuple[str, str], str] = {}
+    for person in entities["person"]:
+        for relation in ("born_in", "lives_in", "grew_up_in", "works_for"):
+            facts[(person, relation)] = pick(RELATIONS[relation].object)
+    for company in entities["company"]:
+        facts[(company, "founded_by")] = pick("person")
+        facts[(company, "based_in")] = pick("city")
+    # Every country gets at least one city, and its capital is one of its cities.
+    cities = [entities["city"][i] for i in rng.permutation(n_cities)]
+    countries = entities["country"]
+    for i, city in enumerate(cities):
+        facts[(city, "in_country")] = countries[i % n_countries]
+    for j, country in enumerate(countries):
+        facts[(country, "capital")] = cities[j]
+    return World(entities, facts)
+
+
+def relation_chains(kind: str, hops: int) -> list[tuple[str, ...]]:
+    """Every type-correct chain of ``hops`` relations starting from an entity of ``kind``."""
+    if hops == 0:
+        return [()]
+    return [
+        (name, *rest)
+        for name, r in RELATIONS.items()
+        if r.subject == kind
+        for rest in relation_chains(r.object, hops - 1)
+    ]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A question's start entity and the relations it follows from there, first hop first."""
+
+    start: str
+    relations: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.relations if r not in RELATIONS]
+        if not self.relations or unknown:
+            raise ValueError(f"a chain needs relations among {list(RELATIONS)}, got {self}")
+
+
+def question(chain: Chain, answer_kind: str) -> str:
+    """The question text: "what is the country of the birthplace of bo lin ?"."""
+    phrase = chain.start
+    for relation in chain.relations:
+        phrase = f"the {RELATIONS[relation].noun} of {phrase}"
+    return f"{'who' if answer_kind == 'person' else 'what'} is {phrase} ?"
+
+
+def reference(world: World, chain: Chain) -> tuple[str, ...]:
+    """One search per hop, "<entity> <keyword>", then the answer."""
+    path = world.follow(chain.start, chain.relations)
+    searches = [
+        f"search[{e} {RELATIONS[r].keyword}]" for e, r in zip(path, chain.relations, strict=False)
+    ]
+    return (*searches, f"answer[{path[-1]}]")
+
+
+class MultihopSuite:
+    """Seeded multi-hop questions over a synthetic world, 2, 3 and 4 hops in equal shares."""
+
+    name = "multihop"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        entities: int = 150,
+        train_size: int = 2000,
+        eval_size: int = 200,
+        max_turns: int = 8,
+        top_k: int = 2,
+    ) -> None:
+        """``entities`` is the number of people; cities, companies and countries scale with it."""
+        if train_size < 0 or eval_size < 0:
+            raise ValueError(f"split sizes must be >= 0, got {train_size=} {eval_size=}")
+        if max_turns < max(HOPS) + 1:
+            raise ValueError(f"max_turns must be >= {max(HOPS) + 1} (4 searches and an answer)")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.seed, self.max_turns, self.top_k = seed, max_turns, top_k
+        self.world = draw_world(np.random.default_rng([seed, 0]), entities)
+        self.index = SearchIndex(self.world.passages())
+        self._tasks = self._draw_tasks(np.random.default_rng([seed, 1]), train_size, eval_size)
+
+    def _draw_tasks(
+        self, rng: np.random.Generator, train_size: int, eval_size: int
+    ) -> dict[Split, list[Task]]:
+        # All questions of each hop count, shuffled; eval takes the first ones, train the next,
+        # so the splits never share a question.
+        pools: dict[int, list[Chain]] = {}
+        for hops in HOPS:
+            pool = [
+                Chain(start, relations)
+                for kind in KINDS
+                for relations in relation_chains(kind, hops)
+                for start in self.world.entities[kind]
+                if len(set(self.world.follow(start, relations))) == hops + 1  # no entity twice
+            ]
+            pools[hops] = [pool[i] for i in rng.permutation(len(pool))]
+        tasks: dict[Split, list[Task]] = {}
+        taken = dict.fromkeys(HOPS, 0)
+        plan: tuple[tuple[Split, int], ...] = (("eval", eval_size), ("train", train_size))
+        for split, size in plan:
+            tasks[split] = []
+            for i in range(size):
+                hops = HOPS[i % len(HOPS)]
+                if taken[hops] == len(pools[hops]):
+                    raise ValueError(
+                        f"only {len(pools[hops])} {hops}-hop questions; raise entities"
+                    )
+                chain = pools[hops][taken[hops]]
+                taken[hops] += 1
+                answer = self.world.follow(chain.start, chain.relations)[-1]
+                tasks[split].append(
+                    Task(
+                        id=f"multihop-{split}-{i:05d}",
+                        prompt=question(chain, self.world.kind_of(answer)),
+                        answer=answer,
+                        difficulty=f"hops={hops}",
+                        split=split,
+                        reference=reference(self.world, chain),
+                    )
+                )
+        return tasks
+
+    def tasks(self, split: Split) -> list[Task]:
+        return list(self._tasks[split])
+
+    def make_env(self) -> MultihopEnv:
+        return MultihopEnv(lambda task: self.index, self.max_turns, self.top_k)
+
+    def mistake_rate_for(self, task: Task) -> float:
+        """Per-action slip probability for demonstrations of ``task``, rising with hops."""
+        match = _HOPS.fullmatch(task.difficulty)
+        if match is None or int(match.group(1)) not in _SLIP_RATES:
+            raise ValueError(f"task {task.id}: difficulty {task.difficulty!r} is not hops=2..4")
+        return _SLIP_RATES[int(match.group(1))]
+
+    def chain_of(self, task: Task) -> Chain:
+        """A task's chain, read back from its scripted reference."""
+        searches = [_SEARCH_TURN.fullmatch(turn) for turn in task.reference[:-1]]
+        if not searches or any(m is None or m.group(2) not in _BY_KEYWORD for m in searches):
+            raise ValueError(f"task {task.id} has no scripted search demonstration")
+        matches = [m for m in searches if m is not None]
+        chain = Chain(matches[0].group(1), tuple(_BY_KEYWORD[m.group(2)] for m in matches))
+        try:
+            consistent = reference(self.world, chain) == task.reference
+        except KeyError:  # an entity this world does not have
+            consistent = False
+        if not consistent:
+            raise ValueError(f"task {task.id}: its reference does not follow this suite's world")
+        return chain
+
+    def demonstration(
+        self, task: Task, rng: np.random.Generator, mistake_rate: float
+    ) -> tuple[str, ...]:
+        """The scripted turns, each action slipping with probability ``mistake_rate``.
+
+        A search slips by naming a wrong entity of the right kind (one the last observation
+        mentioned, when there is one: the distractor a careless reader picks up); the demo then
+        follows what that search returned. The answer slips to a wrong entity of the answer's
+        kind, again preferring one in view. Slips whose chain would still reach the right answer
+        are never picked, so ``mistake_rate=1`` never succeeds and ``mistake_rate=0`` always does.
+        """
+        if not 0.0 <= mistake_rate <= 1.0:
+            raise ValueError(f"mistake_rate must be in [0, 1], got {mistake_rate}")
+        chain = self.chain_of(task)
+        env = self.make_env()
+        seen = env.reset(task)
+        turns: list[str] = []
+        entity = chain.start
+        for i, relation in enumerate(chain.relations):
+            if rng.random() < mistake_rate:
+                rest = chain.relations[i:]
+
+                def misleads(e: str, rest: tuple[str, ...] = rest) -> bool:
+                    return self.world.follow(e, rest)[-1] != task.answer
+
+                kind = RELATIONS[relation].subject
+                entity = self._distractor(rng, seen, kind, misleads, default=entity)
+            turn = f"search[{entity} {RELATIONS[relation].keyword}]"
+            turns.append(turn)
+            seen = env.step(turn).observation
+            entity = self.world.facts[(entity, relation)]
+        if rng.random() < mistake_rate:
+            entity = self._distractor(
+                rng, seen, self.world.kind_of(entity), lambda e: e != task.answer
+            )
+        return (*turns, f"answer[{entity}]")
+
+    def _distractor(
+        self,
+        rng: np.random.Generator,
+        seen: str,
+        kind: str,
+        wrong: Callable[[str], bool],
+        default: str | None = None,
+    ) -> str:
+        """A random entity of ``kind`` for which ``wrong`` holds, one named in ``seen`` if any."""
+        for pool in (self.world.mentions(seen, kind), self.world.entities[kind]):
+            candidates = [e for e in pool if wrong(e)]
+            if candidates:
+                return candidates[int(rng.integers(len(candidates)))]
+        if default is None:
+            raise ValueError(f"no {kind} makes a wrong answer")
+        return default
+
+    def vocabulary(self) -> list[str]:
+        """Every distinct text the suite's episodes are made of: prompts of both splits, reference
+        turns, every passage (a search observation is top_k of them joined by newlines, and a
+        slipped search can return any), and the env's answers to common agent errors. Build a
+        tokenizer from these."""
+        texts: set[str] = {DONE, TURN_LIMIT, NO_RESULTS, *self.index.passages}
+        for split in ("train", "eval"):
+            for task in self._tasks[split]:
+                texts.add(task.prompt)
+                texts.update(task.reference)
+        env = self.make_env()
+        tasks = self._tasks["train"] or self._tasks["eval"]
+        for action in ("search[]", "search[zzz]", "calc[1+1]", "hello") if tasks else ():
+            env.reset(tasks[0])
+            texts.add(env.step(action).observation)
+        return sorted(texts)
+
+
+# --- HotpotQA ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HotpotQA:
+    """HotpotQA questions as tasks, and each task's own passages (one per context paragraph)."""
+
+    tasks: tuple[Task, ...]
+    passages: Mapping[str, tuple[str, ...]]
+    """Task id -> "title: sentence sentence ..." per paragraph of its ``context``."""
+
+
+def load_hotpotqa(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> HotpotQA:
+    """The official HotpotQA JSON (or JSONL/Parquet with the same fields) as tasks and passages.
+
+    Rows need ``_id`` (or ``id``), ``question``, ``answer`` and ``context`` ([[title,
+    [sentences]], ...]); ``supporting_facts``, ``type`` and ``level`` are used when present. A
+    seeded permutation puts ``round(eval_fraction * n)`` rows in eval (1.0 for a dev file). The
+    reference searches each supporting title, then answers the gold text (no searches without
+    supporting facts; empty if the answer cannot be written inside ``answer[...]``).
+    """
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+    rows = read_records(uri)
+    if not rows:
+        raise ValueError(f"{uri}: no rows")
+    order = np.random.default_rng(split_seed).permutation(len(rows))
+    eval_rows = set(order[: round(eval_fraction * len(rows))].tolist())
+    tasks: list[Task] = []
+    passages: dict[str, tuple[str, ...]] = {}
+    for i, row in enumerate(rows):
+        split: Split = "eval" if i in eval_rows else "train"
+        task, paragraphs = _hotpotqa_task(uri, i, row, split)
+        if task.id in passages:
+            raise ValueError(f"{uri}: row {i} repeats id {task.id!r}")
+        tasks.append(task)
+        passages[task.id] = paragraphs
+    return HotpotQA(tuple(tasks), passages)
+
+
+def _hotpotqa_task(uri: str, i: int, row: object, split: Split) -> tuple[Task, tuple[str, ...]]:
+    where = f"{uri}: row {i}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is a {type(row).__name__}, expected an object")
+    raw_id = row.get("_id", row.get("id"))
+    if not isinstance(raw_id, str | int) or isinstance(raw_id, bool) or str(raw_id) == "":
+        raise ValueError(f"{where} field '_id' (or 'id') is missing or not text")
+    for field in ("question", "answer"):
+        if not isinstance(row.get(field), str) or not row[field].strip():
+            raise ValueError(f"{where} field {field!r} must be non-empty text")
+    context = row.get("context")
+    if not isinstance(context, list) or not context:
+        raise ValueError(f"{where} field 'context' must be a non-empty list of [title, sentences]")
+    paragraphs = []
+    for j, entry in enumerate(context):
+        ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], str)
+        if not ok or not isinstance(entry[1], list | tuple):
+            raise ValueError(f"{where} field 'context'[{j}] must be [title, [sentences...]]")
+        if not all(isinstance(s, str) for s in entry[1]):
+            raise ValueError(f"{where} field 'context'[{j}] has a sentence that is not text")
+        paragraphs.append(f"{entry[0]}: {' '.join(s.strip() for s in entry[1])}")
+    titles: list[str] = []
+    facts = row.get("supporting_facts") or []
+    if not isinstance(facts, list | tuple):
+        raise ValueError(f"{where} field 'supporting_facts' must be a list of [title, sentence]")
+    for j, fact in enumerate(facts):
+        if not isinstance(fact, list | tuple) or not fact or not isinstance(fact[0], str):
+            raise ValueError(f"{where} field 'supporting_facts'[{j}] must be [title, sentence]")
+        if fact[0] not in titles:
+            titles.append(fact[0])
+    answer = row["answer"].strip()
+    searches = tuple(f"search[{t}]" for t in titles if _writable("search", t))
+    turns = (*searches, f"answer[{answer}]") if _writable("answer", answer) else ()
+    labels = [f"{k}={row[k]}" for k in ("type", "level") if isinstance(row.get(k), str)]
+    task = Task(
+        id=f"hotpotqa-{raw_id}",
+        prompt=row["question"].strip(),
+        answer=answer,
+        difficulty=",".join(labels) or "hotpotqa",
+        split=split,
+        reference=turns,
+    )
+    return task, tuple(paragraphs)
+
+
+def _writable(tool: str, argument: str) -> bool:
+    """Whether ``tool[argument]`` reads back as exactly that action (brackets balanced, ...)."""
+    parsed = parse_action(f"{tool}[{argument}]")
+    return parsed is not None and parsed.name == tool and parsed.argument == argument
+
+
+class HotpotQASuite:
+    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs."""
+
+    name = "hotpotqa"
+    _CACHE = 256  # indexes kept; building one for ten paragraphs takes about a millisecond
+
+    def __init__(
+        self,
+        uri: str,
+        split_seed: int = 0,
+        eval_fraction: float = 0.1,
+        max_turns: int = 8,
+        top_k: int = 2,
+    ) -> None:
+        if max_turns < 1 or top_k < 1:
+            raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
+        self.uri, self.max_turns, self.top_k = uri, max_turns, top_k
+        self.data = load_hotpotqa(uri, split_seed, eval_fraction)
+        self._indexes: OrderedDict[str, SearchIndex] = OrderedDict()
+        self._lock = threading.Lock()  # envs of one suite may reset from several threads
+
+    def tasks(self, split: Split) -> list[Task]:
+        return [t for t in self.data.tasks if t.split == split]
+
+    def make_env(self) -> MultihopEnv:
+        return MultihopEnv(self.index_for, self.max_turns, self.top_k)
+
+    def index_for(self, task: Task) -> SearchIndex:
+        """The BM25 index over ``task``'s own paragraphs (built on first use, then cached)."""
+        if task.id not in self.data.passages:
+            raise ValueError(f"task {task.id} is not in {self.uri}")
+        with self._lock:
+            if task.id not in self._indexes:
+                self._indexes[task.id] = SearchIndex(self.data.passages[task.id])
+                if len(self._indexes) > self._CACHE:
+                    self._indexes.popitem(last=False)
+            self._indexes.move_to_end(task.id)
+            return self._indexes[task.id]

@@ -1,0 +1,108 @@
+"""Supervised fine-tuning on token sequences with a loss mask (the warm start's trainer).
+
+A sequence is exactly what a rollout would hold: the prompt, then per turn the generated
+tokens and the observation tokens. Only generated tokens are learned (``loss_mask``), so the
+policy imitates the agent's turns and never the environment's replies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 1200
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError("steps and batch_size must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def _batch(
+    sequences: Sequence[npt.NDArray[np.int32]],
+    masks: Sequence[npt.NDArray[np.bool_]],
+    index: npt.NDArray[np.int64],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids (B, T), attention mask (B, T), and targets (B, T-1) with -100 ignored."""
+    length = max(len(sequences[i]) for i in index)
+    ids = torch.full((len(index), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(index), length), dtype=torch.long)
+    learn = torch.zeros((len(index), length), dtype=torch.bool)
+    for row, i in enumerate(index):
+        n = len(sequences[i])
+        ids[row, :n] = torch.from_numpy(np.asarray(sequences[i], dtype=np.int64))
+        attention[row, :n] = 1
+        learn[row, :n] = torch.from_numpy(np.asarray(masks[i], dtype=bool))
+    targets = ids[:, 1:].masked_fill(~learn[:, 1:], -100)  # predict token t+1 where it is generated
+    return ids, attention, targets
+
+
+def sft_train(
+    model: PreTrainedModel,
+    sequences: Sequence[npt.NDArray[np.int32]],
+    loss_masks: Sequence[npt.NDArray[np.bool_]],
+    config: SFTConfig,
+    pad_id: int,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``model`` in place; returns the loss of every step."""
+    if len(sequences) != len(loss_masks) or not sequences:
+        raise ValueError("need one loss mask per sequence, and at least one sequence")
+    for i, (seq, mask) in enumerate(zip(sequences, loss_masks, strict=True)):
+        if len(seq) != len(mask):
+            raise ValueError(f"sequence {i}: {len(seq)} tokens but {len(mask)} mask entries")
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        done = (step - config.warmup) / max(1, config.steps - config.warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    rng = np.random.default_rng(config.seed)
+    model.train()
+    losses = []
+    for step in range(config.steps):
+        index = rng.choice(
+            len(sequences), size=min(config.batch_size, len(sequences)), replace=False
+        )
+        ids, attention, targets = (
+            t.to(device) for t in _batch(sequences, loss_masks, index, pad_id)
+        )
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if progress:
+            progress(step, losses[-1])
+    model.eval()
+    return losses

