@@ -259,7 +259,7 @@ def warmstart_command(
     output: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path(
         "build/policy/calc"
     ),
-    steps: Annotated[int, typer.Option(help="SFT optimizer steps.")] = 1200,
+    steps: Annotated[int, typer.Option(help="SFT optimizer steps.")] = 1000,
     demos: Annotated[int, typer.Option(help="Demonstration episodes.")] = 6000,
     seed: Annotated[int, typer.Option(help="Seed of tasks, demos, weights, sampling.")] = 0,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
@@ -346,6 +346,83 @@ def rollout_demo(
                     console.print(f"  [bold]reward {tree.reward[node]:.0f}[/bold]")
                     break
                 node = int(kids[0])
+
+
+@app.command("rollout")
+def rollout_command(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    strategy: Annotated[str, typer.Option(help="Allocation strategy.")] = "trace",
+    budget: Annotated[int, typer.Option(help="M: root rollouts (tree strategies).")] = 64,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    prompts: Annotated[int, typer.Option(help="Candidate prompts in the pool.")] = 256,
+    split: Annotated[str, typer.Option(help="Which split the pool is drawn from.")] = "train",
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the pool, plan and sampling.")] = 0,
+    output: Annotated[Path, typer.Option(help="Parquet file of the trees.")] = Path(
+        "build/rollout/trees.parquet"
+    ),
+    metrics: Annotated[Path, typer.Option(help="Metrics JSON.")] = Path(
+        "build/rollout/metrics.json"
+    ),
+) -> None:
+    """One rollout phase: grow budgeted trees with the policy; write Parquet and metrics."""
+    import numpy as np
+
+    from trace_core.algo.metrics import measure
+    from trace_core.algo.plan import Budget
+    from trace_core.envs.suites import make_suite
+    from trace_core.policy.engine import SamplingParams
+    from trace_core.policy.format import TurnFormat
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.torch_engine import TorchEngine
+    from trace_core.rollout.grow import ConstantPredictor, GrowConfig, grow_trees
+    from trace_core.store.schema import write_trees
+
+    if split not in ("train", "eval"):
+        raise _fail(f"--split must be train or eval, got {split!r}")
+    try:
+        suite = make_suite(task, data, seed)
+        config = GrowConfig(
+            strategy,
+            Budget(budget, continuations, group),
+            SamplingParams(max_tokens=max_tokens, temperature=temperature),
+            seed=seed,
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    tasks = suite.tasks("train" if split == "train" else "eval")
+    rng = np.random.default_rng(seed)
+    pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
+    model, tokenizer = load_checkpoint(checkpoint)
+    fmt = TurnFormat(tokenizer)
+    with _progress() as bar:
+        job = bar.add_task("rollout units", total=config.budget.units)
+        trees = grow_trees(
+            TorchEngine(model),
+            fmt,
+            suite.make_env,
+            pool,
+            ConstantPredictor(),
+            config,
+            progress=lambda spent: bar.update(job, completed=spent),
+        )
+    result = measure(trees)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_trees(output, trees)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps({"strategy": strategy, **result.as_dict()}, indent=2) + "\n")
+    console.print(
+        f"{len(trees)} trees, {result.units:g} units, {result.tokens:,} tokens; "
+        f"prompt effective ratio {result.prompt_effective_ratio:.3f}, "
+        f"mixed groups per 100 units {result.mixed_per_100_units:.2f}"
+    )
+    console.print(f"wrote {output} and {metrics}")
 
 
 if __name__ == "__main__":

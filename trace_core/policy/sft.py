@@ -20,11 +20,11 @@ from transformers import PreTrainedModel
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 1200
+    steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 32
     """Sequences per step."""
-    lr: float = 3e-3
+    lr: float = 5e-3
     """Peak AdamW learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 50
     weight_decay: float = 0.01

@@ -1,0 +1,210 @@
+"""Tree growth: budget, predictor, engine and task suite in; one rollout tree per prompt out.
+
+Stage 1 scores the pool's prompts with the predictor and ``plan`` turns the scores into root
+counts. Root rollouts are then sampled turn by turn: each engine call carries the next turn of
+every live episode of every prompt, so the batch stays full while prompts finish at different
+times. Stage 2 is prompt-local: the moment a prompt's last root rollout ends, its visited
+non-terminal prefixes are scored, ``RootPlan.expand`` splits the prompt's continuation budget
+over them, and the continuations join the very next engine call — no prompt waits for another.
+
+A continuation restores its env by replaying the prefix's actions (envs are deterministic, see
+``envs.base``) and continues from the prefix's exact token history, which the engine's prefix
+cache already holds. Every scored node keeps the V it was scored with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from trace_core.algo.plan import Budget, RootPlan, plan, strategy
+from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
+from trace_core.envs.base import Env, Task, replay
+from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.format import TurnFormat
+
+
+class Predictor(Protocol):
+    """V(prefix): success probability for a batch of token-id prefixes."""
+
+    def predict(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]: ...
+
+
+@dataclass(frozen=True)
+class ConstantPredictor:
+    """The same V everywhere: what a strategy sees before any predictor is trained."""
+
+    value: float = 0.5
+
+    def predict(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
+        return np.full(len(prefixes), self.value)
+
+
+@dataclass(frozen=True)
+class GrowConfig:
+    strategy: str
+    budget: Budget
+    sampling: SamplingParams
+    """Per-turn sampling (``n`` is ignored: counts come from the plan)."""
+    seed: int = 0
+    run_id: str = "local"
+    iteration: int = 0
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if strategy(self.strategy).uses_true_value:
+            raise ValueError(f"strategy {self.strategy!r} needs the true V: simulator only")
+
+
+@dataclass
+class _Episode:
+    prompt: int
+    env: Env
+    node: int  # tree node of its last turn
+    history: list[int]  # exact token history up to the next turn
+    branch: bool  # its next turn starts a continuation
+    root_rollout: bool
+
+
+@dataclass
+class _Prompt:
+    task: Task
+    builder: TreeBuilder
+    live_roots: int
+    actions: dict[int, str] = field(default_factory=dict)  # node -> action text
+    histories: dict[int, list[int]] = field(default_factory=dict)  # node -> history after it
+
+
+def grow_trees(
+    engine: Engine,
+    fmt: TurnFormat,
+    make_env: Callable[[], Env],
+    pool: Sequence[Task],
+    predictor: Predictor,
+    config: GrowConfig,
+    progress: Callable[[float], None] | None = None,
+) -> list[RolloutTree]:
+    """One tree per rolled-out prompt of ``pool`` (prompts given no roots are left out).
+
+    ``progress`` is called with the rollout units spent so far after every engine call.
+    """
+    rng = np.random.default_rng(config.seed)
+    prompt_ids = [fmt.prompt_ids(task.prompt) for task in pool]
+    scores = predictor.predict(prompt_ids)
+    root_plan = plan(config.strategy, scores, config.budget, rng)
+    turn = SamplingParams(
+        n=1,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
+        max_tokens=config.sampling.max_tokens,
+        stop_token_ids=config.sampling.stop_token_ids or (fmt.action_end_id,),
+    )
+    prompts: dict[int, _Prompt] = {}
+    live: list[_Episode] = []
+    for i in np.flatnonzero(root_plan.counts):
+        task = pool[i]
+        info = TreeInfo(
+            config.run_id,
+            config.iteration,
+            task.id,
+            int(i),
+            config.strategy,
+            config.policy_version,
+        )
+        builder = TreeBuilder(info, prompt_tokens=prompt_ids[i], prompt_text=task.prompt)
+        builder.set_predicted_v(ROOT, float(scores[i]))
+        prompts[int(i)] = _Prompt(task, builder, int(root_plan.counts[i]))
+        for _ in range(int(root_plan.counts[i])):
+            env = make_env()
+            env.reset(task)
+            live.append(_Episode(int(i), env, ROOT, list(prompt_ids[i]), False, True))
+    spent = 0.0
+    while live:
+        outputs = engine.generate(
+            [e.history for e in live], turn, seed=int(rng.integers(0, 2**31 - 1))
+        )
+        next_live = []
+        for episode, out in zip(live, outputs, strict=True):
+            state = prompts[episode.prompt]
+            if episode.node == ROOT or episode.branch:
+                spent += 1.0 if episode.root_rollout else 0.5
+            if _advance(episode, out[0], fmt, state):
+                next_live.append(episode)
+            elif episode.root_rollout:
+                state.live_roots -= 1
+                if state.live_roots == 0:  # stage 2 for this prompt, now
+                    next_live.extend(
+                        _expand(episode.prompt, state, root_plan, predictor, make_env, rng)
+                    )
+        live = next_live
+        if progress:
+            progress(spent)
+    return [prompts[i].builder.build() for i in sorted(prompts)]
+
+
+def _advance(episode: _Episode, completion: Completion, fmt: TurnFormat, state: _Prompt) -> bool:
+    """Play one sampled turn; True while the episode goes on."""
+    action = fmt.decode_action(completion.token_ids)
+    step = episode.env.step(action)
+    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
+    node = state.builder.add_turn(
+        episode.node,
+        gen_tokens=completion.token_ids,
+        obs_tokens=obs_ids,
+        logprobs=completion.logprobs,
+        text=action,
+        observation=step.observation,
+        branch=episode.branch,
+    )
+    episode.branch = False
+    episode.node = node
+    state.actions[node] = action
+    if step.done:
+        state.builder.set_reward(node, step.reward)
+        return False
+    episode.history.extend(int(t) for t in completion.token_ids)
+    episode.history.extend(obs_ids)
+    state.histories[node] = list(episode.history)
+    return True
+
+
+def _expand(
+    prompt: int,
+    state: _Prompt,
+    root_plan: RootPlan,
+    predictor: Predictor,
+    make_env: Callable[[], Env],
+    rng: np.random.Generator,
+) -> list[_Episode]:
+    """Stage 2 for one prompt whose roots are all done: continuations from its prefixes."""
+    if root_plan.continuations[prompt] == 0:
+        return []
+    tree = state.builder.build()
+    prefixes = [int(p) for p in np.flatnonzero(~tree.leaf_mask) if p != ROOT]
+    if not prefixes:
+        return []
+    rewards = [_rollout_reward(tree, p) for p in prefixes]
+    values = predictor.predict([state.histories[p] for p in prefixes])
+    for node, v in zip(prefixes, values, strict=True):
+        state.builder.set_predicted_v(node, float(v))
+    counts = root_plan.expand(prompt, rewards, values, rng)
+    episodes = []
+    for node, k in zip(prefixes, counts, strict=True):
+        path_actions = [state.actions[int(n)] for n in tree.path(node)[1:]]
+        for _ in range(int(k)):
+            env = make_env()
+            replay(env, state.task, path_actions)
+            episodes.append(_Episode(prompt, env, node, list(state.histories[node]), True, False))
+    return episodes
+
+
+def _rollout_reward(tree: RolloutTree, node: int) -> float:
+    """The reward of the root rollout through ``node``: follow its only child to the leaf."""
+    kids = tree.children()
+    while len(kids[node]):
+        node = int(kids[node][0])
+    return float(tree.reward[node])
