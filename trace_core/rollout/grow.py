@@ -75,6 +75,7 @@ class _Prompt:
     task: Task
     builder: TreeBuilder
     live_roots: int
+    expanded: bool = False  # stage 2 has run
     actions: dict[int, str] = field(default_factory=dict)  # node -> action text
     histories: dict[int, list[int]] = field(default_factory=dict)  # node -> history after it
 
@@ -136,7 +137,8 @@ def grow_trees(
                 next_live.append(episode)
             elif episode.root_rollout:
                 state.live_roots -= 1
-                if state.live_roots == 0:  # stage 2 for this prompt, now
+                if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
+                    state.expanded = True
                     next_live.extend(
                         _expand(episode.prompt, state, root_plan, predictor, make_env, rng)
                     )
@@ -180,13 +182,27 @@ def _expand(
     make_env: Callable[[], Env],
     rng: np.random.Generator,
 ) -> list[_Episode]:
-    """Stage 2 for one prompt whose roots are all done: continuations from its prefixes."""
+    """Stage 2 for one prompt whose roots are all done: continuations from its prefixes.
+
+    When every root rollout ended after one turn there is no prefix to branch from; the
+    continuation budget then buys root rollouts at the same price (two continuations, one
+    unit, per root), so every strategy still spends its budget. An odd leftover half unit
+    stays unspent.
+    """
     if root_plan.continuations[prompt] == 0:
         return []
     tree = state.builder.build()
     prefixes = [int(p) for p in np.flatnonzero(~tree.leaf_mask) if p != ROOT]
     if not prefixes:
-        return []
+        extra = int(root_plan.continuations[prompt]) // 2
+        state.live_roots += extra
+        prompt_ids = list(tree.obs_tokens[ROOT])
+        episodes = []
+        for _ in range(extra):
+            env = make_env()
+            env.reset(state.task)
+            episodes.append(_Episode(prompt, env, ROOT, list(prompt_ids), False, True))
+        return episodes
     rewards = [_rollout_reward(tree, p) for p in prefixes]
     values = predictor.predict([state.histories[p] for p in prefixes])
     for node, v in zip(prefixes, values, strict=True):
