@@ -220,6 +220,67 @@ def bench_engine(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("contrast")
+def bench_contrast(
+    checkpoint: Annotated[Path, typer.Option(help="Warm-started policy directory.")] = Path(
+        "build/policy/calc"
+    ),
+    task: Annotated[str, typer.Option(help="Task suite.")] = "calc",
+    prompts: Annotated[int, typer.Option(help="Candidate prompts per pool.")] = 512,
+    budget: Annotated[int, typer.Option(help="M: root rollouts of a tree strategy.")] = 128,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    iterations: Annotated[int, typer.Option(help="Iterations (1st is warm-up).")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of pools and sampling.")] = 0,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Every strategy at equal budget with the real policy, engine and task."""
+    import torch
+
+    from trace_core.bench.contrast import ContrastBenchConfig, run_contrast_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    if not (checkpoint / "config.json").exists():
+        raise _fail(f"no policy at {checkpoint}: run `trace-rl warmstart --output {checkpoint}`")
+    try:
+        config = ContrastBenchConfig(
+            checkpoint, task, prompts, budget, continuations, group, iterations, seed
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with _progress() as bar:
+        job = bar.add_task("rolling out", total=iterations * len(config.strategies))
+        result = run_contrast_bench(
+            config, progress=lambda name: bar.update(job, advance=1, description=name)
+        )
+    table = Table(
+        title=f"{task}, equal budget: M={budget} roots × N={continuations} → "
+        f"{budget * (1 + continuations / 2):g} units; real policy and env "
+        "(paper, math: prompt effective ratio 26.8% GRPO → 60.6% TRACE)"
+    )
+    table.add_column("strategy")
+    for head in ("prompt eff.", "anchor eff.", "mixed/100u", "÷ grpo", "tokens", "tokens/s"):
+        table.add_column(head, justify="right")
+    base = result.strategies.get("grpo", {}).get("mixed_per_100_units")
+    for name, m in result.strategies.items():
+        ratio = m["mixed_per_100_units"].mean / base.mean if base and base.mean else float("nan")
+        table.add_row(
+            name,
+            f"{m['prompt_effective_ratio'].mean:.3f}",
+            f"{m['anchor_effective_ratio'].mean:.3f}",
+            f"{m['mixed_per_100_units'].mean:.2f} ± {m['mixed_per_100_units'].std:.2f}",
+            f"{ratio:.2f}×",
+            f"{m['tokens'].mean:,.0f}",
+            f"{m['tokens_per_s'].mean:,.0f}",
+        )
+    console.print(table)
+    if json_path:
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
 @task_app.command("check")
 def task_check(
     task: Annotated[str, typer.Argument(help="calc, multihop, bfcl, deepscaler or hotpotqa.")],
@@ -381,7 +442,8 @@ def rollout_command(
     from trace_core.policy.format import TurnFormat
     from trace_core.policy.model import load_checkpoint
     from trace_core.policy.torch_engine import TorchEngine
-    from trace_core.rollout.grow import ConstantPredictor, GrowConfig, grow_trees
+    from trace_core.rollout.grow import GrowConfig, grow_trees
+    from trace_core.rollout.predictor import ConstantPredictor
     from trace_core.store.schema import write_trees
 
     if split not in ("train", "eval"):

@@ -17,7 +17,8 @@ from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
-from trace_core.rollout.grow import ConstantPredictor, GrowConfig, grow_trees
+from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.rollout.predictor import ConstantPredictor
 
 
 @pytest.fixture(scope="module")

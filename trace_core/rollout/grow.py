@@ -16,32 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from trace_core.algo.plan import Budget, RootPlan, plan, strategy
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
 from trace_core.envs.base import Env, Task, replay
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
-
-
-class Predictor(Protocol):
-    """V(prefix): success probability for a batch of token-id prefixes."""
-
-    def predict(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]: ...
-
-
-@dataclass(frozen=True)
-class ConstantPredictor:
-    """The same V everywhere: what a strategy sees before any predictor is trained."""
-
-    value: float = 0.5
-
-    def predict(self, prefixes: Sequence[Sequence[int]]) -> npt.NDArray[np.float64]:
-        return np.full(len(prefixes), self.value)
+from trace_core.rollout.predictor import Predictor
 
 
 @dataclass(frozen=True)
