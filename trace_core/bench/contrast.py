@@ -1,4 +1,4 @@
-"""``trace-rl bench contrast``: every strategy at an equal budget with a real policy, engine and task.
+"""``trace-rl bench contrast``: every strategy at equal budget with a real policy, engine, task.
 
 The allocation benchmark's question asked of the real thing: with the warm-started tiny policy
 sampling through ``TorchEngine`` and the task's own env and reward, how much reward contrast
