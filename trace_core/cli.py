@@ -281,6 +281,58 @@ def bench_contrast(
         console.print(f"wrote {json_path}")
 
 
+@bench_app.command("workers")
+def bench_workers(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    prompts: Annotated[int, typer.Option(help="Candidate prompts in the pool.")] = 256,
+    budget: Annotated[int, typer.Option(help="M: root rollouts.")] = 256,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    repeats: Annotated[int, typer.Option(help="Timed runs per engine; the best counts.")] = 3,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), and the ratio."""
+    from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+
+    try:
+        config = WorkersBenchConfig(
+            checkpoint,
+            prompts=prompts,
+            roots=budget,
+            continuations=continuations,
+            max_tokens=max_tokens,
+            repeats=repeats,
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with console.status("timing rollouts") as status:
+        result = run_workers_bench(config, progress=lambda msg: status.update(msg))
+    table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")
+    heads = ("engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved")
+    for head in heads:
+        table.add_column(head, justify="right")
+    for r in result.runs:
+        table.add_row(
+            r.engine,
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.generated_tokens:,}",
+            f"{r.seconds:.2f}",
+            f"{r.engine_calls}",
+            f"{r.busy_share:.2f}",
+            f"{r.imbalance_share:.2f}",
+            f"{r.affinity_moved}",
+        )
+    console.print(table)
+    console.print(
+        f"ray×{config.workers[-1]} / ray×{config.workers[0]}: {result.ratio:.2f}×; "
+        f"load average {result.load_average[0]:.1f} → {result.load_average[1]:.1f} "
+        f"on {result.cpus} CPUs"
+    )
+    if json_path:
+        result.write_json(json_path)
+        console.print(f"wrote {json_path}")
+
+
 @task_app.command("check")
 def task_check(
     task: Annotated[str, typer.Argument(help="calc, multihop, bfcl, deepscaler or hotpotqa.")],
@@ -323,6 +375,8 @@ def warmstart_command(
     steps: Annotated[int, typer.Option(help="SFT optimizer steps.")] = 1000,
     demos: Annotated[int, typer.Option(help="Demonstration episodes.")] = 6000,
     seed: Annotated[int, typer.Option(help="Seed of tasks, demos, weights, sampling.")] = 0,
+    eval_tasks: Annotated[int, typer.Option(help="Eval tasks in the success report.")] = 200,
+    eval_samples: Annotated[int, typer.Option(help="Sampled episodes per eval task.")] = 4,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
@@ -335,7 +389,13 @@ def warmstart_command(
     set_threads(threads)
     try:
         config = WarmstartConfig(
-            task=task, output=output, seed=seed, demos=demos, sft=SFTConfig(steps=steps, seed=seed)
+            task=task,
+            output=output,
+            seed=seed,
+            demos=demos,
+            sft=SFTConfig(steps=steps, seed=seed),
+            eval_tasks=eval_tasks,
+            eval_samples=eval_samples,
         )
     except ValueError as err:
         raise _fail(str(err)) from None
@@ -431,14 +491,26 @@ def rollout_command(
     metrics: Annotated[Path, typer.Option(help="Metrics JSON.")] = Path(
         "build/rollout/metrics.json"
     ),
+    workers: Annotated[
+        int, typer.Option(help="Ray engine workers (0: one TorchEngine in this process).")
+    ] = 0,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="Ray head (host:port) for --workers; default: Ray started in this process.",
+        ),
+    ] = None,
 ) -> None:
     """One rollout phase: grow budgeted trees with the policy; write Parquet and metrics."""
+    import contextlib
+
     import numpy as np
 
     from trace_core.algo.metrics import measure
     from trace_core.algo.plan import Budget
     from trace_core.envs.suites import make_suite
-    from trace_core.policy.engine import SamplingParams
+    from trace_core.policy.engine import Engine, SamplingParams
     from trace_core.policy.format import TurnFormat
     from trace_core.policy.model import load_checkpoint
     from trace_core.policy.torch_engine import TorchEngine
@@ -448,6 +520,8 @@ def rollout_command(
 
     if split not in ("train", "eval"):
         raise _fail(f"--split must be train or eval, got {split!r}")
+    if workers < 0:
+        raise _fail(f"--workers must be >= 0, got {workers}")
     try:
         suite = make_suite(task, data, seed)
         config = GrowConfig(
@@ -461,19 +535,35 @@ def rollout_command(
     tasks = suite.tasks("train" if split == "train" else "eval")
     rng = np.random.default_rng(seed)
     pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
-    model, tokenizer = load_checkpoint(checkpoint)
-    fmt = TurnFormat(tokenizer)
-    with _progress() as bar:
-        job = bar.add_task("rollout units", total=config.budget.units)
-        trees = grow_trees(
-            TorchEngine(model),
-            fmt,
-            suite.make_env,
-            pool,
-            ConstantPredictor(),
-            config,
-            progress=lambda spent: bar.update(job, completed=spent),
-        )
+    with contextlib.ExitStack() as stack:
+        engine: Engine
+        if workers:
+            from transformers import AutoTokenizer
+
+            from trace_core.rollout.ray_pool import RayEnginePool
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+            with console.status(f"starting {workers} Ray engine workers"):
+                try:
+                    engine = stack.enter_context(
+                        RayEnginePool(checkpoint, workers=workers, address=ray_address)
+                    )
+                except (RuntimeError, ConnectionError) as err:
+                    raise _fail(str(err)) from None
+        else:
+            model, tokenizer = load_checkpoint(checkpoint)
+            engine = TorchEngine(model)
+        with _progress() as bar:
+            job = bar.add_task("rollout units", total=config.budget.units)
+            trees = grow_trees(
+                engine,
+                TurnFormat(tokenizer),
+                suite.make_env,
+                pool,
+                ConstantPredictor(),
+                config,
+                progress=lambda spent: bar.update(job, completed=spent),
+            )
     result = measure(trees)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_trees(output, trees)

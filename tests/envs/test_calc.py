@@ -1,33 +1,25 @@
-"""The calc suite: its problems, its env's turn protocol, its demonstrations, DeepScaleR loading."""
+"""The calc suite: its problems, its env's turn protocol, its demonstrations."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.envs.base import Task, replay
+from trace_core.envs.base import TURN_LIMIT, Task, replay
 from trace_core.envs.calc import (
     DIFFICULTIES,
-    TURN_LIMIT,
     CalcEnv,
     CalcSuite,
     Chain,
-    DeepScaleRSuite,
     Operation,
     chain_of,
     check_integer,
-    check_math,
     draw_chain,
-    load_deepscaler,
 )
 
 
@@ -308,105 +300,3 @@ def test_vocabulary_covers_the_texts_and_stays_small(suite: CalcSuite) -> None:
     assert {"done", TURN_LIMIT, "error: division by zero"} <= texts
     words = {w for text in texts for w in re.findall(r"[a-z]+", text)}
     assert len(words) < 120, sorted(words)
-
-
-# --- DeepScaleR ----------------------------------------------------------------------------------
-
-ROWS = [
-    {"problem": "What is $1/2$ as a fraction?", "answer": "\\frac{1}{2}", "solution": "It is."},
-    {"problem": "What is 2+2?", "answer": "4", "solution": "2+2=4."},
-    {"problem": "Solve for x: x+1=4.", "answer": "3"},
-    {"problem": "Give an interval.", "answer": "[0,1)"},  # cannot be written as answer[...]
-]
-
-
-def write(path: Path, rows: list[dict[str, object]]) -> str:
-    if path.suffix == ".json":
-        path.write_text(json.dumps(rows))
-    elif path.suffix == ".jsonl":
-        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    else:
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    return str(path)
-
-
-@pytest.mark.parametrize("name", ["deepscaler.json", "deepscaler.jsonl", "deepscaler.parquet"])
-def test_load_deepscaler_reads_every_format(tmp_path: Path, name: str) -> None:
-    tasks = load_deepscaler(write(tmp_path / name, ROWS), eval_fraction=0.5)
-    assert [t.id for t in tasks] == [f"deepscaler-{i}" for i in range(4)]
-    assert [t.answer for t in tasks] == ["\\frac{1}{2}", "4", "3", "[0,1)"]
-    assert Counter(t.split for t in tasks) == {"train": 2, "eval": 2}
-    assert tasks[0].reference == ("answer[\\frac{1}{2}]",)
-    assert tasks[3].reference == ()
-
-
-def test_deepscaler_suite_replays_and_checks_with_math_verify(tmp_path: Path) -> None:
-    suite = DeepScaleRSuite(write(tmp_path / "d.jsonl", ROWS), eval_fraction=0.0)
-    assert suite.tasks("eval") == [] and len(suite.tasks("train")) == 4
-    env = suite.make_env()
-    for task in suite.tasks("train")[:3]:
-        _, last = replay(env, task, task.reference)
-        assert last is not None and last.reward == 1.0
-    half = suite.tasks("train")[0]
-    assert replay(env, half, ["answer[0.5]"])[1] == replay(env, half, ["answer[1/2]"])[1]
-    assert replay(env, half, ["answer[0.5]"])[1].reward == 1.0  # type: ignore[union-attr]
-    assert replay(env, half, ["calc[1/2]"])[0][-1] == "error: 1/2 is not a whole number"
-
-
-@pytest.mark.parametrize(
-    ("given_", "gold", "correct"),
-    [
-        ("0.5", "\\frac{1}{2}", True),
-        ("1/2", "\\frac{1}{2}", True),
-        ("3", "3", True),
-        ("10.0", "10", True),
-        ("1+x^2", "x^2+1", True),
-        ("sqrt(2)", "\\sqrt{2}", True),
-        ("4", "3", False),
-        ("", "3", False),
-        ("}{", "3", False),
-        ("\\frac{", "\\frac{1}{2}", False),
-    ],
-)
-def test_check_math(given_: str, gold: str, correct: bool) -> None:
-    assert check_math(given_, gold) is correct
-
-
-def test_deepscaler_bad_rows_are_named(tmp_path: Path) -> None:
-    cases: list[tuple[list[object], str]] = [
-        ([ROWS[0], {"problem": "p"}], "row 1 has no 'answer' field"),
-        ([{"answer": "1"}], "row 0 has no 'problem' field"),
-        ([ROWS[0], ROWS[1], {"problem": "", "answer": "1"}], "row 2 field 'problem'"),
-        ([{"problem": "p", "answer": [1]}], "row 0 field 'answer'"),
-        ([{"problem": "p", "answer": "1", "solution": 3}], "row 0 field 'solution'"),
-        ([["p", "1"]], "row 0 is a list, expected an object"),
-        ([], "no rows"),
-    ]
-    for rows, message in cases:
-        path = tmp_path / "bad.json"
-        path.write_text(json.dumps(rows))
-        with pytest.raises(ValueError, match=re.escape(message)):
-            load_deepscaler(str(path))
-
-
-def test_deepscaler_integer_answers_become_text(tmp_path: Path) -> None:
-    tasks = load_deepscaler(write(tmp_path / "d.json", [{"problem": "p", "answer": 7}]))
-    assert tasks[0].answer == "7"
-
-
-def test_deepscaler_split_is_seeded(tmp_path: Path) -> None:
-    rows = [{"problem": f"p{i}", "answer": str(i)} for i in range(50)]
-    uri = write(tmp_path / "d.json", rows)
-    a, b = load_deepscaler(uri, split_seed=1), load_deepscaler(uri, split_seed=1)
-    assert a == b and sum(t.split == "eval" for t in a) == 5
-    assert a != load_deepscaler(uri, split_seed=2)
-    with pytest.raises(ValueError, match="eval_fraction"):
-        load_deepscaler(uri, eval_fraction=1.5)
-
-
-def test_deepscaler_uri_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="S3 support arrives with the storage layer"):
-        DeepScaleRSuite("s3://bucket/deepscaler.json")
-    (tmp_path / "d.csv").write_text("problem,answer\n")
-    with pytest.raises(ValueError, match=r"unknown dataset format '\.csv'"):
-        load_deepscaler(str(tmp_path / "d.csv"))

@@ -99,7 +99,8 @@ def test_forward_matches_hf(kv_heads: int, split: int | None) -> None:
         for row, got in zip(rows, ours, strict=True):
             want = model(row[None]).logits[0]  # each row alone, no padding
             assert want.abs().max() > 1  # sharpened: the comparison is not of near-zeros
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            # float32 with another summation order: ~1e-5 apart on logits of magnitude > 1
+            torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
 def test_forward_matches_hf_left_padded_batch() -> None:
@@ -118,7 +119,7 @@ def test_forward_matches_hf_left_padded_batch() -> None:
         hf = model(ids, attention_mask=mask, position_ids=positions).logits
         ours = run_rows(weights, rows, split=None)
     for i, r in enumerate(rows):
-        torch.testing.assert_close(ours[i], hf[i, width - len(r) :], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[i], hf[i, width - len(r) :], atol=5e-5, rtol=1e-4)
 
 
 def test_untied_head_and_state_dict_loading() -> None:

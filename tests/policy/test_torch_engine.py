@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
 from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.prefix_cache import PrefixCache
 from trace_core.policy.tokenizer import build_word_tokenizer
-from trace_core.policy.torch_engine import PrefixCache, TorchEngine, sample_tokens
+from trace_core.policy.torch_engine import TorchEngine
 
 TOK = build_word_tokenizer(["the quick brown fox jumps over the lazy dog", "12 + 30 = 42"])
 V = len(TOK)
@@ -119,21 +120,6 @@ def test_seeded_sampling_is_reproducible() -> None:
     assert run(5) != run(6)
 
 
-def test_sample_tokens_worked_example() -> None:
-    """p = [0.5, 0.3, 0.15, 0.05]; top_p = 0.7 keeps tokens 0 and 1 (the mass before token 2
-    is 0.8 >= 0.7), renormalised to 0.5/0.8 = 0.625 and 0.3/0.8 = 0.375."""
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(40_000, 4)
-    gen = torch.Generator().manual_seed(0)
-    full = np.bincount(sample_tokens(logits, 1.0, 1.0, gen).numpy(), minlength=4) / 40_000
-    np.testing.assert_allclose(full, [0.5, 0.3, 0.15, 0.05], atol=0.012)  # ~5 sigma
-    top = np.bincount(sample_tokens(logits, 1.0, 0.7, gen).numpy(), minlength=4) / 40_000
-    np.testing.assert_allclose(top, [0.625, 0.375, 0, 0], atol=0.012)
-    # Temperature 0.5 squares the probabilities: [0.25, 0.09, 0.0225, 0.0025] / 0.365.
-    cold = np.bincount(sample_tokens(logits, 0.5, 1.0, gen).numpy(), minlength=4) / 40_000
-    np.testing.assert_allclose(cold, np.array([0.25, 0.09, 0.0225, 0.0025]) / 0.365, atol=0.012)
-    assert sample_tokens(logits[:2], 0.0, 1.0, None).tolist() == [0, 0]
-
-
 def next_token_probs(model, prompt: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0, -1].softmax(-1).numpy()
@@ -221,8 +207,15 @@ def test_a_small_cache_evicts_and_stays_correct() -> None:
             assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
     assert engine.stats.extra["evicted_tokens"] > 0
     check_cache(engine.cache)
-    with pytest.raises(RuntimeError, match="cache_tokens"):
-        engine.generate(prompts_of([30, 30]), params)
+    # Two 30-token prompts cannot sit in a 48-token pool together: the call is split in two
+    together = prompts_of([30, 30])
+    for a, b in zip(
+        engine.generate(together, params), reference.generate(together, params), strict=True
+    ):
+        assert a[0].token_ids.tolist() == b[0].token_ids.tolist()
+    check_cache(engine.cache)
+    with pytest.raises(RuntimeError, match="cache_tokens"):  # one prompt larger than the pool
+        engine.generate(prompts_of([60]), params)
     check_cache(engine.cache)  # the failed call left nothing locked or half-built behind
     assert engine.generate(prompts_of([6]), params)[0][0].token_ids.size == 8
 

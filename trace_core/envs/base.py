@@ -28,6 +28,10 @@ T = TypeVar("T")
 
 MAX_OBSERVATION_CHARS = 2000
 TOOL_SECONDS = 2.0
+DONE = "done"
+"""The observation that ends an episode on the agent's answer."""
+TURN_LIMIT = "turn limit reached"
+"""The observation that ends an episode when ``max_turns`` run out before an answer."""
 
 # ``name[argument]`` at the end of a turn; the argument may contain nested brackets.
 _ACTION_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[")
@@ -156,6 +160,45 @@ def bounded_call(fn: Callable[[], T], seconds: float = TOOL_SECONDS) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+@dataclass
+class EpisodeState:
+    """The turn bookkeeping of an env that ends on ``answer[...]`` or at its turn limit.
+
+    An env calls ``start`` in ``reset``; in ``step``, ``begin_step`` first (it counts the turn),
+    then ``finish`` on an answer or ``observe`` on any other turn. A step before the first reset
+    or after the episode ended is a bug in the caller, not the agent, so it raises.
+    """
+
+    task: Task | None = None
+    turns: int = 0
+    """Steps taken in this episode, the current one included."""
+    done: bool = False
+
+    def start(self, task: Task) -> None:
+        self.task, self.turns, self.done = task, 0, False
+
+    def begin_step(self) -> Task:
+        """Count a turn; the episode's task. ValueError before ``start`` or after the end."""
+        if self.task is None:
+            raise ValueError("step() before reset()")
+        if self.done:
+            raise ValueError("step() after the episode ended; call reset() first")
+        self.turns += 1
+        return self.task
+
+    def finish(self, correct: bool) -> Step:
+        """End on the agent's answer: reward 1 if it is correct, else 0."""
+        self.done = True
+        return Step(DONE, done=True, reward=1.0 if correct else 0.0)
+
+    def observe(self, observation: str, max_turns: int) -> Step:
+        """A tool turn's (clipped) observation, or the end with reward 0 on the last turn."""
+        if self.turns >= max_turns:
+            self.done = True
+            return Step(TURN_LIMIT, done=True, reward=0.0)
+        return Step(clip_observation(observation), done=False, reward=0.0)
 
 
 def replay(env: Env, task: Task, actions: Sequence[str]) -> tuple[list[str], Step | None]:

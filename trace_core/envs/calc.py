@@ -1,4 +1,4 @@
-"""Arithmetic word problems solved with a calculator tool, and the DeepScaleR loader.
+"""Arithmetic word problems solved with a calculator tool.
 
 One episode of the built-in suite (``CalcSuite``), observations after ``->``:
 
@@ -16,8 +16,8 @@ space-separated so that a tiny word-level policy trained from scratch can learn 
 scripted demonstrations (``CalcSuite.demonstration``), whose controlled slips make hard problems
 fail more often than easy ones.
 
-``DeepScaleRSuite`` serves the DeepScaleR problems (JSON, JSON Lines or Parquet with ``problem``
-and ``answer``) in the same env; its answers are checked with math-verify instead of as integers.
+``CalcEnv`` takes the answer check as an argument (``check_integer`` here); the DeepScaleR suite
+(``deepscaler``) runs its problems in the same env with a math-verify check.
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from trace_core.envs.base import (
+    DONE,
+    TURN_LIMIT,
+    EpisodeState,
     Split,
     Step,
     Task,
     ToolTimeout,
     bounded_call,
-    clip_observation,
     parse_action,
 )
 from trace_core.envs.calculator import MAX_MAGNITUDE, CalcError, evaluate
-from trace_core.envs.source import read_records
 
 NAMES = (
     ("ann", "she"),
@@ -74,8 +75,6 @@ _DIFFICULTY = re.compile(r"ops=([1-3]),digits=([1-3])")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _CALC_TURN = re.compile(r"calc\[([0-9]+)([-+*/])([0-9]+)\]")
 
-DONE = "done"
-TURN_LIMIT = "turn limit reached"
 NO_ACTION = "error: no action . end the turn with calc[...] or answer[...]"
 
 AnswerCheck = Callable[[str, str], bool]
@@ -89,34 +88,6 @@ def check_integer(given: str, gold: str) -> bool:
     return len(given) <= 40 and bool(_INTEGER.fullmatch(given)) and int(given) == int(gold)
 
 
-def check_math(given: str, gold: str, seconds: float = 5.0) -> bool:
-    """Mathematical equivalence by math-verify ("\\frac{1}{2}" == "0.5"), gold parsed first.
-
-    Both sides are read as inline LaTeX (``$...$``), falling back to the raw text when that finds
-    nothing. math-verify's own timeouts use SIGALRM, which only works on the main thread, so they
-    are off and ``bounded_call`` bounds the time instead. Any failure counts as wrong.
-    """
-    import math_verify  # heavy (sympy); only DeepScaleR needs it
-
-    def parse(text: str) -> list[object]:
-        text = text.strip()
-        if not text:
-            return []
-        parsed = list(math_verify.parse(f"${text}$", parsing_timeout=None))
-        return parsed or list(math_verify.parse(text, parsing_timeout=None))
-
-    def verify() -> bool:
-        gold_parsed, given_parsed = parse(gold), parse(given)
-        if not gold_parsed or not given_parsed:
-            return False
-        return bool(math_verify.verify(gold_parsed, given_parsed, timeout_seconds=None))
-
-    try:
-        return bounded_call(verify, seconds)
-    except Exception:  # math-verify or sympy failing on odd input is a wrong answer, not a crash
-        return False
-
-
 class CalcEnv:
     """``calc[expression]`` answers ``= value``; ``answer[x]`` ends the episode."""
 
@@ -125,35 +96,24 @@ class CalcEnv:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = max_turns
         self.check = check
-        self._task: Task | None = None
-        self._turns = 0
-        self._done = False
+        self._episode = EpisodeState()
 
     def reset(self, task: Task) -> str:
-        self._task, self._turns, self._done = task, 0, False
+        self._episode.start(task)
         return task.prompt
 
     def step(self, action: str) -> Step:
-        if self._task is None:
-            raise ValueError("step() before reset()")
-        if self._done:
-            raise ValueError("step() after the episode ended; call reset() first")
-        self._turns += 1
+        task = self._episode.begin_step()
         parsed = parse_action(action)
         if parsed is not None and parsed.name == "answer":
-            self._done = True
-            correct = self.check(parsed.argument, self._task.answer)
-            return Step(DONE, done=True, reward=1.0 if correct else 0.0)
+            return self._episode.finish(self.check(parsed.argument, task.answer))
         if parsed is None:
             observation = NO_ACTION
         elif parsed.name == "calc":
             observation = _calculate(parsed.argument)
         else:
             observation = f"error: unknown tool {parsed.name} . use calc or answer"
-        if self._turns >= self.max_turns:
-            self._done = True
-            return Step(TURN_LIMIT, done=True, reward=0.0)
-        return Step(clip_observation(observation), done=False, reward=0.0)
+        return self._episode.observe(observation, self.max_turns)
 
 
 def _calculate(expr: str) -> str:
@@ -421,68 +381,3 @@ def _wrong(expr: str, rest: Sequence[Operation], truth: int) -> bool:
         return False
     final = _run(value, rest)
     return final is not None and final != truth and abs(final) <= MAX_MAGNITUDE
-
-
-# --- DeepScaleR --------------------------------------------------------------------------------
-
-
-def load_deepscaler(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> list[Task]:
-    """DeepScaleR problems (``problem``, ``answer``, optional ``solution``) from JSON/JSONL/Parquet.
-
-    A seeded permutation puts ``round(eval_fraction * n)`` rows in eval, the rest in train. The
-    reference is the single turn ``answer[<gold>]`` (empty when the gold text has unbalanced
-    brackets and so cannot be written as one action). Ids are ``deepscaler-<row>``.
-    """
-    if not 0.0 <= eval_fraction <= 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
-    rows = read_records(uri)
-    if not rows:
-        raise ValueError(f"{uri}: no rows")
-    problems: list[tuple[str, str]] = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"{uri}: row {i} is a {type(row).__name__}, expected an object")
-        for field in ("problem", "answer"):
-            if field not in row or row[field] is None:
-                raise ValueError(f"{uri}: row {i} has no {field!r} field")
-        problem, answer = row["problem"], row["answer"]
-        if isinstance(answer, int) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{uri}: row {i} field 'problem' must be non-empty text")
-        if not isinstance(answer, str) or not answer.strip():
-            raise ValueError(f"{uri}: row {i} field 'answer' must be non-empty text or an integer")
-        solution = row.get("solution")
-        if solution is not None and not isinstance(solution, str):
-            raise ValueError(f"{uri}: row {i} field 'solution' must be text when present")
-        problems.append((problem.strip(), answer.strip()))
-    order = np.random.default_rng(split_seed).permutation(len(rows))
-    eval_rows = set(order[: round(eval_fraction * len(rows))].tolist())
-    tasks = []
-    for i, (problem, answer) in enumerate(problems):
-        action = f"answer[{answer}]"
-        parsed = parse_action(action)
-        reference = (action,) if parsed is not None and parsed.argument == answer else ()
-        split: Split = "eval" if i in eval_rows else "train"
-        tasks.append(Task(f"deepscaler-{i}", problem, answer, "deepscaler", split, reference))
-    return tasks
-
-
-class DeepScaleRSuite:
-    """DeepScaleR problems in ``CalcEnv`` (the calculator stays available), math-verify rewards."""
-
-    name = "deepscaler"
-
-    def __init__(
-        self, uri: str, split_seed: int = 0, eval_fraction: float = 0.1, max_turns: int = 6
-    ) -> None:
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        self.uri, self.max_turns = uri, max_turns
-        self._tasks = load_deepscaler(uri, split_seed, eval_fraction)
-
-    def tasks(self, split: Split) -> list[Task]:
-        return [t for t in self._tasks if t.split == split]
-
-    def make_env(self) -> CalcEnv:
-        return CalcEnv(self.max_turns, check=check_math)

@@ -1,4 +1,4 @@
-"""Multi-hop questions answered by searching passages with BM25, and the HotpotQA loader.
+"""Multi-hop questions answered by searching passages with BM25.
 
 One episode of the built-in suite (``MultihopSuite``), observations after ``->``:
 
@@ -17,8 +17,9 @@ each hop is found by searching the entity's name plus the relation's keyword, wh
 fact first (tests check it for every task). Texts are short and lower case so that a tiny
 word-level policy can learn them from the scripted demonstrations (``demonstration``).
 
-``HotpotQASuite`` serves HotpotQA questions in the same env; each question searches only its own
-``context`` paragraphs (the distractor setting), and answers are scored by HotpotQA's exact match.
+``MultihopEnv`` searches whatever index its caller gives each task (``retrieval.SearchIndex``)
+and scores answers by HotpotQA's exact match (``normalize_answer``); the HotpotQA suite
+(``hotpotqa``) runs in it too, each question over its own paragraphs.
 """
 
 from __future__ import annotations
@@ -26,28 +27,25 @@ from __future__ import annotations
 import math
 import re
 import string
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import bm25s
 import numpy as np
 
 from trace_core.envs.base import (
+    DONE,
+    TURN_LIMIT,
+    EpisodeState,
     Split,
     Step,
     Task,
     ToolTimeout,
     bounded_call,
-    clip_observation,
     parse_action,
 )
-from trace_core.envs.source import read_records
+from trace_core.envs.retrieval import SearchIndex
 
-DONE = "done"
-TURN_LIMIT = "turn limit reached"
 NO_RESULTS = "no results"
 NO_ACTION = "error: no action . end the turn with search[...] or answer[...]"
 
@@ -99,8 +97,6 @@ _RESERVED = frozenset(
 ) | frozenset(r.noun for r in RELATIONS.values())
 _HOPS = re.compile(r"hops=([0-9]+)")
 _SEARCH_TURN = re.compile(r"search\[(.+) ([a-z]+)\]")
-# bm25s's default token pattern, so that queries split exactly as the passages were.
-_TOKEN = re.compile(r"(?u)\b\w\w+\b")
 _PUNCTUATION = frozenset(string.punctuation)
 
 
@@ -116,34 +112,6 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-class SearchIndex:
-    """BM25 (bm25s, Lucene variant) over passages; equal scores rank in passage order."""
-
-    def __init__(self, passages: Sequence[str]) -> None:
-        if not passages:
-            raise ValueError("a search index needs at least one passage")
-        self.passages = tuple(passages)
-        self._retriever: bm25s.BM25 | None = None
-        # bm25s cannot index a corpus without a single word; such an index finds nothing.
-        if any(_TOKEN.search(p.lower()) for p in self.passages):
-            self._retriever = bm25s.BM25()
-            self._retriever.index(
-                bm25s.tokenize(list(self.passages), stopwords=None, show_progress=False),
-                show_progress=False,
-            )
-
-    def search(self, query: str, k: int) -> list[str]:
-        """The ``k`` best passages that share a word with ``query`` (fewer if fewer do)."""
-        if self._retriever is None:
-            return []
-        tokens = [t for t in _TOKEN.findall(query.lower()) if t in self._retriever.vocab_dict]
-        if not tokens:
-            return []
-        scores = np.asarray(self._retriever.get_scores(tokens), dtype=np.float64)
-        order = np.argsort(-scores, kind="stable")[:k]  # stable: ties keep passage order
-        return [self.passages[i] for i in order if scores[i] > 0]
-
-
 class MultihopEnv:
     """``search[query]`` returns the top passages of the task's index; ``answer[x]`` ends it."""
 
@@ -154,37 +122,28 @@ class MultihopEnv:
             raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
         self.max_turns, self.top_k = max_turns, top_k
         self._index_for = index_for
-        self._task: Task | None = None
         self._index: SearchIndex | None = None
-        self._turns = 0
-        self._done = False
+        self._episode = EpisodeState()
 
     def reset(self, task: Task) -> str:
-        self._index = self._index_for(task)
-        self._task, self._turns, self._done = task, 0, False
+        self._index = self._index_for(task)  # first: a task without an index does not start
+        self._episode.start(task)
         return task.prompt
 
     def step(self, action: str) -> Step:
-        if self._task is None or self._index is None:
-            raise ValueError("step() before reset()")
-        if self._done:
-            raise ValueError("step() after the episode ended; call reset() first")
-        self._turns += 1
+        task = self._episode.begin_step()
+        assert self._index is not None  # reset sets it before it starts the episode
         parsed = parse_action(action)
         if parsed is not None and parsed.name == "answer":
-            self._done = True
-            correct = normalize_answer(parsed.argument) == normalize_answer(self._task.answer)
-            return Step(DONE, done=True, reward=1.0 if correct else 0.0)
+            correct = normalize_answer(parsed.argument) == normalize_answer(task.answer)
+            return self._episode.finish(correct)
         if parsed is None:
             observation = NO_ACTION
         elif parsed.name == "search":
             observation = self._search(self._index, parsed.argument)
         else:
             observation = f"error: unknown tool {parsed.name} . use search or answer"
-        if self._turns >= self.max_turns:
-            self._done = True
-            return Step(TURN_LIMIT, done=True, reward=0.0)
-        return Step(clip_observation(observation), done=False, reward=0.0)
+        return self._episode.observe(observation, self.max_turns)
 
     def _search(self, index: SearchIndex, query: str) -> str:
         if not query:
@@ -510,134 +469,3 @@ class MultihopSuite:
             env.reset(tasks[0])
             texts.add(env.step(action).observation)
         return sorted(texts)
-
-
-# --- HotpotQA ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HotpotQA:
-    """HotpotQA questions as tasks, and each task's own passages (one per context paragraph)."""
-
-    tasks: tuple[Task, ...]
-    passages: Mapping[str, tuple[str, ...]]
-    """Task id -> "title: sentence sentence ..." per paragraph of its ``context``."""
-
-
-def load_hotpotqa(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> HotpotQA:
-    """The official HotpotQA JSON (or JSONL/Parquet with the same fields) as tasks and passages.
-
-    Rows need ``_id`` (or ``id``), ``question``, ``answer`` and ``context`` ([[title,
-    [sentences]], ...]); ``supporting_facts``, ``type`` and ``level`` are used when present. A
-    seeded permutation puts ``round(eval_fraction * n)`` rows in eval (1.0 for a dev file). The
-    reference searches each supporting title, then answers the gold text (no searches without
-    supporting facts; empty if the answer cannot be written inside ``answer[...]``).
-    """
-    if not 0.0 <= eval_fraction <= 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
-    rows = read_records(uri)
-    if not rows:
-        raise ValueError(f"{uri}: no rows")
-    order = np.random.default_rng(split_seed).permutation(len(rows))
-    eval_rows = set(order[: round(eval_fraction * len(rows))].tolist())
-    tasks: list[Task] = []
-    passages: dict[str, tuple[str, ...]] = {}
-    for i, row in enumerate(rows):
-        split: Split = "eval" if i in eval_rows else "train"
-        task, paragraphs = _hotpotqa_task(uri, i, row, split)
-        if task.id in passages:
-            raise ValueError(f"{uri}: row {i} repeats id {task.id!r}")
-        tasks.append(task)
-        passages[task.id] = paragraphs
-    return HotpotQA(tuple(tasks), passages)
-
-
-def _hotpotqa_task(uri: str, i: int, row: object, split: Split) -> tuple[Task, tuple[str, ...]]:
-    where = f"{uri}: row {i}"
-    if not isinstance(row, dict):
-        raise ValueError(f"{where} is a {type(row).__name__}, expected an object")
-    raw_id = row.get("_id", row.get("id"))
-    if not isinstance(raw_id, str | int) or isinstance(raw_id, bool) or str(raw_id) == "":
-        raise ValueError(f"{where} field '_id' (or 'id') is missing or not text")
-    for field in ("question", "answer"):
-        if not isinstance(row.get(field), str) or not row[field].strip():
-            raise ValueError(f"{where} field {field!r} must be non-empty text")
-    context = row.get("context")
-    if not isinstance(context, list) or not context:
-        raise ValueError(f"{where} field 'context' must be a non-empty list of [title, sentences]")
-    paragraphs = []
-    for j, entry in enumerate(context):
-        ok = isinstance(entry, list | tuple) and len(entry) == 2 and isinstance(entry[0], str)
-        if not ok or not isinstance(entry[1], list | tuple):
-            raise ValueError(f"{where} field 'context'[{j}] must be [title, [sentences...]]")
-        if not all(isinstance(s, str) for s in entry[1]):
-            raise ValueError(f"{where} field 'context'[{j}] has a sentence that is not text")
-        paragraphs.append(f"{entry[0]}: {' '.join(s.strip() for s in entry[1])}")
-    titles: list[str] = []
-    facts = row.get("supporting_facts") or []
-    if not isinstance(facts, list | tuple):
-        raise ValueError(f"{where} field 'supporting_facts' must be a list of [title, sentence]")
-    for j, fact in enumerate(facts):
-        if not isinstance(fact, list | tuple) or not fact or not isinstance(fact[0], str):
-            raise ValueError(f"{where} field 'supporting_facts'[{j}] must be [title, sentence]")
-        if fact[0] not in titles:
-            titles.append(fact[0])
-    answer = row["answer"].strip()
-    searches = tuple(f"search[{t}]" for t in titles if _writable("search", t))
-    turns = (*searches, f"answer[{answer}]") if _writable("answer", answer) else ()
-    labels = [f"{k}={row[k]}" for k in ("type", "level") if isinstance(row.get(k), str)]
-    task = Task(
-        id=f"hotpotqa-{raw_id}",
-        prompt=row["question"].strip(),
-        answer=answer,
-        difficulty=",".join(labels) or "hotpotqa",
-        split=split,
-        reference=turns,
-    )
-    return task, tuple(paragraphs)
-
-
-def _writable(tool: str, argument: str) -> bool:
-    """Whether ``tool[argument]`` reads back as exactly that action (brackets balanced, ...)."""
-    parsed = parse_action(f"{tool}[{argument}]")
-    return parsed is not None and parsed.name == tool and parsed.argument == argument
-
-
-class HotpotQASuite:
-    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs."""
-
-    name = "hotpotqa"
-    _CACHE = 256  # indexes kept; building one for ten paragraphs takes about a millisecond
-
-    def __init__(
-        self,
-        uri: str,
-        split_seed: int = 0,
-        eval_fraction: float = 0.1,
-        max_turns: int = 8,
-        top_k: int = 2,
-    ) -> None:
-        if max_turns < 1 or top_k < 1:
-            raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
-        self.uri, self.max_turns, self.top_k = uri, max_turns, top_k
-        self.data = load_hotpotqa(uri, split_seed, eval_fraction)
-        self._indexes: OrderedDict[str, SearchIndex] = OrderedDict()
-        self._lock = threading.Lock()  # envs of one suite may reset from several threads
-
-    def tasks(self, split: Split) -> list[Task]:
-        return [t for t in self.data.tasks if t.split == split]
-
-    def make_env(self) -> MultihopEnv:
-        return MultihopEnv(self.index_for, self.max_turns, self.top_k)
-
-    def index_for(self, task: Task) -> SearchIndex:
-        """The BM25 index over ``task``'s own paragraphs (built on first use, then cached)."""
-        if task.id not in self.data.passages:
-            raise ValueError(f"task {task.id} is not in {self.uri}")
-        with self._lock:
-            if task.id not in self._indexes:
-                self._indexes[task.id] = SearchIndex(self.data.passages[task.id])
-                if len(self._indexes) > self._CACHE:
-                    self._indexes.popitem(last=False)
-            self._indexes.move_to_end(task.id)
-            return self._indexes[task.id]

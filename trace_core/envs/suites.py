@@ -38,11 +38,11 @@ def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
 
             return BfclSuite()
         case "deepscaler":
-            from trace_core.envs.calc import DeepScaleRSuite
+            from trace_core.envs.deepscaler import DeepScaleRSuite
 
             return DeepScaleRSuite(str(data))
         case "hotpotqa":
-            from trace_core.envs.multihop import HotpotQASuite
+            from trace_core.envs.hotpotqa import HotpotQASuite
 
             return HotpotQASuite(str(data))
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(SUITES)}")
@@ -72,7 +72,8 @@ class CheckReport:
 
 def check_references(suite: TaskSuite) -> CheckReport:
     rewards: dict[str, list[float]] = defaultdict(list)
-    failed, skipped = [], 0
+    failed: list[str] = []
+    skipped = 0
     env = suite.make_env()
     for split in ("train", "eval"):
         for task in suite.tasks(split):

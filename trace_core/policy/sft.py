@@ -72,6 +72,8 @@ def sft_train(
     for i, (seq, mask) in enumerate(zip(sequences, loss_masks, strict=True)):
         if len(seq) != len(mask):
             raise ValueError(f"sequence {i}: {len(seq)} tokens but {len(mask)} mask entries")
+        if not np.asarray(mask[1:], dtype=bool).any():
+            raise ValueError(f"sequence {i} has no token to learn (its mask is False after t=0)")
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay

@@ -6,13 +6,9 @@ its sampled turn plus a short observation, and TRACE branches from the middle of
 turns. The engine stores keys and values once per distinct token prefix and runs the model
 only over tokens it has never seen.
 
-**Prefix cache.** A radix tree over token ids (as SGLang's RadixAttention). Each node holds a
-run of tokens and the *slots* of their keys and values in one preallocated pool
-(``cache_tokens`` slots of ``(layers, kv_heads, head_dim)``). A node's KV depends only on the
-path from the root, so any prompt that walks through a node reuses it. Generated tokens are
-inserted too, so the next turn of a rollout runs only its observation tokens. Nodes on the
-paths of the current call are locked; when the pool is full, unlocked leaves are evicted,
-least recently used first.
+**Prefix cache.** A radix tree over token ids whose nodes own slots of one preallocated KV pool
+(``prefix_cache``). Generated tokens are inserted too, so the next turn of a rollout runs only
+its observation tokens.
 
 **A call.**
 
@@ -32,21 +28,19 @@ least recently used first.
 3. *Retire.* Finished rows are inserted into the tree (their generated KV copied to the
    pool) and, once a quarter of the batch has finished, dropped from it.
 
-**Sampling.** Temperature, then top-p (the smallest set of most likely tokens whose mass
-reaches ``top_p``), then inverse-CDF sampling with one uniform draw per row; temperature 0 is
-greedy. Logprobs are ``log_softmax`` of the raw logits (temperature 1, no top-p) at the
+**Sampling.** Temperature, then top-p, then one uniform draw per row (``sampling``); temperature
+0 is greedy. Logprobs are ``log_softmax`` of the raw logits (temperature 1, no top-p) at the
 sampled token, as the ``Completion`` contract says. The same call with the same seed on an
 engine in the same state gives the same tokens; KV from the cache and KV computed afresh
 agree to float rounding only, so a sample sitting on a tie could still flip.
 
 Not validated yet: CUDA (written device-agnostic, exercised on CPU only), bfloat16 weights,
-and a pool that cannot hold one call's prompts (refused with an error, not spilled).
+and a single prompt longer than the pool (refused with an error). A call whose prompts do not
+fit together is split into parts that do.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,215 +50,9 @@ from transformers import PreTrainedModel
 
 from trace_core.policy import qwen3
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.policy.prefix_cache import Node, PrefixCache
 from trace_core.policy.qwen3 import KVCache, Qwen3Weights
-
-
-class _Node:
-    """A run of tokens in the radix tree; ``slots`` is None while the node is pending."""
-
-    __slots__ = ("children", "last_used", "parent", "refs", "slots", "tokens")
-
-    def __init__(
-        self, tokens: tuple[int, ...], slots: torch.Tensor | None, parent: _Node | None
-    ) -> None:
-        self.tokens = tokens
-        self.slots = slots  # (len(tokens),) pool indices on the pool's device; None: pending
-        self.parent = parent
-        self.children: dict[int, _Node] = {}  # keyed by the child's first token
-        self.refs = 0  # calls in flight that need this node (locked when > 0)
-        self.last_used = 0
-
-    def ancestry(self) -> list[_Node]:
-        """The path from the root (excluded) down to this node (included)."""
-        path, node = [], self
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        return path[::-1]
-
-
-class PrefixCache:
-    """Radix tree over token ids whose nodes own slots of a preallocated KV pool.
-
-    The pool holds ``capacity`` tokens; slot ``i`` is ``k[:, i]`` and ``v[:, i]``, each
-    ``(layers, kv_heads, head_dim)``. Paths are found by walking tokens, never kept across
-    inserts: an insert may split a node, and the old node object then holds only its tail.
-    """
-
-    def __init__(self, weights: Qwen3Weights, capacity: int) -> None:
-        s = weights.spec
-        shape = (s.num_layers, capacity, s.num_kv_heads, s.head_dim)
-        self.k = torch.zeros(shape, device=weights.device, dtype=weights.dtype)  # (L, S, Hkv, D)
-        self.v = torch.zeros(shape, device=weights.device, dtype=weights.dtype)
-        self.capacity = capacity
-        self.clear()
-
-    def clear(self) -> None:
-        self._empty = torch.empty(0, dtype=torch.long, device=self.k.device)
-        self.root = _Node((), self._empty, None)
-        self._free = torch.arange(self.capacity, device=self.k.device)
-        self._clock = itertools.count(1)
-        self.evicted_tokens = 0
-
-    @property
-    def used(self) -> int:
-        return self.capacity - len(self._free)
-
-    # -- structure ---------------------------------------------------------------------------
-
-    def insert(self, tokens: tuple[int, ...]) -> list[_Node]:
-        """The path of nodes spelling ``tokens``, ending exactly at ``len(tokens)``.
-
-        Nodes are split where the path must end or branch; the tokens no node held become one
-        new pending leaf (``slots`` None) that the caller fills or ``discard``s.
-        """
-        now = next(self._clock)
-        node, i, path = self.root, 0, []
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                child = _Node(tokens[i:], None, node)
-                node.children[tokens[i]] = child
-            else:
-                n = len(child.tokens)
-                if tokens[i : i + n] != child.tokens:
-                    n = _common_prefix(child.tokens, tokens, i)
-                    child = self._split(child, n)
-            child.last_used = now
-            path.append(child)
-            node, i = child, i + len(child.tokens)
-        return path
-
-    def _split(self, node: _Node, n: int) -> _Node:
-        """Cut ``node`` after ``n`` tokens and return the new upper part."""
-        assert node.parent is not None and 0 < n < len(node.tokens)
-        top = _Node(node.tokens[:n], None if node.slots is None else node.slots[:n], node.parent)
-        top.refs, top.last_used = node.refs, node.last_used  # locks hold on both halves
-        node.parent.children[node.tokens[0]] = top
-        node.tokens = node.tokens[n:]
-        node.slots = None if node.slots is None else node.slots[n:]
-        node.parent = top
-        top.children[node.tokens[0]] = node
-        return top
-
-    def walk(self, tokens: tuple[int, ...]) -> list[_Node]:
-        """The existing path that ends exactly at ``len(tokens)`` (as ``insert`` left it)."""
-        node, i, path = self.root, 0, []
-        while i < len(tokens):
-            node = node.children[tokens[i]]
-            i += len(node.tokens)
-            path.append(node)
-        if i != len(tokens):
-            raise KeyError("the path does not end at a node boundary")
-        return path
-
-    def acquire(self, tokens: tuple[int, ...]) -> None:
-        now = next(self._clock)
-        for node in self.walk(tokens):
-            node.refs += 1
-            node.last_used = now
-
-    def release(self, tokens: tuple[int, ...]) -> None:
-        for node in self.walk(tokens):
-            node.refs -= 1
-
-    def discard(self, nodes: Sequence[_Node]) -> None:
-        """Remove nodes of a failed fill (deepest first), returning any slots they took."""
-        for node in sorted(nodes, key=lambda x: -len(x.ancestry())):
-            parent = node.parent
-            if node.children or parent is None or parent.children.get(node.tokens[0]) is not node:
-                continue
-            del parent.children[node.tokens[0]]
-            if node.slots is not None:
-                self._free = torch.cat([self._free, node.slots])
-
-    def slots_of(self, path: Sequence[_Node]) -> torch.Tensor:
-        """The pool slots of a path's tokens, in order (c,)."""
-        parts = [n.slots for n in path]
-        if any(p is None for p in parts):
-            raise RuntimeError("the path has pending nodes")
-        return torch.cat([self._empty, *parts])  # type: ignore[list-item]
-
-    # -- slots -------------------------------------------------------------------------------
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """``n`` free slots, evicting least recently used unlocked leaves; None if impossible."""
-        if n > len(self._free):
-            self._evict(n - len(self._free))
-        if n > len(self._free):
-            return None
-        slots, self._free = self._free[:n], self._free[n:]
-        return slots
-
-    def _evict(self, need: int) -> None:
-        def evictable(node: _Node) -> bool:
-            return (
-                node.parent is not None
-                and not node.children
-                and node.refs == 0
-                and node.slots is not None
-            )
-
-        heap = [(n.last_used, id(n), n) for n in self._nodes() if evictable(n)]
-        heapq.heapify(heap)
-        freed = []
-        while need > 0 and heap:
-            _, _, node = heapq.heappop(heap)
-            assert node.parent is not None and node.slots is not None
-            del node.parent.children[node.tokens[0]]
-            freed.append(node.slots)
-            need -= len(node.tokens)
-            self.evicted_tokens += len(node.tokens)
-            if evictable(node.parent):
-                heapq.heappush(heap, (node.parent.last_used, id(node.parent), node.parent))
-        self._free = torch.cat([self._free, *freed])
-
-    def _nodes(self) -> list[_Node]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], offset: int) -> int:
-    n = 0
-    while n < len(a) and offset + n < len(b) and a[n] == b[offset + n]:
-        n += 1
-    return n
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """One token per row of ``logits`` (B, V) -> (B,); greedy when ``temperature`` is 0.
-
-    Inverse-CDF sampling: one uniform per row against the cumulative probabilities, in
-    float64 so that the rounding edge ``u · total == total`` (which would pick the last
-    token whatever its probability) has odds near 2⁻⁵³. ``torch.multinomial`` draws an
-    exponential per vocabulary entry instead: ten times slower for a 64 × 300 batch here.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits if temperature == 1 else logits / temperature, dim=-1)
-    order = None
-    if top_p < 1:
-        probs, order = probs.sort(dim=-1, descending=True)
-        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
-        probs = probs.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
-    u = torch.rand(
-        (logits.shape[0], 1), generator=generator, device=logits.device, dtype=torch.float64
-    )
-    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # (B, 1)
-    picked = picked.clamp_(max=logits.shape[-1] - 1)
-    if order is not None:
-        picked = order.gather(-1, picked)
-    return picked.squeeze(-1)
+from trace_core.policy.sampling import sample_tokens
 
 
 @dataclass(frozen=True)
@@ -273,7 +61,7 @@ class _Row:
 
     context: torch.Tensor  # (c,) pool slots
     tokens: tuple[int, ...]
-    fills: _Node | None  # the node these tokens' KV goes to; None: a rerun for logits only
+    fills: Node | None  # the node these tokens' KV goes to; None: a rerun for logits only
     logits_for: int | None  # the distinct prompt whose first-token logits this row yields
 
 
@@ -340,6 +128,41 @@ class TorchEngine:
         else:
             generator.manual_seed(seed)
 
+        out: list[Completion] = []
+        for chunk in self._chunks(prompt_list):
+            out += self._generate_chunk(chunk, params, generator)
+        self.stats.calls += 1
+        self.stats.prompt_tokens += sum(len(p) for p in prompt_list)
+        self.stats.generated_tokens += sum(len(c.token_ids) for c in out)
+        self.stats.extra["cache_used_tokens"] = float(self.cache.used)
+        self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
+        n = params.n
+        return [out[i * n : (i + 1) * n] for i in range(len(prompt_list))]
+
+    def _chunks(self, prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+        """Split a call so that each part's prompts fit in half the cache pool at once.
+
+        A part's prompts stay locked in the cache while it decodes; half the pool leaves room
+        for the generated tokens. Parts run one after another with one generator, so a seed
+        still decides the whole call.
+        """
+        budget = max(1, self.cache.capacity // 2)
+        chunks: list[list[tuple[int, ...]]] = [[]]
+        used = 0
+        for p in prompts:
+            if chunks[-1] and used + len(p) > budget:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(p)
+            used += len(p)
+        return chunks
+
+    def _generate_chunk(
+        self,
+        prompt_list: list[tuple[int, ...]],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[Completion]:
         distinct = list(dict.fromkeys(prompt_list))  # identical prompts share one prefill
         index = {p: u for u, p in enumerate(distinct)}
         rows = [index[p] for p in prompt_list for _ in range(params.n)]
@@ -354,13 +177,7 @@ class TorchEngine:
                 for p in distinct:
                     self.cache.release(p)
 
-        self.stats.calls += 1
-        self.stats.prompt_tokens += sum(len(p) for p in prompt_list)
-        self.stats.generated_tokens += sum(len(c.token_ids) for c in out)
-        self.stats.extra["cache_used_tokens"] = float(self.cache.used)
-        self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
-        n = params.n
-        return [out[i * n : (i + 1) * n] for i in range(len(prompt_list))]
+        return out
 
     def _check(self, prompts: list[tuple[int, ...]], params: SamplingParams) -> None:
         spec = self.weights.spec
@@ -575,7 +392,7 @@ class TorchEngine:
         Best effort: when the pool has no room, the completions are simply not cached.
         """
         cache, dev = self.cache, self.device
-        source: dict[_Node, int] = {}  # pending node -> a batch row that holds its tokens
+        source: dict[Node, int] = {}  # pending node -> a batch row that holds its tokens
         for b, seq in seqs:
             for node in cache.insert(seq):
                 if node.slots is None:

@@ -1,0 +1,306 @@
+"""RayEnginePool: routing pieces against brute force, answers against TorchEngine, seeded
+determinism through ``grow_trees``, and rollouts that survive a killed worker.
+
+One in-process Ray serves the module (≈5 s to start); each pool starts its own actors
+(≈3 s, more on a busy machine). The policy is a tiny random Qwen3 with its weights scaled
+up, so greedy decoding has no near-ties and can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_core.algo.plan import Budget, plan
+from trace_core.algo.tree import RolloutTree
+from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.model import (
+    TinyPolicyConfig,
+    create_policy,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.rollout.predictor import ConstantPredictor
+from trace_core.rollout.ray_pool import (
+    PrefixOwners,
+    RayEnginePool,
+    SubBatch,
+    ray_session,
+    split_work,
+    sub_batch_seed,
+)
+
+SUITE = CalcSuite(seed=3, train_size=40, eval_size=10)
+BUDGET = Budget(roots=8, continuations=2, group=4)  # 8 × (1 + 2/2) = 16 units
+GROW = GrowConfig("trace", BUDGET, SamplingParams(max_tokens=10), seed=7)
+
+
+# -- routing, without Ray --------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=12),
+    query=st.lists(st.integers(0, 3), min_size=1, max_size=10),
+)
+def test_prefix_owners_find_the_longest_recorded_prefix(
+    seqs: list[list[int]], query: list[int]
+) -> None:
+    owners = PrefixOwners()
+    truth: dict[tuple[int, ...], int] = {}
+    for w, s in enumerate(seqs):
+        owners.record(s, w)
+        truth[tuple(s)] = w  # a later record of the same sequence wins
+    # Brute force: every prefix of the query, longest first.
+    expected = next(
+        (
+            (truth[tuple(query[:k])], k)
+            for k in range(len(query), 0, -1)
+            if tuple(query[:k]) in truth
+        ),
+        (None, 0),
+    )
+    assert owners.lookup(query) == expected
+
+
+def test_prefix_owners_forget_the_oldest_half_when_full() -> None:
+    owners = PrefixOwners(capacity=4)
+    for w in range(5):
+        owners.record([9, w], w)
+    assert len(owners) == 3  # 5 > 4: the oldest 2 of 5 were dropped
+    assert owners.lookup([9, 0, 1]) == (None, 0)
+    assert owners.lookup([9, 4, 1]) == (4, 2)
+
+
+def test_split_work_keeps_owners_until_their_share_is_full() -> None:
+    # Four groups owned by worker 0 (work 10 at home, 12 away: their prefix is cached on 0),
+    # and a new group of 10. Fair share 50 / 2 = 25, cap 25 × 1.25 = 31.25: worker 0 keeps
+    # three groups (30); the fourth would end at 40 at home, 12 on worker 1: it moves. The new
+    # group then ends at 40 on worker 0, at 22 on worker 1.
+    owners = [0, 0, 0, 0, None]
+    home = [10.0] * 5
+    assert split_work(owners, home, [12.0] * 4 + [10.0], [0, 1], slack=0.25) == [0, 0, 0, 1, 1]
+    # Moving costs 100 (a long history to prefill again): staying at 40 is sooner.
+    assert split_work(owners, home, [100.0] * 4 + [10.0], [0, 1], 0.25) == [0, 0, 0, 0, 1]
+    # A slack that fits everything moves nothing; a lone worker takes everything.
+    assert split_work(owners, home, [12.0] * 5, [0, 1], slack=10)[:4] == [0, 0, 0, 0]
+    assert split_work(owners, home, [12.0] * 5, [1], slack=0) == [1] * 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    work=st.lists(st.integers(1, 100), min_size=1, max_size=7),
+    workers=st.integers(1, 3),
+)
+def test_split_work_without_owners_is_within_grahams_bound(work: list[int], workers: int) -> None:
+    """No affinity: longest-processing-time greedy, whose makespan is at most
+    (4/3 - 1/(3m)) × the best one (Graham 1969); the best by brute force."""
+    chosen = split_work([None] * len(work), work, work, list(range(workers)), slack=0.1)
+    assert sorted(set(chosen)) <= list(range(workers))
+    makespan = max(
+        sum(w for w, c in zip(work, chosen, strict=True) if c == m) for m in range(workers)
+    )
+    best = min(
+        max(sum(w for w, c in zip(work, assign, strict=True) if c == m) for m in range(workers))
+        for assign in itertools.product(range(workers), repeat=len(work))
+    )
+    assert makespan <= (4 / 3 - 1 / (3 * workers)) * best + 1e-9
+
+
+def test_sub_batch_seeds_depend_on_seed_and_indices_only() -> None:
+    assert sub_batch_seed(5, [0, 2, 3]) == sub_batch_seed(5, (0, 2, 3))
+    assert sub_batch_seed(5, [0, 2, 3]) != sub_batch_seed(5, [0, 2, 4])
+    assert sub_batch_seed(5, [0, 2, 3]) != sub_batch_seed(6, [0, 2, 3])
+    assert sub_batch_seed(None, [1]) is None
+    assert 0 <= sub_batch_seed(2**40, [1]) < 2**31  # type: ignore[operator]
+
+
+# -- pools on one in-process Ray -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    # One torch thread here too, as in each worker: the reference TorchEngine runs in this
+    # process, and two OpenMP threads on a busy 2-core machine run ten times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ray_session(num_cpus=2):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def save_sharpened_policy(path: Path, seed: int) -> Path:
+    """A random tiny policy with peaked next-token distributions: no greedy near-ties."""
+    tokenizer = build_word_tokenizer(SUITE.vocabulary())
+    model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    save_checkpoint(model, tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_sharpened_policy(tmp_path_factory.mktemp("policy"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def fmt(checkpoint: Path) -> TurnFormat:
+    return TurnFormat(load_checkpoint(checkpoint)[1])
+
+
+def grow(engine: RayEnginePool, fmt: TurnFormat) -> list[RolloutTree]:
+    return grow_trees(engine, fmt, SUITE.make_env, SUITE.tasks("train"), ConstantPredictor(), GROW)
+
+
+def check_trees_are_the_planned_ones(trees: Sequence[RolloutTree]) -> None:
+    """Every planned tree exactly once, complete, with exactly the budget's units spent."""
+    # grow_trees plans with default_rng(seed) from the predictor's scores (constant 0.5).
+    root_plan = plan(
+        "trace", np.full(len(SUITE.tasks("train")), 0.5), BUDGET, np.random.default_rng(GROW.seed)
+    )
+    assert [t.info.tree_id for t in trees] == np.flatnonzero(root_plan.counts).tolist()
+    for tree in trees:
+        i = tree.info.tree_id
+        assert tree.root_rollouts == root_plan.counts[i]
+        assert tree.continuations == root_plan.continuations[i]
+        assert not np.isnan(tree.reward[tree.leaf_mask]).any()  # every leaf has its reward
+        assert np.isnan(tree.reward[~tree.leaf_mask]).all()
+    assert sum(t.units for t in trees) == BUDGET.units == 16.0
+
+
+def assert_same_greedy_answers(
+    ours: list[list[Completion]], theirs: list[list[Completion]]
+) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids.dtype == np.int32 and x.logprobs.dtype == np.float32
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            assert x.finished == y.finished
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+
+def test_two_workers_answer_every_prompt_in_order_as_torch_engine_does(
+    ray_cluster: None, checkpoint: Path, tmp_path: Path
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # 12 ragged prompts, two of them equal; the second call extends the first call's prompts.
+    prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 15)]
+    prompts[5] = list(prompts[2])
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=9)
+
+    def reference(path: Path, prompts: list[list[int]]) -> list[list[Completion]]:
+        engine = TorchEngine(load_checkpoint(path)[0])
+        return [engine.generate([p], greedy, seed=1)[0] for p in prompts]
+
+    with RayEnginePool(checkpoint, workers=2, max_restarts=1) as pool:
+        assert pool.workers == 2 and len(set(pool.worker_pids())) == 2
+        for _ in range(2):
+            ours = pool.generate(prompts, greedy, seed=1)
+            assert_same_greedy_answers(ours, reference(checkpoint, prompts))
+            prompts = [
+                p + c[0].token_ids.tolist() + [7] for p, c in zip(prompts, ours, strict=True)
+            ]
+        assert pool.generate([], greedy) == []
+        stats = pool.stats
+        assert stats.calls == 2
+        assert stats.extra["sub_batches"] == 4  # both workers got work in both calls
+        # Second call: every prompt extends one a worker served, and stays there.
+        assert stats.extra["affinity_kept"] == len(prompts)
+        assert stats.generated_tokens == 2 * len(prompts) * 2 * 9
+        assert stats.prefill_tokens < stats.prompt_tokens  # the extensions hit the caches
+
+        # New weights, then a crash: the restarted actor boots with the constructor's
+        # checkpoint and must reload the new one before it answers.
+        new = save_sharpened_policy(tmp_path / "new", seed=1)
+        pool.update_weights(new)
+        killed = pool.kill_worker_process(0, signal.SIGKILL)
+        assert_same_greedy_answers(pool.generate(prompts, greedy, seed=1), reference(new, prompts))
+        assert killed not in pool.worker_pids() and pool.workers == 2
+
+
+def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    with RayEnginePool(checkpoint, workers=1) as pool:
+        first = grow(pool, fmt)
+        pool.update_weights(checkpoint)  # same weights, empty cache: the state of a new pool
+        second = grow(pool, fmt)
+    check_trees_are_the_planned_ones(first)
+    assert len(first) == len(second) > 1
+    assert all(a.equals(b) for a, b in zip(first, second, strict=True))
+    assert sum(t.generated_tokens for t in first) > 0
+
+
+class KillingPool(RayEnginePool):
+    """Kills the process of a worker that has a sub-batch in flight, on call ``at_call``."""
+
+    at_call = 3
+    killed: list[int]
+
+    def _submitted(self, call: int, plan: Sequence[SubBatch]) -> None:
+        if call == self.at_call:
+            self.victim = plan[0].worker
+            self.killed = [self.kill_worker_process(self.victim, signal.SIGKILL)]
+
+
+def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    with KillingPool(checkpoint, workers=2, max_restarts=2) as pool:
+        trees = grow(pool, fmt)
+        pids = pool.worker_pids()
+        assert pool.killed[0] not in pids  # the victim runs in a new process now
+        assert pool.workers == 2
+        assert "resubmitted_sub_batches" not in pool.stats.extra  # Ray reran it in place
+    check_trees_are_the_planned_ones(trees)
+
+
+def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    with KillingPool(checkpoint, workers=2, max_restarts=0) as pool:
+        trees = grow(pool, fmt)
+        assert pool.workers == 1
+        assert pool.stats.extra["resubmitted_sub_batches"] == 1
+        assert pool.stats.extra["dead_workers"] == 1
+    check_trees_are_the_planned_ones(trees)
+
+
+def test_workers_bench_times_every_engine_on_the_same_workload(
+    ray_cluster: None, checkpoint: Path, tmp_path: Path
+) -> None:
+    """A tiny ``bench workers`` (one Ray worker only: the module's Ray has 2 CPUs)."""
+    config = WorkersBenchConfig(
+        checkpoint, prompts=8, roots=4, continuations=2, max_tokens=6, repeats=1, workers=(1,)
+    )
+    result = run_workers_bench(config)
+    assert [r.engine for r in result.runs] == ["in-process", "ray×1"]
+    for run in result.runs:
+        assert run.units == 8.0  # 4 × (1 + 2/2)
+        assert run.generated_tokens > 0 and run.seconds > 0 and 0 < run.busy_share <= 1
+    assert result.ratio == 1.0
+    result.write_json(tmp_path / "bench.json")
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert set(data) == {"config", "runs", "ratio", "load_average", "cpus"}

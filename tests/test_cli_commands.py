@@ -1,0 +1,161 @@
+"""The task, warm-start, demo and engine-bench commands, run as the real ``trace-rl`` script.
+
+Tiny budgets only; nothing asserts on how long anything took (timings need only be positive).
+Subprocesses run with one OpenMP thread: on a shared CPU, idle workers cost more than they give.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CALC_LABELS = [f"ops={o},digits={d}" for o in (1, 2, 3) for d in (1, 2, 3)]
+
+
+def trace_rl(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``trace-rl`` (the console script beside this Python, else ``python -m``)."""
+    script = Path(sys.executable).with_name("trace-rl")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "trace_core.cli"]
+    # A wide terminal so rich neither wraps table cells nor error messages.
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def said(run: subprocess.CompletedProcess[str]) -> str:
+    """Everything the command printed, with line wrapping undone."""
+    return " ".join((run.stdout + run.stderr).split())
+
+
+# --- trace-rl task check -------------------------------------------------------------------------
+
+
+def test_task_check_calc_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    run = trace_rl("task", "check", "calc", "--json", str(out), cwd=tmp_path)
+    assert run.returncode == 0, said(run)
+    data = json.loads(out.read_text())
+    assert data == {
+        "task": "calc",
+        "tasks": 2200,  # 2000 train + 200 eval
+        "mean_reward": 1.0,
+        "without_reference": 0,
+        "by_difficulty": dict.fromkeys(CALC_LABELS, 1.0),
+        "failed": [],
+    }
+    assert "calc: 2200 reference episodes" in said(run) and f"wrote {out}" in said(run)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["task", "check", "nope"],
+            "unknown task 'nope'; choose one of calc, multihop, bfcl, deepscaler, hotpotqa",
+        ),
+        (["task", "check", "deepscaler"], "task 'deepscaler' reads a dataset"),
+        (["warmstart", "--task", "bfcl"], "warm start needs a synthetic task (calc, multihop)"),
+    ],
+    ids=["unknown-task", "missing-data", "warmstart-task"],
+)
+def test_bad_tasks_are_refused_plainly(args: list[str], message: str, tmp_path: Path) -> None:
+    run = trace_rl(*args, cwd=tmp_path)
+    assert run.returncode == 2, said(run)
+    assert message in said(run)
+    assert "Traceback" not in said(run)
+    assert not any(tmp_path.iterdir())  # nothing written, nothing warm-started
+
+
+# --- trace-rl warmstart, then rollout-demo on its checkpoint -------------------------------------
+
+
+@dataclass(frozen=True)
+class Warmstarted:
+    run: subprocess.CompletedProcess[str]
+    checkpoint: Path
+    report: Path
+    cwd: Path
+
+
+@pytest.fixture(scope="module")
+def warmstarted(tmp_path_factory: pytest.TempPathFactory) -> Warmstarted:
+    cwd = tmp_path_factory.mktemp("cli")
+    checkpoint, report = cwd / "policy", cwd / "warmstart.json"
+    run = trace_rl(
+        "warmstart", "--task", "calc", "--output", str(checkpoint), "--steps", "5",
+        "--demos", "50", "--eval-tasks", "18", "--eval-samples", "2", "--json", str(report),
+        cwd=cwd, timeout=300,
+    )  # fmt: skip
+    return Warmstarted(run, checkpoint, report, cwd)
+
+
+def test_warmstart_command(warmstarted: Warmstarted) -> None:
+    run = warmstarted.run
+    assert run.returncode == 0, said(run)[-2000:]
+    data = json.loads(warmstarted.report.read_text())
+    assert set(data) == {
+        "task",
+        "checkpoint",
+        "steps",
+        "final_loss",
+        "train_seconds",
+        "demo_success",
+        "success",
+    }
+    assert (data["task"], data["checkpoint"], data["steps"]) == (
+        "calc",
+        str(warmstarted.checkpoint),
+        5,
+    )
+    assert list(data["success"]) == CALC_LABELS
+    assert all(0.0 <= v <= 1.0 for v in data["success"].values())
+    assert "calc warm start: 5 steps" in said(run)
+
+
+def test_warmstart_checkpoint_feeds_the_rollout_demo(warmstarted: Warmstarted) -> None:
+    # The checkpoint is written before the eval runs, so it is there whatever the eval did.
+    assert (warmstarted.checkpoint / "config.json").exists(), said(warmstarted.run)[-2000:]
+    assert (warmstarted.checkpoint / "model.safetensors").exists()
+    run = trace_rl(
+        "rollout-demo", "--task", "calc", "--checkpoint", str(warmstarted.checkpoint),
+        "--prompts", "2", "--samples", "1",
+        cwd=warmstarted.cwd,
+    )  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    text = said(run)
+    assert "no policy at" not in text  # it used the checkpoint, it did not warm-start one
+    # Two eval tasks, one episode each: two prompts, two rewards.
+    assert text.count("prompt:") == 2 and text.count("reward") == 2
+    assert "agent:" in text and "env:" in text
+    assert "calc-eval-00000" in text and "calc-eval-00001" in text
+
+
+# --- trace-rl bench engine -----------------------------------------------------------------------
+
+
+def test_bench_engine_json(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    run = trace_rl("bench", "engine", "--batch", "4", "--new-tokens", "8", "--json", str(out),
+                   cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    data = json.loads(out.read_text())
+    for key in (
+        "torch_tokens_per_s",
+        "hf_tokens_per_s",
+        "ratio_vs_hf",
+        "prefill_tokens",
+        "unique_tokens",
+    ):
+        assert isinstance(data[key], (int, float)) and data[key] > 0, key
+    assert data["batch"] == 4 and data["new_tokens"] == 8
+    assert data["ratio_vs_hf"] == pytest.approx(
+        data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
+    )
+    assert "Tiny policy, batch 4 × 8 new tokens" in said(run)

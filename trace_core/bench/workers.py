@@ -1,0 +1,200 @@
+"""``trace-rl bench workers``: rollout throughput with 1 and 2 Ray engine workers.
+
+One workload, run once per worker count: ``grow_trees`` with strategy ``trace`` on the calc
+task, a fixed pool and budget, a constant predictor, through a ``RayEnginePool`` whose
+workers run one torch thread each. An in-process ``TorchEngine`` on one thread runs it too,
+as the reference without Ray. Tokens/s = generated tokens / wall seconds of ``grow_trees``;
+actor start-up and a warm-up run are not timed, and every timed run starts from empty prefix
+caches. All engines are up at once and their runs interleave; the best of ``repeats`` runs
+of each counts, and the machine's load average is recorded (the machine may be shared).
+
+    from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+    print(run_workers_bench(WorkersBenchConfig(Path("build/policy/calc"))).ratio)
+
+``busy_share`` is the engines' busy time over (wall time × workers); the rest is what the
+lock-step schedule leaves idle. ``grow_trees`` makes one engine call per turn-step and waits
+for all of it, so within a call a worker that finishes its share early waits for the slowest
+one (``imbalance_share``), and between calls every worker waits while the driver steps the
+envs and Ray carries prompts and completions (the remainder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trace_core.algo.metrics import measure
+from trace_core.algo.plan import Budget
+from trace_core.envs.suites import make_suite
+from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.model import load_checkpoint
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.rollout.predictor import ConstantPredictor
+from trace_core.rollout.ray_pool import RayEnginePool, ray_session
+
+
+@dataclass(frozen=True)
+class WorkersBenchConfig:
+    checkpoint: Path
+    """Policy directory (HF format); a warm-started calc policy gives realistic turn lengths."""
+    prompts: int = 256
+    """Candidate prompts in the pool (calc train split, seeded)."""
+    roots: int = 256
+    """M: root rollouts."""
+    continuations: int = 2
+    """N: continuations per root."""
+    max_tokens: int = 48
+    """Generated tokens per turn at most."""
+    seed: int = 0
+    repeats: int = 3
+    """Timed runs per engine; the best counts."""
+    workers: tuple[int, ...] = (1, 2)
+    """Worker counts to time; the ratio is the last over the first."""
+
+    def __post_init__(self) -> None:
+        if min(self.prompts, self.max_tokens, self.repeats) < 1:
+            raise ValueError("prompts, max_tokens and repeats must be >= 1")
+        if not self.workers or min(self.workers) < 1:
+            raise ValueError(f"workers must be worker counts >= 1, got {self.workers}")
+        Budget(self.roots, self.continuations)  # validates roots and continuations
+
+
+@dataclass(frozen=True)
+class WorkersRun:
+    engine: str
+    """``in-process`` or ``ray×W``."""
+    workers: int
+    """0 for the in-process engine."""
+    seconds: float
+    generated_tokens: int
+    tokens_per_s: float
+    engine_calls: int
+    busy_share: float
+    """Engine busy seconds / (wall seconds × workers)."""
+    imbalance_share: float
+    """Worker seconds spent waiting for the slowest sub-batch of a call / (wall × workers);
+    the rest of the idle time (1 - busy - imbalance) is the driver's turn (env steps,
+    routing) and Ray's transport, when every worker waits."""
+    prefill_tokens: int
+    affinity_moved: int
+    """Prompts routed away from the worker that held their prefix."""
+    units: float
+
+
+@dataclass(frozen=True)
+class WorkersBenchResult:
+    config: dict[str, object]
+    runs: list[WorkersRun] = field(default_factory=list)
+    load_average: tuple[float, float] = (0.0, 0.0)
+    """The machine's 1-minute load average before and after: other work skews the timings."""
+    cpus: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Tokens/s of the most workers over the fewest."""
+        ray_runs = [r for r in self.runs if r.workers]
+        return ray_runs[-1].tokens_per_s / ray_runs[0].tokens_per_s
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "config": self.config,
+            "runs": [asdict(r) for r in self.runs],
+            "ratio": self.ratio,
+            "load_average": list(self.load_average),
+            "cpus": self.cpus,
+        }
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def run_workers_bench(
+    config: WorkersBenchConfig, progress: Callable[[str], None] | None = None
+) -> WorkersBenchResult:
+    """Time the workload in process and with each worker count (see the module docstring)."""
+    say = progress or (lambda _: None)
+    suite = make_suite("calc", None, config.seed)
+    tasks = suite.tasks("train")
+    order = np.random.default_rng(config.seed).permutation(len(tasks))[: config.prompts]
+    pool = [tasks[i] for i in order]
+    model, tokenizer = load_checkpoint(config.checkpoint)
+    fmt = TurnFormat(tokenizer)
+    grow = GrowConfig(
+        "trace",
+        Budget(config.roots, config.continuations),
+        SamplingParams(max_tokens=config.max_tokens),
+        seed=config.seed,
+    )
+
+    def timed(engine: Engine, reset: Callable[[], None], label: str, workers: int) -> WorkersRun:
+        reset()  # every timed run starts from empty prefix caches
+        before = (engine.stats.calls, engine.stats.prefill_tokens, dict(engine.stats.extra))
+        start = time.perf_counter()
+        trees = grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)
+        seconds = time.perf_counter() - start
+        extra = engine.stats.extra
+        busy = extra.get("worker_seconds", 0.0) - before[2].get("worker_seconds", 0.0)
+        moved = extra.get("affinity_moved", 0.0) - before[2].get("affinity_moved", 0.0)
+        key = "imbalance_idle_seconds"
+        imbalance = extra.get(key, 0.0) - before[2].get(key, 0.0)
+        metrics = measure(trees)
+        return WorkersRun(
+            engine=label,
+            workers=workers,
+            seconds=seconds,
+            generated_tokens=metrics.tokens,
+            tokens_per_s=metrics.tokens / seconds,
+            engine_calls=engine.stats.calls - before[0],
+            busy_share=busy / (seconds * workers) if workers else 1.0,
+            imbalance_share=imbalance / (seconds * workers) if workers else 0.0,
+            prefill_tokens=engine.stats.prefill_tokens - before[1],
+            affinity_moved=int(moved),
+            units=metrics.units,
+        )
+
+    load_before = os.getloadavg()[0]
+    threads = torch.get_num_threads()
+    best: dict[str, WorkersRun] = {}
+    # Every pool is up at once and the runs interleave, so a burst of other load on a shared
+    # machine hits every engine alike instead of whichever ran at that moment.
+    with contextlib.ExitStack() as stack:
+        stack.callback(torch.set_num_threads, threads)
+        torch.set_num_threads(1)  # the in-process engine, as one worker would run
+        local = TorchEngine(model)
+        engines: list[tuple[Engine, Callable[[], None], str, int]] = [
+            (local, functools.partial(local.update_weights, model), "in-process", 0)
+        ]
+        stack.enter_context(ray_session(num_cpus=sum(config.workers)))
+        for w in config.workers:
+            say(f"starting {w} Ray workers")
+            ray_pool = stack.enter_context(
+                RayEnginePool(config.checkpoint, workers=w, threads_per_worker=1)
+            )
+            reset = functools.partial(ray_pool.update_weights, config.checkpoint)
+            engines.append((ray_pool, reset, f"ray×{w}", w))
+        for engine, *_ in engines:
+            say("warm-up")
+            grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)
+        for r in range(config.repeats):
+            for engine, clear, label, w in engines:
+                say(f"{label}: run {r + 1}/{config.repeats}")
+                run = timed(engine, clear, label, w)
+                if label not in best or run.tokens_per_s > best[label].tokens_per_s:
+                    best[label] = run
+    return WorkersBenchResult(
+        config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        runs=list(best.values()),
+        load_average=(load_before, os.getloadavg()[0]),
+        cpus=os.cpu_count() or 0,
+    )

@@ -1,0 +1,106 @@
+"""DeepScaleR math problems in the calc env, their answers checked with math-verify.
+
+    trace-rl task check deepscaler --data train.parquet
+
+The data is JSON, JSON Lines or Parquet with ``problem`` and ``answer`` (``solution`` optional).
+Episodes run in ``CalcEnv``, so the calculator stays available; the answer is compared with the
+gold one by mathematical equivalence (``check_math``) instead of as an integer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trace_core.envs.base import Split, Task, bounded_call, parse_action
+from trace_core.envs.calc import CalcEnv
+from trace_core.envs.source import read_records
+
+
+def check_math(given: str, gold: str, seconds: float = 5.0) -> bool:
+    """Mathematical equivalence by math-verify ("\\frac{1}{2}" == "0.5"), gold parsed first.
+
+    Both sides are read as inline LaTeX (``$...$``), falling back to the raw text when that finds
+    nothing. math-verify's own timeouts use SIGALRM, which only works on the main thread, so they
+    are off and ``bounded_call`` bounds the time instead. Any failure counts as wrong.
+    """
+    import math_verify  # heavy (sympy); only DeepScaleR needs it
+
+    def parse(text: str) -> list[object]:
+        text = text.strip()
+        if not text:
+            return []
+        parsed = list(math_verify.parse(f"${text}$", parsing_timeout=None))
+        return parsed or list(math_verify.parse(text, parsing_timeout=None))
+
+    def verify() -> bool:
+        gold_parsed, given_parsed = parse(gold), parse(given)
+        if not gold_parsed or not given_parsed:
+            return False
+        return bool(math_verify.verify(gold_parsed, given_parsed, timeout_seconds=None))
+
+    try:
+        return bounded_call(verify, seconds)
+    except Exception:  # math-verify or sympy failing on odd input is a wrong answer, not a crash
+        return False
+
+
+def load_deepscaler(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> list[Task]:
+    """DeepScaleR problems (``problem``, ``answer``, optional ``solution``) from JSON/JSONL/Parquet.
+
+    A seeded permutation puts ``round(eval_fraction * n)`` rows in eval, the rest in train. The
+    reference is the single turn ``answer[<gold>]`` (empty when the gold text has unbalanced
+    brackets and so cannot be written as one action). Ids are ``deepscaler-<row>``.
+    """
+    if not 0.0 <= eval_fraction <= 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
+    rows = read_records(uri)
+    if not rows:
+        raise ValueError(f"{uri}: no rows")
+    problems: list[tuple[str, str]] = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{uri}: row {i} is a {type(row).__name__}, expected an object")
+        for field in ("problem", "answer"):
+            if field not in row or row[field] is None:
+                raise ValueError(f"{uri}: row {i} has no {field!r} field")
+        problem, answer = row["problem"], row["answer"]
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(problem, str) or not problem.strip():
+            raise ValueError(f"{uri}: row {i} field 'problem' must be non-empty text")
+        if not isinstance(answer, str) or not answer.strip():
+            raise ValueError(f"{uri}: row {i} field 'answer' must be non-empty text or an integer")
+        solution = row.get("solution")
+        if solution is not None and not isinstance(solution, str):
+            raise ValueError(f"{uri}: row {i} field 'solution' must be text when present")
+        problems.append((problem.strip(), answer.strip()))
+    order = np.random.default_rng(split_seed).permutation(len(rows))
+    eval_rows = set(order[: round(eval_fraction * len(rows))].tolist())
+    tasks = []
+    for i, (problem, answer) in enumerate(problems):
+        action = f"answer[{answer}]"
+        parsed = parse_action(action)
+        reference = (action,) if parsed is not None and parsed.argument == answer else ()
+        split: Split = "eval" if i in eval_rows else "train"
+        tasks.append(Task(f"deepscaler-{i}", problem, answer, "deepscaler", split, reference))
+    return tasks
+
+
+class DeepScaleRSuite:
+    """DeepScaleR problems in ``CalcEnv`` (the calculator stays available), math-verify rewards."""
+
+    name = "deepscaler"
+
+    def __init__(
+        self, uri: str, split_seed: int = 0, eval_fraction: float = 0.1, max_turns: int = 6
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.uri, self.max_turns = uri, max_turns
+        self._tasks = load_deepscaler(uri, split_seed, eval_fraction)
+
+    def tasks(self, split: Split) -> list[Task]:
+        return [t for t in self._tasks if t.split == split]
+
+    def make_env(self) -> CalcEnv:
+        return CalcEnv(self.max_turns, check=check_math)

@@ -1,0 +1,537 @@
+"""``RayEnginePool``: the ``Engine`` protocol over engine replicas running as Ray actors.
+
+The only module that imports Ray. Each worker is an actor that holds one policy replica,
+loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU) or a
+``VLLMEngine``. ``grow_trees`` and everything else see one engine::
+
+    with RayEnginePool("build/policy/calc", workers=2) as engine:   # in-process Ray
+        trees = grow_trees(engine, fmt, suite.make_env, pool, predictor, config)
+
+    RayEnginePool(ckpt, workers=8, address="10.0.0.5:6379", num_gpus_per_worker=1)  # a head
+
+**Routing.** A call's prompts are split into one sub-batch per live worker. Each engine
+keeps a prefix cache, and in a tree rollout every prompt extends an earlier one (the next
+turn of an episode is its last prompt + the sampled turn + the observation; a continuation
+starts from a stored history). So the pool remembers which worker served every prompt and
+completion it has seen (keyed by a rolling hash of the token ids, per length), and a new
+prompt's *owner* is the worker that served its longest known prefix: a tree stays on the
+worker that holds its KV, whatever the prompt format. Balance comes next. A prompt's work
+is estimated as tokens to prefill (all of them away from its owner, the unseen tail at
+home) plus the tokens it is expected to generate (``n`` × ``max_tokens`` scaled by the mean
+completion length seen so far). Owned prompts stay home, heaviest first, while the owner is
+under ``1 + slack`` times its fair share; the rest and the new prompts go, heaviest first,
+to the worker where they would finish first (longest-processing-time greedy). Identical
+prompts (the roots of one task) move together, so their prefill is shared. Routing only
+affects speed: any worker gives a correct answer.
+
+**Seeds.** A sub-batch's seed is drawn from ``SeedSequence([seed, *indices])``: the call's
+seed and the positions of its prompts in the call. With one worker the sub-batch is the
+whole call, so a fixed seed reproduces a run (the engine's own determinism is the limit:
+``TorchEngine`` is bit-exact on CPU for the same call on an engine in the same state).
+With several workers, samples depend on how the call was split.
+
+**Faults.** Actors are created with ``max_restarts`` and ``max_task_retries``: when a
+worker process dies, Ray restarts the actor (which reloads the checkpoint) and reruns the
+tasks it had in flight. Every task carries the checkpoint it must run, so a restarted actor
+that booted with an older checkpoint reloads before generating. When an actor is gone for
+good (restarts spent) or unreachable, the pool resubmits that sub-batch, same prompts and
+seed, to the least-loaded surviving worker. Every sub-batch is answered exactly once: a
+result is taken per sub-batch, never per attempt. A sub-batch is a pure function of its
+inputs given the seed, up to float rounding between cached and recomputed KV, so a rerun
+samples what the first attempt would have.
+
+**In-process Ray.** Without an address and without an existing connection, the pool starts
+Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS`` or
+``/tmp/ray``) with the machine's CPUs, a capped object store and no dashboard, and shuts it
+down on ``close()``. When Ray is already connected (a caller's ``ray_session``, a Ray job),
+the pool uses that connection and leaves it open.
+
+Not validated yet: GPU workers and the vLLM engine inside an actor (written, exercised on
+CPU only with ``TorchEngine``), and ``ray://`` client addresses (only ``host:port`` heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+from trace_core.policy.engine import Completion, Engine, EngineStats, SamplingParams
+
+EngineKind = Literal["torch", "vllm"]
+
+LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+"""Object store of an in-process Ray (Ray's default is 30% of RAM); prompts and completions
+are small, and anything over 100 KiB goes through this store."""
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[None]:
+    """Connect to the head at ``address``, or start Ray in this process, for the block.
+
+    Does nothing when Ray is already connected (the connection stays the caller's).
+    ``num_cpus`` (in-process only): CPUs Ray may hand out; default: this machine's.
+    """
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+    else:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,  # worker errors and Ray's retry notices reach the driver's log
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# -- the actor ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubBatchResult:
+    """What a worker returns for one sub-batch: completions and the work it took."""
+
+    completions: list[list[Completion]]
+    prompt_tokens: int
+    prefill_tokens: int
+    generated_tokens: int
+    seconds: float
+    """Time inside the engine (the worker was busy)."""
+    cache_used_tokens: float
+
+
+@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
+class EngineWorker:
+    """One policy replica. ``generate`` runs one at a time; ``pid`` answers while it runs."""
+
+    def __init__(self, checkpoint: str, device: str, threads: int, engine: EngineKind) -> None:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
+        self.device, self.kind = device, engine
+        self.engine: Engine | None = None
+        self.checkpoint = ""
+        self.load(checkpoint)
+
+    def load(self, checkpoint: str) -> None:
+        """Swap in new weights (the prefix cache is dropped)."""
+        if self.kind == "vllm":
+            from trace_core.policy.vllm_engine import VLLMEngine
+
+            self.shutdown()
+            self.engine = VLLMEngine(checkpoint)
+        else:
+            from trace_core.policy.model import load_checkpoint
+            from trace_core.policy.torch_engine import TorchEngine
+
+            model, _ = load_checkpoint(checkpoint, self.device)
+            if isinstance(self.engine, TorchEngine):
+                self.engine.update_weights(model)  # keeps the preallocated KV pool
+            else:
+                self.engine = TorchEngine(model, device=self.device)
+        self.checkpoint = checkpoint
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int | None,
+        checkpoint: str,
+    ) -> SubBatchResult:
+        if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
+            self.load(checkpoint)
+        assert self.engine is not None
+        stats = self.engine.stats
+        before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
+        start = time.perf_counter()
+        completions = self.engine.generate(prompts, params, seed)
+        seconds = time.perf_counter() - start
+        return SubBatchResult(
+            completions,
+            stats.prompt_tokens - before[0],
+            stats.prefill_tokens - before[1],
+            stats.generated_tokens - before[2],
+            seconds,
+            stats.extra.get("cache_used_tokens", 0.0),
+        )
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+        self.engine = None
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+_MASK = (1 << 64) - 1
+_BASE = 0x9E3779B97F4A7C15  # odd: its powers never vanish mod 2^64
+_LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+class PrefixOwners:
+    """Which worker served a token sequence, found by the longest known prefix.
+
+    Every recorded sequence is keyed by its length and a polynomial hash mod 2^64 of its
+    tokens, ``h(t[:k]) = Σ_{i<k} (t_i + 1) · B^i``, so the hashes of all prefixes of a new
+    prompt come from one cumulative sum, and only the lengths that were recorded need a
+    look-up. A collision only misroutes a prompt (slower, never wrong). Holds at most
+    ``capacity`` sequences; the oldest half is forgotten when it is full.
+    """
+
+    def __init__(self, capacity: int = 1 << 20) -> None:
+        self.capacity = capacity
+        self._owner: dict[int, int] = {}  # mixed (length, hash) -> worker
+        self._lengths: set[int] = set()  # lengths of the recorded sequences
+        self._sorted: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._powers = np.ones(1, dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def clear(self) -> None:
+        self._owner.clear()
+        self._lengths.clear()
+        self._sorted = np.zeros(0, dtype=np.int64)
+
+    def _prefix_hashes(self, tokens: Sequence[int]) -> npt.NDArray[np.uint64]:
+        """(len + 1,) hashes of every prefix, the empty one first."""
+        n = len(tokens)
+        if len(self._powers) < n:
+            powers, p = [], 1
+            for _ in range(max(n, 2 * len(self._powers))):
+                powers.append(p)
+                p = p * _BASE & _MASK
+            self._powers = np.array(powers, dtype=np.uint64)
+        out = np.zeros(n + 1, dtype=np.uint64)
+        t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+        np.cumsum(t * self._powers[:n], out=out[1:])  # wraps mod 2^64, as intended
+        return out
+
+    @staticmethod
+    def _keys(lengths: npt.NDArray[np.int64], hashes: npt.NDArray[np.uint64]) -> list[int]:
+        return (hashes ^ (lengths.astype(np.uint64) * _LENGTH_MIX)).tolist()  # type: ignore[no-any-return]
+
+    def record(self, tokens: Sequence[int], worker: int) -> None:
+        n = len(tokens)
+        key = self._keys(np.array([n]), self._prefix_hashes(tokens)[n:])[0]
+        self._lengths.add(n)  # a new length makes _sorted stale: rebuilt on the next look-up
+        self._owner[key] = worker
+        if len(self._owner) > self.capacity:
+            self._forget_oldest_half()
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """(worker, prefix length) of the longest recorded prefix of ``tokens``; (None, 0)."""
+        if not self._owner:
+            return None, 0
+        if len(self._sorted) != len(self._lengths):
+            self._sorted = np.array(sorted(self._lengths), dtype=np.int64)
+        lengths = self._sorted[: np.searchsorted(self._sorted, len(tokens), side="right")]
+        keys = self._keys(lengths, self._prefix_hashes(tokens)[lengths])
+        for k in range(len(keys) - 1, -1, -1):
+            worker = self._owner.get(keys[k])
+            if worker is not None:
+                return worker, int(lengths[k])
+        return None, 0
+
+    def _forget_oldest_half(self) -> None:
+        # Lengths cannot be recovered from mixed keys, so the length index keeps them all:
+        # a length with no sequence left only costs a look-up that misses.
+        items = list(self._owner.items())
+        self._owner = dict(items[len(items) // 2 :])
+
+
+@dataclass(frozen=True)
+class SubBatch:
+    """Prompts ``indices`` of a call, sent to ``worker`` with ``seed``."""
+
+    worker: int
+    indices: tuple[int, ...]
+    seed: int | None
+    work: float
+
+
+def sub_batch_seed(seed: int | None, indices: Sequence[int]) -> int | None:
+    """A 31-bit seed from the call's seed and the prompt positions (None stays None)."""
+    if seed is None:
+        return None
+    state = np.random.SeedSequence([seed, *indices]).generate_state(1, dtype=np.uint32)
+    return int(state[0] >> 1)
+
+
+def split_work(
+    owners: Sequence[int | None],
+    home_work: Sequence[float],
+    away_work: Sequence[float],
+    workers: Sequence[int],
+    slack: float,
+) -> list[int]:
+    """The worker of each group. Owned groups stay home, heaviest first, while the owner's
+    load stays under the fair share × (1 + slack). The rest, heaviest first, go where they
+    would finish first: the least load after adding their work there (their home work at
+    home, their away work elsewhere), the greedy rule for machines of unequal cost."""
+    load = dict.fromkeys(workers, 0.0)
+    cap = sum(home_work) / len(workers) * (1 + slack)
+    chosen: list[int] = [-1] * len(owners)
+    rest = []
+    for g in sorted(range(len(owners)), key=lambda g: -home_work[g]):
+        owner = owners[g]
+        if owner in load and load[owner] + home_work[g] <= cap:
+            chosen[g] = owner
+            load[owner] += home_work[g]
+        else:
+            rest.append(g)
+    for g in sorted(rest, key=lambda g: -away_work[g]):
+
+        def cost(w: int, g: int = g) -> float:
+            return home_work[g] if owners[g] == w else away_work[g]
+
+        w = min(workers, key=lambda w: (load[w] + cost(w), w))
+        chosen[g] = w
+        load[w] += cost(w)
+    return chosen
+
+
+# -- the pool ----------------------------------------------------------------------------------
+
+
+class RayEnginePool:
+    """The ``Engine`` protocol over ``workers`` engine actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        workers: int = 2,
+        address: str | None = None,
+        num_gpus_per_worker: float = 0,
+        threads_per_worker: int = 1,
+        engine: EngineKind = "torch",
+        max_restarts: int = 3,
+        slack: float = 0.15,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        """``slack``: how far above its fair share of a call's work a worker may be loaded
+        with prompts it already holds before they move; ``ready_timeout_s``: how long to wait
+        for the actors to start (they wait for free CPUs/GPUs on the cluster)."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        if num_gpus_per_worker < 0 or max_restarts < 0 or slack < 0:
+            raise ValueError("num_gpus_per_worker, max_restarts and slack must be >= 0")
+        if engine not in ("torch", "vllm"):
+            raise ValueError(f"engine must be torch or vllm, got {engine!r}")
+        self.checkpoint = str(checkpoint)
+        self.slack = slack
+        self.stats = EngineStats()
+        self._owners = PrefixOwners()
+        self._length_share = 1.0  # mean generated / max_tokens so far: decode work estimate
+        self._calls = 0
+        self._session = contextlib.ExitStack()
+        self._session.enter_context(
+            ray_session(address, num_cpus=max(os.cpu_count() or 1, workers * threads_per_worker))
+        )
+        try:
+            actor = EngineWorker.options(  # type: ignore[attr-defined]
+                num_cpus=threads_per_worker,
+                num_gpus=num_gpus_per_worker,
+                max_restarts=max_restarts,
+                max_task_retries=max_restarts,
+            )
+            device = "cuda" if num_gpus_per_worker > 0 else "cpu"
+            self._actors = [
+                actor.remote(self.checkpoint, device, threads_per_worker, engine)
+                for _ in range(workers)
+            ]
+            self._live = list(range(workers))
+            self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        try:
+            ray.get([a.pid.remote() for a in self._actors], timeout=timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(
+                f"{len(self._actors)} engine workers did not start within {timeout_s:g} s; "
+                f"the cluster has {ray.available_resources()} free"
+            ) from None
+        except RayActorError as err:
+            raise RuntimeError(f"an engine worker failed to start: {err}") from err
+
+    @property
+    def workers(self) -> int:
+        """Workers still alive (restarting ones count)."""
+        return len(self._live)
+
+    def worker_pids(self) -> list[int]:
+        """The process id of every live worker, in worker order."""
+        return [int(p) for p in ray.get([self._actors[w].pid.remote() for w in self._live])]
+
+    def kill_worker_process(self, worker: int, sig: int) -> int:
+        """Send ``sig`` to worker ``worker``'s process (fault injection); returns its pid."""
+        pid = int(ray.get(self._actors[worker].pid.remote()))
+        os.kill(pid, sig)
+        return pid
+
+    # -- Engine ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> list[list[Completion]]:
+        prompt_list = [[int(t) for t in p] for p in prompts]
+        if not self._live:
+            raise RuntimeError("the engine pool is closed or every worker has died")
+        if not prompt_list:
+            return []
+        start = time.perf_counter()
+        self._calls += 1
+        plan = self._route(prompt_list, params, seed)
+        pending = {self._submit(sub, prompt_list, params): sub for sub in plan}
+        self._submitted(self._calls, plan)
+        out: list[list[Completion] | None] = [None] * len(prompt_list)
+        extra = self.stats.extra
+        busy = dict.fromkeys(self._live, 0.0)  # engine seconds per worker in this call
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            sub = pending.pop(ref)
+            try:
+                result: SubBatchResult = ray.get(ref)
+            except RayActorError as err:
+                moved = self._reroute(sub, err, pending)
+                pending[self._submit(moved, prompt_list, params)] = moved
+                continue
+            worker = sub.worker
+            for i, completions in zip(sub.indices, result.completions, strict=True):
+                out[i] = completions
+                self._owners.record(prompt_list[i], worker)
+                for c in completions:
+                    self._owners.record(prompt_list[i] + c.token_ids.tolist(), worker)
+            self.stats.prompt_tokens += result.prompt_tokens
+            self.stats.prefill_tokens += result.prefill_tokens
+            self.stats.generated_tokens += result.generated_tokens
+            extra["worker_seconds"] = extra.get("worker_seconds", 0.0) + result.seconds
+            extra[f"cache_used_tokens_w{worker}"] = result.cache_used_tokens
+            busy[worker] = busy.get(worker, 0.0) + result.seconds
+        # Lock-step: every worker waits for the slowest sub-batch of the call.
+        slowest = max(busy.values())
+        idle = sum(slowest - busy[w] for w in busy if w in self._live)
+        extra["imbalance_idle_seconds"] = extra.get("imbalance_idle_seconds", 0.0) + idle
+        self.stats.calls += 1
+        extra["sub_batches"] = extra.get("sub_batches", 0.0) + len(plan)
+        extra["wall_seconds"] = extra.get("wall_seconds", 0.0) + time.perf_counter() - start
+        done = [c for row in out if row is not None for c in row]
+        if done:  # how much of max_tokens a sample uses: the decode-work estimate
+            share = sum(len(c.token_ids) for c in done) / (len(done) * params.max_tokens)
+            self._length_share = 0.5 * self._length_share + 0.5 * share
+        assert all(row is not None for row in out)
+        return out  # type: ignore[return-value]
+
+    def _route(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None
+    ) -> list[SubBatch]:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p), []).append(i)
+        decode = params.n * params.max_tokens * self._length_share
+        owners, home, away = [], [], []
+        for key, indices in groups.items():
+            owner, cached = self._owners.lookup(key)
+            owners.append(owner)
+            home.append(len(key) - cached + decode * len(indices))
+            away.append(len(key) + decode * len(indices))
+        chosen = split_work(owners, home, away, self._live, self.slack)
+        by_worker: dict[int, list[int]] = {}
+        work = dict.fromkeys(self._live, 0.0)
+        extra = self.stats.extra
+        for g, indices in enumerate(groups.values()):
+            by_worker.setdefault(chosen[g], []).extend(indices)
+            work[chosen[g]] += home[g] if owners[g] == chosen[g] else away[g]
+            if owners[g] is not None:
+                hit = "affinity_kept" if owners[g] == chosen[g] else "affinity_moved"
+                extra[hit] = extra.get(hit, 0.0) + len(indices)
+        return [
+            SubBatch(w, tuple(sorted(ix)), sub_batch_seed(seed, sorted(ix)), work[w])
+            for w, ix in sorted(by_worker.items())
+        ]
+
+    def _submit(
+        self, sub: SubBatch, prompts: list[list[int]], params: SamplingParams
+    ) -> ray.ObjectRef[SubBatchResult]:
+        batch = [prompts[i] for i in sub.indices]
+        return self._actors[sub.worker].generate.remote(batch, params, sub.seed, self.checkpoint)
+
+    def _submitted(self, call: int, plan: Sequence[SubBatch]) -> None:
+        """Called once a call's sub-batches are in flight (a seam for fault-injection tests)."""
+
+    def _reroute(
+        self,
+        sub: SubBatch,
+        err: RayActorError,
+        pending: dict[ray.ObjectRef[SubBatchResult], SubBatch],
+    ) -> SubBatch:
+        """The failed sub-batch, unchanged, for the least-loaded other live worker."""
+        if isinstance(err, ActorDiedError) and sub.worker in self._live:
+            self._live.remove(sub.worker)  # restarts spent: gone for good
+            self.stats.extra["dead_workers"] = self.stats.extra.get("dead_workers", 0.0) + 1
+        candidates = [w for w in self._live if w != sub.worker] or self._live
+        if not candidates:
+            raise RuntimeError("every engine worker has died") from err
+        load = {w: sum(s.work for s in pending.values() if s.worker == w) for w in candidates}
+        target = min(candidates, key=lambda w: (load[w], w))
+        extra = self.stats.extra
+        extra["resubmitted_sub_batches"] = extra.get("resubmitted_sub_batches", 0.0) + 1
+        return SubBatch(target, sub.indices, sub.seed, sub.work)
+
+    # -- weights and lifetime ----------------------------------------------------------------
+
+    def update_weights(self, checkpoint: str | os.PathLike[str]) -> None:
+        """Reload every worker from ``checkpoint`` (their prefix caches are dropped)."""
+        self.checkpoint = str(checkpoint)
+        ray.get([self._actors[w].load.remote(self.checkpoint) for w in self._live])
+        self._owners.clear()
+
+    def close(self) -> None:
+        """Stop the engines and actors, and Ray itself if this pool started it. Idempotent."""
+        actors = getattr(self, "_actors", [])
+        with contextlib.suppress(Exception):  # a dead or hung worker must not block closing
+            ray.get([a.shutdown.remote() for a in actors], timeout=30)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self._actors, self._live = [], []
+        self._session.close()
+
+    def __enter__(self) -> RayEnginePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
