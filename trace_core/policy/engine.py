@@ -66,6 +66,13 @@ class EngineStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """Every engine refuses an empty prompt: there is nothing to continue from."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+
+
 class Engine(Protocol):
     stats: EngineStats
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
-from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 
 
 class HFGenerateEngine:
@@ -35,8 +35,7 @@ class HFGenerateEngine:
         params: SamplingParams,
         seed: int | None = None,
     ) -> list[list[Completion]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         if not prompts:
             return []
         rows = [list(p) for p in prompts for _ in range(params.n)]

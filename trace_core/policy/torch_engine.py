@@ -49,7 +49,7 @@ import torch
 from transformers import PreTrainedModel
 
 from trace_core.policy import qwen3
-from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
 from trace_core.policy.qwen3 import KVCache, Qwen3Weights
 from trace_core.policy.sampling import sample_tokens
@@ -181,9 +181,8 @@ class TorchEngine:
 
     def _check(self, prompts: list[tuple[int, ...]], params: SamplingParams) -> None:
         spec = self.weights.spec
+        check_prompts(prompts)
         for p in prompts:
-            if not p:
-                raise ValueError("every prompt needs at least one token")
             if min(p) < 0 or max(p) >= spec.vocab_size:
                 raise ValueError(f"prompt token ids must be in [0, {spec.vocab_size})")
             if len(p) + params.max_tokens > spec.max_positions:

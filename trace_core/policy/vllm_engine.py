@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 
 if TYPE_CHECKING:  # the default venv has no vllm
     import vllm
@@ -147,8 +147,7 @@ class VLLMEngine:
         seed: int | None = None,
     ) -> list[list[Completion]]:
         """``params.n`` completions for every prompt, in prompt order."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         if not prompts:
             return []
         t0 = time.perf_counter()
