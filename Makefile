@@ -39,9 +39,10 @@ lint: setup ## ruff (lint + format check) and mypy --strict on trace_core/algo
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict trace_core/algo
 
-bench: setup ## Benchmarks: allocator speed (DP vs fast) and equal-budget allocation
+bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, equal-budget allocation
 	@mkdir -p $(OUT)
 	$(BIN)/trace-rl bench allocator-speed --json $(OUT)/allocator-speed.json
+	$(BIN)/trace-rl bench engine --json $(OUT)/engine.json
 	$(BIN)/trace-rl bench allocation --json $(OUT)/allocation.json --plot $(OUT)/allocation.png
 
 lock: setup ## Rewrite requirements/constraints.txt from the installed environment
