@@ -13,22 +13,14 @@ all read one format.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
+from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
 from trace_core.envs.base import Env, Task
-from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
-
-
-@dataclass
-class _Episode:
-    task_index: int
-    env: Env
-    node: int  # the tree node of its last turn (0 before the first)
-    history: list[int]  # prompt + every generated and observation token so far
+from trace_core.rollout.turn import Episode, play_turn
 
 
 def rollout_flat(
@@ -60,7 +52,7 @@ def rollout_flat(
         stop_token_ids=turn_params.stop_token_ids,
     )
     builders = []
-    live: list[_Episode] = []
+    live: list[Episode] = []
     prompts = []
     for i, task in enumerate(tasks):
         tree_info = info(i, task) if info else TreeInfo(prompt_id=task.id, tree_id=i)
@@ -79,37 +71,14 @@ def rollout_flat(
         for completion in first[i]:
             env = make_env()
             env.reset(task)
-            pending.append((_Episode(i, env, 0, list(prompts[i])), completion))
+            pending.append((Episode(i, env, ROOT, list(prompts[i])), completion))
     while pending:
         live = []
         for episode, completion in pending:
-            live.extend(_advance(episode, completion, fmt, builders[episode.task_index]))
+            if not play_turn(episode, completion, fmt, builders[episode.owner]).done:
+                live.append(episode)
         if not live:
             break
         outputs = engine.generate([e.history for e in live], turn_params, seed=call_seed())
         pending = [(e, out[0]) for e, out in zip(live, outputs, strict=True)]
     return [b.build() for b in builders]
-
-
-def _advance(
-    episode: _Episode, completion: Completion, fmt: TurnFormat, builder: TreeBuilder
-) -> list[_Episode]:
-    """Play one sampled turn in the env; return the episode if it goes on."""
-    action = fmt.decode_action(completion.token_ids)
-    step = episode.env.step(action)
-    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
-    node = builder.add_turn(
-        episode.node,
-        gen_tokens=completion.token_ids,
-        obs_tokens=obs_ids,
-        logprobs=completion.logprobs,
-        text=action,
-        observation=step.observation,
-    )
-    if step.done:
-        builder.set_reward(node, step.reward)
-        return []
-    episode.node = node
-    episode.history.extend(int(t) for t in completion.token_ids)
-    episode.history.extend(obs_ids)
-    return [episode]

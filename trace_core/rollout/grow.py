@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trace_core.algo.plan import Budget, RootPlan, plan, strategy
-from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
+from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo, recursive_targets
 from trace_core.envs.base import Env, Task, replay
-from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.predictor import Predictor
+from trace_core.rollout.turn import Episode, play_turn
 
 
 @dataclass(frozen=True)
@@ -44,22 +45,11 @@ class GrowConfig:
 
 
 @dataclass
-class _Episode:
-    prompt: int
-    env: Env
-    node: int  # tree node of its last turn
-    history: list[int]  # exact token history up to the next turn
-    branch: bool  # its next turn starts a continuation
-    root_rollout: bool
-
-
-@dataclass
 class _Prompt:
     task: Task
     builder: TreeBuilder
     live_roots: int
     expanded: bool = False  # stage 2 has run
-    actions: dict[int, str] = field(default_factory=dict)  # node -> action text
     histories: dict[int, list[int]] = field(default_factory=dict)  # node -> history after it
 
 
@@ -88,7 +78,7 @@ def grow_trees(
         stop_token_ids=config.sampling.stop_token_ids or (fmt.action_end_id,),
     )
     prompts: dict[int, _Prompt] = {}
-    live: list[_Episode] = []
+    live: list[Episode] = []
     for i in np.flatnonzero(root_plan.counts):
         task = pool[i]
         info = TreeInfo(
@@ -105,7 +95,7 @@ def grow_trees(
         for _ in range(int(root_plan.counts[i])):
             env = make_env()
             env.reset(task)
-            live.append(_Episode(int(i), env, ROOT, list(prompt_ids[i]), False, True))
+            live.append(Episode(int(i), env, ROOT, list(prompt_ids[i])))
     spent = 0.0
     while live:
         outputs = engine.generate(
@@ -113,48 +103,23 @@ def grow_trees(
         )
         next_live = []
         for episode, out in zip(live, outputs, strict=True):
-            state = prompts[episode.prompt]
+            state = prompts[episode.owner]
             if episode.node == ROOT or episode.branch:
                 spent += 1.0 if episode.root_rollout else 0.5
-            if _advance(episode, out[0], fmt, state):
+            if not play_turn(episode, out[0], fmt, state.builder).done:
+                state.histories[episode.node] = list(episode.history)
                 next_live.append(episode)
             elif episode.root_rollout:
                 state.live_roots -= 1
                 if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
                     state.expanded = True
                     next_live.extend(
-                        _expand(episode.prompt, state, root_plan, predictor, make_env, rng)
+                        _expand(episode.owner, state, root_plan, predictor, make_env, rng)
                     )
         live = next_live
         if progress:
             progress(spent)
     return [prompts[i].builder.build() for i in sorted(prompts)]
-
-
-def _advance(episode: _Episode, completion: Completion, fmt: TurnFormat, state: _Prompt) -> bool:
-    """Play one sampled turn; True while the episode goes on."""
-    action = fmt.decode_action(completion.token_ids)
-    step = episode.env.step(action)
-    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
-    node = state.builder.add_turn(
-        episode.node,
-        gen_tokens=completion.token_ids,
-        obs_tokens=obs_ids,
-        logprobs=completion.logprobs,
-        text=action,
-        observation=step.observation,
-        branch=episode.branch,
-    )
-    episode.branch = False
-    episode.node = node
-    state.actions[node] = action
-    if step.done:
-        state.builder.set_reward(node, step.reward)
-        return False
-    episode.history.extend(int(t) for t in completion.token_ids)
-    episode.history.extend(obs_ids)
-    state.histories[node] = list(episode.history)
-    return True
 
 
 def _expand(
@@ -164,7 +129,7 @@ def _expand(
     predictor: Predictor,
     make_env: Callable[[], Env],
     rng: np.random.Generator,
-) -> list[_Episode]:
+) -> list[Episode]:
     """Stage 2 for one prompt whose roots are all done: continuations from its prefixes.
 
     When every root rollout ended after one turn there is no prefix to branch from; the
@@ -184,26 +149,21 @@ def _expand(
         for _ in range(extra):
             env = make_env()
             env.reset(state.task)
-            episodes.append(_Episode(prompt, env, ROOT, list(prompt_ids), False, True))
+            episodes.append(Episode(prompt, env, ROOT, list(prompt_ids)))
         return episodes
-    rewards = [_rollout_reward(tree, p) for p in prefixes]
+    # Before stage 2 every prefix lies on exactly one root rollout, so the mean reward of the
+    # leaves below it (its recursive target) is that rollout's reward.
+    rewards = recursive_targets(tree)[prefixes]
     values = predictor.predict([state.histories[p] for p in prefixes])
     for node, v in zip(prefixes, values, strict=True):
         state.builder.set_predicted_v(node, float(v))
     counts = root_plan.expand(prompt, rewards, values, rng)
     episodes = []
     for node, k in zip(prefixes, counts, strict=True):
-        path_actions = [state.actions[int(n)] for n in tree.path(node)[1:]]
+        path_actions = [tree.text[int(n)] for n in tree.path(node)[1:]]
         for _ in range(int(k)):
             env = make_env()
             replay(env, state.task, path_actions)
-            episodes.append(_Episode(prompt, env, node, list(state.histories[node]), True, False))
+            history = list(state.histories[node])
+            episodes.append(Episode(prompt, env, node, history, branch=True, root_rollout=False))
     return episodes
-
-
-def _rollout_reward(tree: RolloutTree, node: int) -> float:
-    """The reward of the root rollout through ``node``: follow its only child to the leaf."""
-    kids = tree.children()
-    while len(kids[node]):
-        node = int(kids[node][0])
-    return float(tree.reward[node])

@@ -1,0 +1,53 @@
+"""One agent turn: decode the sampled action, step the env, record the node, extend the history.
+
+Flat rollouts and tree growth advance their episodes the same way; only what happens when an
+episode ends differs (a flat episode just stops, a tree's last root rollout triggers stage 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trace_core.algo.tree import TreeBuilder
+from trace_core.envs.base import Env, Step
+from trace_core.policy.engine import Completion
+from trace_core.policy.format import TurnFormat
+
+
+@dataclass
+class Episode:
+    owner: int
+    """The task (flat rollouts) or pool prompt (trees) this episode belongs to."""
+    env: Env
+    node: int
+    """Tree node of its last turn (the root before the first)."""
+    history: list[int]
+    """Exact token history the next turn continues from."""
+    branch: bool = False
+    """Its next turn starts a continuation from a prefix."""
+    root_rollout: bool = True
+
+
+def play_turn(
+    episode: Episode, completion: Completion, fmt: TurnFormat, builder: TreeBuilder
+) -> Step:
+    """Play one sampled turn in the episode's env and record it under ``episode.node``."""
+    action = fmt.decode_action(completion.token_ids)
+    step = episode.env.step(action)
+    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
+    episode.node = builder.add_turn(
+        episode.node,
+        gen_tokens=completion.token_ids,
+        obs_tokens=obs_ids,
+        logprobs=completion.logprobs,
+        text=action,
+        observation=step.observation,
+        branch=episode.branch,
+    )
+    episode.branch = False
+    if step.done:
+        builder.set_reward(episode.node, step.reward)
+    else:
+        episode.history.extend(int(t) for t in completion.token_ids)
+        episode.history.extend(obs_ids)
+    return step
