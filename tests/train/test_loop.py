@@ -1,0 +1,208 @@
+"""The training loop end to end on a tiny policy: the run folder, resuming, crash safety, and
+the comparison's arithmetic."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_core.envs.base import Split, Step, Task
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.update import UpdateConfig
+from trace_core.store.schema import read_trees
+from trace_core.train import loop
+from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
+from trace_core.train.loop import IterationRecord, TrainConfig, read_latest, read_log, train
+
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class ParityEnv:
+    """Two turns; the reward is 1 when the two actions together have an even length.
+
+    A random policy wins half the time, so every estimator has contrast to push on, and a
+    policy can learn it; the env is deterministic given the actions (continuations replay)."""
+
+    max_turns = 2
+
+    def reset(self, task: Task) -> str:
+        self.actions: list[str] = []
+        return task.prompt
+
+    def step(self, action: str) -> Step:
+        self.actions.append(action)
+        if len(self.actions) < 2:
+            return Step("ok", False, 0.0)
+        return Step("done", True, float(len("".join(self.actions)) % 2 == 0))
+
+
+class ParitySuite:
+    """Calc's prompts and tokenizer vocabulary with the parity env."""
+
+    def __init__(self) -> None:
+        self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)
+
+    def tasks(self, split: Split) -> list[Task]:
+        return self.calc.tasks(split)
+
+    def make_env(self) -> ParityEnv:
+        return ParityEnv()
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny calc policy (it will rarely answer right; the loop does not care)."""
+    path = tmp_path_factory.mktemp("init") / "policy"
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    save_checkpoint(create_policy(tokenizer, SMALL, seed=0), tokenizer, path)
+    return path
+
+
+def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainConfig:
+    return replace(
+        TrainConfig(
+            output=output,
+            init=init,
+            strategy="trace",
+            iterations=iterations,
+            budget=6,
+            continuations=2,
+            group=2,
+            prompts=12,
+            max_tokens=6,
+            eval_tasks=4,
+            eval_k=1,
+            eval_every=1,
+            update=UpdateConfig(lr=1e-2, minibatch=4, skip_flat_paths=False),
+        ),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def run(config: TrainConfig) -> list[IterationRecord]:
+    return train(config, suite=ParitySuite())  # type: ignore[arg-type]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    records = run(tiny(init, out, iterations=2))
+    assert [r.iteration for r in records] == [0, 1, 2]
+    assert read_latest(out) == 2
+    assert read_log(out) == records
+    for i in (1, 2):
+        folder = out / "iterations" / f"{i:04d}"
+        for name in (
+            "trees.parquet",
+            "metrics.json",
+            "optimizer.safetensors",
+            "predictor.safetensors",
+        ):
+            assert (folder / name).is_file(), name
+        trees = read_trees(folder / "trees.parquet")
+        assert sum(t.units for t in trees) == 6 * (1 + 2 / 2)  # M(1 + N/2), exactly
+        assert {t.info.iteration for t in trees} == {i}
+        assert {t.info.policy_version for t in trees} == {i - 1}
+        assert records[i].tokens == sum(t.generated_tokens for t in trees)
+    assert records[2].total_tokens == records[1].tokens + records[2].tokens
+    # The update really changed the policy.
+    first, second = weights(out / "iterations/0001/policy"), weights(out / "iterations/0002/policy")
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((out / "config.json").read_text())["strategy"] == "trace"
+
+
+def test_resume_gives_the_same_run_as_no_interruption(init: Path, tmp_path: Path) -> None:
+    straight = run(tiny(init, tmp_path / "straight", iterations=3))
+    run(tiny(init, tmp_path / "resumed", iterations=2))
+    resumed = run(tiny(init, tmp_path / "resumed", iterations=3))
+    assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    a = weights(tmp_path / "straight/iterations/0003/policy")
+    b = weights(tmp_path / "resumed/iterations/0003/policy")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_crash_mid_iteration_keeps_the_last_complete_one(
+    init: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "run"
+    run(tiny(init, out, iterations=1))
+    calls = []
+
+    def failing_save(optimizer: torch.optim.Optimizer, path: Path) -> None:
+        calls.append(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loop, "save_optimizer", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(tiny(init, out, iterations=2))
+    assert calls and read_latest(out) == 1
+    assert not (out / "iterations/0002").exists()  # only a .partial folder was left
+    assert [r.iteration for r in read_log(out)] == [0, 1]
+    monkeypatch.undo()
+    records = run(tiny(init, out, iterations=2))
+    assert [r.iteration for r in records] == [0, 1, 2] and read_latest(out) == 2
+
+
+def test_resume_refuses_a_different_config(init: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run(tiny(init, out, iterations=1))
+    with pytest.raises(ValueError, match="strategy"):
+        run(tiny(init, out, iterations=2, strategy="grpo"))
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="simulator"):
+        TrainConfig(strategy="oracle")
+    with pytest.raises(ValueError, match="--init"):
+        TrainConfig(task="bfcl")
+
+
+# --- compare ------------------------------------------------------------------------------
+def record(i: int, total: int, accuracy: float | None, ratio: float = 0.5) -> IterationRecord:
+    report = None
+    if accuracy is not None:
+        report = {"pass1": {"all": accuracy}, "mean_k": {"all": accuracy, "easy": accuracy}}
+    rollout = {"prompt_effective_ratio": ratio, "mixed_per_100_units": 10 * ratio}
+    return IterationRecord(i, "x", 0, total, rollout if i else {}, {}, report, {})
+
+
+def test_tokens_to_reach_reads_the_first_evaluated_point() -> None:
+    curve = Curve([0, 2, 4], [0.0, 100.0, 200.0], [0.3, 0.5, 0.6], [0, 0, 0], [])
+    assert _tokens_to_reach(curve, 0.5) == 100.0
+    assert _tokens_to_reach(curve, 0.61) == float("inf")
+
+
+def test_summarize_by_hand() -> None:
+    # grpo: 0.4 → 0.6 over 300 tokens; trace: reaches 0.6 at 150 tokens and ends at 0.7.
+    runs = {
+        ("grpo", 0): [record(0, 0, 0.4), record(1, 150, 0.5, 0.4), record(2, 300, 0.6, 0.6)],
+        ("trace", 0): [record(0, 0, 0.4), record(1, 150, 0.6, 0.8), record(2, 300, 0.7, 1.0)],
+    }
+    result = summarize(CompareConfig(strategies=("trace", "grpo"), seeds=1), runs)
+    assert result.strategies["trace"]["accuracy"]["mean"] == pytest.approx(0.7)
+    assert result.strategies["trace"]["tokens_to_grpo_final"]["mean"] == pytest.approx(150 / 300)
+    assert result.strategies["grpo"]["tokens_to_grpo_final"]["mean"] == pytest.approx(1.0)
+    assert result.strategies["trace"]["prompt_effective_ratio"]["mean"] == pytest.approx(0.9)
+    assert result.curves["trace"].tokens == [0.0, 150.0, 300.0]
+    assert result.by_difficulty["grpo"] == {"all": 0.6, "easy": 0.6}

@@ -1,0 +1,289 @@
+"""TRACE against the baselines at equal budget: the same warm-started policy, seeds and rollout
+units per iteration for every strategy; then the paper-style table, a plot and a JSON.
+
+    trace-rl compare --task calc --seeds 3 --iterations 12 --budget 128 --json build/compare.json
+
+Every (strategy, seed) pair is one ``train`` run in ``OUTPUT/STRATEGY/seed-S`` (so a stopped
+comparison resumes where it was), started from one warm start in ``OUTPUT/warmstart``. Runs
+go ``parallel`` at a time, each in its own process with its share of the cores.
+
+Reported per strategy, as mean ± std over seeds (the JSON has the shape of
+``bench allocation``'s, metric → {mean, std}):
+
+- ``accuracy``: held-out mean@k after the last iteration (k samples per task, temperature 1);
+  ``pass1``: greedy success, same tasks;
+- ``prompt_effective_ratio``, ``mixed_per_100_units``: of the rollout trees, averaged over
+  iterations;
+- ``tokens``: generated rollout tokens over all iterations;
+- ``tokens_to_grpo_final``: the generated tokens after which the strategy's mean held-out
+  accuracy (over seeds) first reaches grpo's final one, divided by grpo's total tokens —
+  below 1 means it got there with fewer tokens. Read off the evaluated iterations only
+  (no interpolation), so it is an upper bound at the resolution of ``eval_every``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from trace_core.algo.plan import strategy as check_strategy
+from trace_core.train.evaluate import ALL
+from trace_core.train.loop import IterationRecord, TrainConfig, train
+from trace_core.train.warmstart import WarmstartConfig, warmstart
+
+DEFAULT_STRATEGIES = ("trace", "grpo", "pcl", "treepo")
+METRICS = (
+    "accuracy",
+    "pass1",
+    "prompt_effective_ratio",
+    "mixed_per_100_units",
+    "tokens",
+    "tokens_to_grpo_final",
+)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    task: str = "calc"
+    output: Path = Path("build/compare")
+    init: Path | None = None
+    """Starting policy for every run; None warm-starts once into ``OUTPUT/warmstart``."""
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    seeds: int = 3
+    run: TrainConfig = field(default_factory=TrainConfig)
+    """Per-run settings (iterations, budget, update, eval); task, output, init, strategy and
+    seed are filled in per run."""
+    parallel: int = 2
+    """Runs at once, each in its own process."""
+
+    def __post_init__(self) -> None:
+        if not self.strategies:
+            raise ValueError("strategies is empty")
+        for name in self.strategies:
+            if check_strategy(name).uses_true_value:
+                raise ValueError(f"strategy {name!r} needs the true V: simulator only")
+        if self.seeds < 1 or self.parallel < 1:
+            raise ValueError("seeds and parallel must be >= 1")
+
+    def run_config(self, name: str, seed: int, init: Path) -> TrainConfig:
+        return replace(
+            self.run,
+            task=self.task,
+            output=self.output / name / f"seed-{seed}",
+            init=init,
+            strategy=name,
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One strategy's held-out accuracy against generated tokens, mean over seeds."""
+
+    iterations: list[int]
+    tokens: list[float]
+    accuracy: list[float]
+    accuracy_std: list[float]
+    effective_ratio: list[float]
+    """Prompt effective ratio per training iteration (mean over seeds), from iteration 1."""
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    config: dict[str, object]
+    strategies: dict[str, dict[str, dict[str, float]]]
+    curves: dict[str, Curve]
+    by_difficulty: dict[str, dict[str, float]]
+    """Final mean@k per difficulty (mean over seeds)."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "config": self.config,
+            "strategies": self.strategies,
+            "curves": {k: asdict(v) for k, v in self.curves.items()},
+            "by_difficulty": self.by_difficulty,
+        }
+
+
+def run_compare(
+    config: CompareConfig, progress: Callable[[str], None] | None = None
+) -> CompareResult:
+    say = progress or (lambda _message: None)
+    init = config.init or _warm_start(config, say)
+    jobs = [(name, seed) for seed in range(config.seeds) for name in config.strategies]
+    threads = max(1, (os.cpu_count() or 1) // config.parallel)
+    runs: dict[tuple[str, int], list[IterationRecord]] = {}
+    if config.parallel == 1:
+        for name, seed in jobs:
+            runs[name, seed] = _train_job(config.run_config(name, seed, init), threads)
+            say(f"{name} seed {seed} done")
+    else:
+        context = multiprocessing.get_context("spawn")  # no forked torch/ray state
+        with ProcessPoolExecutor(config.parallel, mp_context=context) as pool:
+            futures = {
+                pool.submit(_train_job, config.run_config(name, seed, init), threads): (name, seed)
+                for name, seed in jobs
+            }
+            for future in as_completed(futures):
+                runs[futures[future]] = future.result()
+                say(f"{futures[future][0]} seed {futures[future][1]} done")
+    return summarize(config, runs)
+
+
+def _warm_start(config: CompareConfig, say: Callable[[str], None]) -> Path:
+    path = config.output / "warmstart"
+    if not (path / "config.json").exists():
+        say(f"warm start of the {config.task} policy → {path}")
+        warmstart(
+            WarmstartConfig(
+                task=config.task,
+                output=path,
+                sft=replace(WarmstartConfig().sft, steps=config.run.warmstart_steps),
+                eval_tasks=50,
+                eval_samples=1,
+            )
+        )
+    return path
+
+
+def _train_job(config: TrainConfig, threads: int) -> list[IterationRecord]:
+    import torch
+
+    torch.set_num_threads(threads)
+    return train(config)
+
+
+def summarize(
+    config: CompareConfig, runs: dict[tuple[str, int], list[IterationRecord]]
+) -> CompareResult:
+    """The table, curves and per-difficulty accuracy from every run's records."""
+    curves = {name: _curve(name, config, runs) for name in config.strategies}
+    grpo = curves.get("grpo")
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    by_difficulty: dict[str, dict[str, float]] = {}
+    for name in config.strategies:
+        per_seed = [runs[name, s] for s in range(config.seeds)]
+        finals = [_last_eval(r) for r in per_seed]
+        rows: dict[str, list[float]] = {
+            "accuracy": [float(f["mean_k"][ALL]) for f in finals],  # type: ignore[index]
+            "pass1": [float(f["pass1"][ALL]) for f in finals],  # type: ignore[index]
+            "prompt_effective_ratio": [
+                float(np.mean([r.rollout["prompt_effective_ratio"] for r in rec[1:]]))
+                for rec in per_seed
+            ],
+            "mixed_per_100_units": [
+                float(np.mean([r.rollout["mixed_per_100_units"] for r in rec[1:]]))
+                for rec in per_seed
+            ],
+            "tokens": [float(rec[-1].total_tokens) for rec in per_seed],
+        }
+        table[name] = {k: _mean_std(v) for k, v in rows.items()}
+        if grpo is not None:
+            table[name]["tokens_to_grpo_final"] = {
+                "mean": _tokens_to_reach(curves[name], grpo.accuracy[-1]) / grpo.tokens[-1],
+                "std": 0.0,  # read off the seed-mean curves: one number
+            }
+        labels = sorted(finals[0]["mean_k"])  # type: ignore[arg-type]
+        by_difficulty[name] = {
+            label: float(np.mean([f["mean_k"][label] for f in finals]))  # type: ignore[index]
+            for label in labels
+        }
+    return CompareResult(_config_json(config), table, curves, by_difficulty)
+
+
+def _curve(
+    name: str, config: CompareConfig, runs: dict[tuple[str, int], list[IterationRecord]]
+) -> Curve:
+    per_seed = [runs[name, s] for s in range(config.seeds)]
+    evaluated = sorted(
+        set.intersection(*({r.iteration for r in rec if r.eval} for rec in per_seed))
+    )
+    acc = np.array(
+        [
+            [float(rec[i].eval["mean_k"][ALL]) for i in evaluated]  # type: ignore[index]
+            for rec in per_seed
+        ]
+    )  # (seeds, evals)
+    tokens = np.array([[rec[i].total_tokens for i in evaluated] for rec in per_seed], float)
+    iters = min(len(rec) for rec in per_seed)
+    ratio = [
+        float(np.mean([rec[i].rollout["prompt_effective_ratio"] for rec in per_seed]))
+        for i in range(1, iters)
+    ]
+    return Curve(
+        iterations=evaluated,
+        tokens=tokens.mean(axis=0).tolist(),
+        accuracy=acc.mean(axis=0).tolist(),
+        accuracy_std=acc.std(axis=0).tolist(),
+        effective_ratio=ratio,
+    )
+
+
+def _tokens_to_reach(curve: Curve, target: float) -> float:
+    """Tokens at the first evaluated iteration whose accuracy reaches ``target`` (inf: never)."""
+    for tokens, accuracy in zip(curve.tokens, curve.accuracy, strict=True):
+        if accuracy >= target - 1e-12:
+            return tokens
+    return float("inf")
+
+
+def _last_eval(records: Sequence[IterationRecord]) -> dict[str, object]:
+    for record in reversed(records):
+        if record.eval:
+            return record.eval
+    raise ValueError("a run without any evaluation")
+
+
+def _mean_std(values: Sequence[float]) -> dict[str, float]:
+    return {"mean": float(np.mean(values)), "std": float(np.std(values))}
+
+
+def _config_json(config: CompareConfig) -> dict[str, object]:
+    run = config.run.to_json()
+    for per_run in ("task", "output", "init", "strategy", "seed"):
+        run.pop(per_run)
+    return {
+        "task": config.task,
+        "strategies": list(config.strategies),
+        "seeds": config.seeds,
+        "init": str(config.init) if config.init else None,
+        "run": run,
+    }
+
+
+def write_json(result: CompareResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def plot_compare(result: CompareResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, curve in result.curves.items():
+        tokens = np.asarray(curve.tokens) / 1000
+        acc, std = np.asarray(curve.accuracy), np.asarray(curve.accuracy_std)
+        (line,) = left.plot(tokens, acc, marker="o", label=name)
+        left.fill_between(tokens, acc - std, acc + std, color=line.get_color(), alpha=0.15)
+        right.plot(range(1, len(curve.effective_ratio) + 1), curve.effective_ratio, label=name)
+    left.set(xlabel="generated rollout tokens (thousands)", ylabel="held-out mean@k")
+    left.set_title("accuracy vs tokens (mean ± std over seeds)")
+    right.set(xlabel="iteration", ylabel="prompt effective ratio", ylim=(0, 1.02))
+    right.set_title("share of prompts with mixed rewards")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
