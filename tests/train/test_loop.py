@@ -206,3 +206,15 @@ def test_summarize_by_hand() -> None:
     assert result.strategies["trace"]["prompt_effective_ratio"]["mean"] == pytest.approx(0.9)
     assert result.curves["trace"].tokens == [0.0, 150.0, 300.0]
     assert result.by_difficulty["grpo"] == {"all": 0.6, "easy": 0.6}
+
+
+@pytest.mark.slow
+def test_ray_train_workers_give_the_in_process_run(init: Path, tmp_path: Path) -> None:
+    """``train_workers=1``: the update runs on Ray Train (real Ray, in this process) and the
+    run matches the in-process one."""
+    local = run(tiny(init, tmp_path / "local", iterations=2))
+    on_ray = run(tiny(init, tmp_path / "ray", iterations=2, train_workers=1))
+    assert [r.tokens for r in on_ray] == [r.tokens for r in local]
+    a = weights(tmp_path / "local/iterations/0002/policy")
+    b = weights(tmp_path / "ray/iterations/0002/policy")
+    assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)

@@ -210,8 +210,17 @@ def update_policy(
     rng: np.random.Generator,
     pad_id: int = 0,
     reference: PreTrainedModel | None = None,
+    rank: int = 0,
+    world: int = 1,
 ) -> UpdateStats:
-    """One policy update on ``trees``, in place; the model is left in eval mode."""
+    """One policy update on ``trees``, in place; the model is left in eval mode.
+
+    Data-parallel (``world`` > 1, the model wrapped in DDP, which averages gradients): every
+    rank holds all the trees and the same ``rng`` state, draws the same minibatches, and
+    trains on the slice ``minibatch[rank::world]``. Its loss is its token sum divided by the
+    minibatch's token count over all ranks, times ``world``, so DDP's average is exactly the
+    single-process token mean: one worker or many, the same step up to float rounding.
+    """
     if config.kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference model")
     paths = tree_paths(trees, config.estimator)
@@ -227,9 +236,11 @@ def update_policy(
     for _ in range(config.epochs):
         order = rng.permutation(len(paths))
         for start in range(0, len(paths), config.minibatch):
-            batch = collate_paths(
-                [paths[i] for i in order[start : start + config.minibatch]], pad_id
-            )
+            picked = order[start : start + config.minibatch]
+            if len(picked) < world:  # every rank needs a slice; all ranks skip it alike
+                continue
+            minibatch_tokens = sum(int(paths[i].loss_mask[1:].sum()) for i in picked)
+            batch = collate_paths([paths[i] for i in picked[rank::world]], pad_id)
             ids, attention = batch.ids.to(device), batch.attention.to(device)
             mask = batch.mask.to(device)
             logprobs = token_logprobs(model, ids, attention)
@@ -245,8 +256,9 @@ def update_policy(
             parts = policy_loss(
                 logprobs, old, batch.advantages.to(device), mask, config.clip, ref, config.kl_coef
             )
+            share = batch.tokens * world / max(minibatch_tokens, 1)  # 1 on a single process
             optimizer.zero_grad(set_to_none=True)
-            parts.loss.backward()
+            (parts.loss * share).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             losses.append(float(parts.loss.detach()))

@@ -51,6 +51,7 @@ from trace_core.policy.model import load_checkpoint, save_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import (
     UpdateConfig,
+    UpdateStats,
     load_optimizer,
     make_optimizer,
     save_optimizer,
@@ -99,6 +100,10 @@ class TrainConfig:
     """Evaluate after every this many iterations (and before the first, and after the last)."""
     warmstart_steps: int = 1000
     """SFT steps of the warm start (when ``init`` is None)."""
+    train_workers: int = 0
+    """Ray Train workers for the policy update (0: in this process)."""
+    ray_address: str | None = None
+    """Ray head for ``train_workers`` (default: Ray started in this process)."""
 
     def __post_init__(self) -> None:
         if strategy(self.strategy).uses_true_value:
@@ -219,9 +224,19 @@ def train(
         predictor.fit()
         seconds["predictor"] = time.perf_counter() - start
         start = time.perf_counter()
-        stats = update_policy(
-            model, optimizer, trees, config.update, rng, tokenizer.pad_token_id, reference
-        )
+        update_seed = int(rng.integers(2**31))
+        if config.train_workers:
+            stats = _update_on_ray(config, out, i, policy_dir, trees, update_seed, model, optimizer)
+        else:
+            stats = update_policy(
+                model,
+                optimizer,
+                trees,
+                config.update,
+                np.random.default_rng(update_seed),
+                tokenizer.pad_token_id,
+                reference,
+            )
         seconds["update"] = time.perf_counter() - start
         report = None
         if i % config.eval_every == 0 or i == config.iterations:
@@ -240,6 +255,7 @@ def train(
             seconds=seconds,
         )
         _commit_iteration(out, i, model, tokenizer, optimizer, predictor, trees, record)
+        policy_dir = iteration_dir(out, i) / "policy"
         records.append(record)
         accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
         say(
@@ -336,6 +352,42 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # --- pieces ------------------------------------------------------------------------------
+def _update_on_ray(
+    config: TrainConfig,
+    out: Path,
+    i: int,
+    policy_dir: Path,
+    trees: Sequence[RolloutTree],
+    seed: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> UpdateStats:
+    """The same update on Ray Train workers, loaded back into ``model`` and ``optimizer``."""
+    from trace_core.train.ray_update import OPTIMIZER, update_on_ray
+
+    staging = iteration_dir(out, i).with_name(f"{i:04d}.update")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_trees(staging / "trees.parquet", trees)
+    previous = iteration_dir(out, i - 1) / "optimizer.safetensors"
+    stats = update_on_ray(
+        policy_dir,
+        staging / "trees.parquet",
+        staging / "policy",
+        config.update,
+        seed,
+        config.train_workers,
+        optimizer_path=previous if i > 1 else None,
+        reference_dir=config.init or out / "warmstart",
+        address=config.ray_address,
+    )
+    updated, _ = load_checkpoint(staging / "policy")
+    model.load_state_dict(updated.state_dict())  # same Parameter objects: the optimizer's
+    load_optimizer(optimizer, staging / "policy" / OPTIMIZER)
+    shutil.rmtree(staging)
+    return stats
+
+
 def _draw_pool(tasks: Sequence[Task], size: int, rng: np.random.Generator) -> list[Task]:
     return [tasks[i] for i in rng.permutation(len(tasks))[:size]]
 

@@ -1,0 +1,77 @@
+"""The policy update on Ray Train (real in-process Ray, gloo DDP on CPU) against the in-process
+update it must reproduce."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.engine import SamplingParams
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.update import UpdateConfig, make_optimizer, update_policy
+from trace_core.rollout.flat import rollout_flat
+from trace_core.store.schema import write_trees
+from trace_core.train.ray_update import update_on_ray
+
+pytestmark = pytest.mark.slow
+
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+CONFIG = UpdateConfig(lr=1e-3, minibatch=16)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """A tiny policy, trees with mixed rewards, and the in-process update's weights."""
+    root = tmp_path_factory.mktemp("ray-update")
+    suite = CalcSuite(seed=2, train_size=24, eval_size=4)
+    tokenizer = build_word_tokenizer(suite.vocabulary())
+    model = create_policy(tokenizer, SMALL, seed=0)
+    save_checkpoint(model, tokenizer, root / "policy")
+    trees = rollout_flat(
+        TorchEngine(model),
+        TurnFormat(tokenizer),
+        suite.make_env,
+        suite.tasks("train")[:10],
+        SamplingParams(n=4, max_tokens=10),
+        seed=0,
+    )
+    for tree in trees:  # the untrained policy never wins: give each group a mixed outcome
+        tree.reward[np.flatnonzero(tree.leaf_mask)[::2]] = 1.0
+    write_trees(root / "trees.parquet", trees)
+    update_policy(
+        model,
+        make_optimizer(model, CONFIG),
+        trees,
+        CONFIG,
+        np.random.default_rng(7),
+        tokenizer.pad_token_id,
+    )
+    return (
+        root / "policy",
+        root / "trees.parquet",
+        {k: v.clone() for k, v in model.state_dict().items()},
+    )
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ray_train_reproduces_the_in_process_update(setup, tmp_path: Path, workers: int) -> None:  # type: ignore[no-untyped-def]
+    policy, trees, expected = setup
+    stats = update_on_ray(policy, trees, tmp_path / "out", CONFIG, seed=7, workers=workers)
+    assert stats.steps == 3 and stats.paths == 40  # 40 paths in minibatches of 16
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    before = load_file(str(policy / "model.safetensors"))
+    for name, value in got.items():
+        key = name if name in expected else f"model.{name}"
+        assert torch.allclose(value, expected.get(name, expected.get(key)), atol=2e-5), name
+    assert any(not torch.equal(got[k], before[k]) for k in got)
+    assert (tmp_path / "out" / "optimizer.safetensors").is_file()
