@@ -159,3 +159,62 @@ def test_bench_engine_json(tmp_path: Path) -> None:
         data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
     )
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
+
+
+# --- trace-rl prep / rollout --prompt-file / train / compare -----------------------------------
+
+
+def test_prep_then_rollout_from_the_prompt_file(warmstarted: Warmstarted, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.parquet"
+    run = trace_rl("prep", "--task", "calc", "--split", "eval", "--limit", "6",
+                   "--output", str(prompts), cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    assert "wrote 6 calc eval prompts" in said(run)
+    trees, metrics = tmp_path / "trees.parquet", tmp_path / "metrics.json"
+    run = trace_rl(
+        "rollout", "--checkpoint", str(warmstarted.checkpoint), "--prompt-file", str(prompts),
+        "--strategy", "grpo", "--budget", "4", "--continuations", "2", "--group", "2",
+        "--max-tokens", "8", "--output", str(trees), "--metrics", str(metrics),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    from trace_core.store.schema import read_trees
+
+    rolled = read_trees(trees)
+    assert len(rolled) == 4  # 4 roots x (1 + 2/2) = 8 units = 4 groups of 2
+    assert {t.info.prompt_id for t in rolled} <= {f"calc-eval-{i:05d}" for i in range(6)}
+
+
+def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = trace_rl(
+        "train", "--init", str(warmstarted.checkpoint), "--output", str(out),
+        "--strategy", "trace", "--iterations", "2", "--budget", "4", "--prompts", "8",
+        "--eval-tasks", "3", "--eval-k", "1", "--eval-every", "1", "--threads", "1",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    lines = (out / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert (out / "latest").read_text().strip() == "2"
+    assert "held-out success before and after" in said(run)
+
+
+def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    run = trace_rl(
+        "compare", "--init", str(warmstarted.checkpoint), "--output", str(tmp_path / "runs"),
+        "--strategies", "trace,grpo", "--seeds", "1", "--iterations", "1", "--budget", "4",
+        "--prompts", "8", "--eval-tasks", "3", "--eval-k", "1", "--parallel", "1",
+        "--json", str(out), "--plot", str(tmp_path / "compare.png"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["strategies"]) == {"trace", "grpo"}
+    for metric in ("accuracy", "prompt_effective_ratio", "mixed_per_100_units", "tokens"):
+        assert set(data["strategies"]["trace"][metric]) == {"mean", "std"}
+    # grpo reaches its own final accuracy by its last iteration at the latest
+    assert 0.0 <= data["strategies"]["grpo"]["tokens_to_grpo_final"]["mean"] <= 1.0
+    assert (tmp_path / "compare.png").stat().st_size > 10_000

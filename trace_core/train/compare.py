@@ -104,9 +104,16 @@ class CompareResult:
     """Final mean@k per difficulty (mean over seeds)."""
 
     def to_json(self) -> dict[str, object]:
+        finite = {  # JSON has no Infinity: a strategy that never got there is null
+            name: {
+                metric: {k: (v if np.isfinite(v) else None) for k, v in stats.items()}
+                for metric, stats in row.items()
+            }
+            for name, row in self.strategies.items()
+        }
         return {
             "config": self.config,
-            "strategies": self.strategies,
+            "strategies": finite,
             "curves": {k: asdict(v) for k, v in self.curves.items()},
             "by_difficulty": self.by_difficulty,
         }
