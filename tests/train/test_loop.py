@@ -117,9 +117,11 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
             "trees.parquet",
             "metrics.json",
             "optimizer.safetensors",
-            "predictor.safetensors",
+            "predictor/value.safetensors",
+            "predictor/value.json",
         ):
             assert (folder / name).is_file(), name
+        assert records[i].predictor["rows"] > 0  # the predictor was fitted on this iteration
         trees = read_trees(folder / "trees.parquet")
         assert sum(t.units for t in trees) == 6 * (1 + 2 / 2)  # M(1 + N/2), exactly
         assert {t.info.iteration for t in trees} == {i}

@@ -16,20 +16,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from trace_core.algo.tree import ROOT, RolloutTree, leaf_counts, recursive_targets
+from trace_core.algo.prefix import Predictor, TrainingRows, training_rows
+from trace_core.algo.tree import RolloutTree
 
 FloatArray = npt.NDArray[np.float64]
 
-
-class Predictor(Protocol):
-    """V(prefix): success probability for a batch of token-id prefixes."""
-
-    def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray: ...
+# ``Predictor``, ``TrainingRows`` and ``training_rows`` live in ``trace_core.algo.prefix`` (the
+# policy layer's ``ValuePredictor`` uses them too); they are re-exported here for old callers.
+__all__ = [
+    "ConstantPredictor",
+    "HashedFeaturePredictor",
+    "Predictor",
+    "TrainingRows",
+    "training_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -40,39 +44,6 @@ class ConstantPredictor:
 
     def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray:
         return np.full(len(prefixes), self.value)
-
-
-@dataclass(frozen=True)
-class TrainingRows:
-    """Prefixes with their recursive targets V̂ and leaf-count weights n."""
-
-    prefixes: list[list[int]]
-    target: FloatArray
-    weight: FloatArray
-
-
-def training_rows(trees: Sequence[RolloutTree]) -> TrainingRows:
-    """Every inner node of every tree (the root and each non-terminal turn) as a training row.
-
-    A node's prefix is the exact token history the policy continued from after it: the
-    prompt, then every generated and observation token on the path.
-    """
-    prefixes: list[list[int]] = []
-    targets, weights = [], []
-    for tree in trees:
-        v, n = recursive_targets(tree), leaf_counts(tree)
-        history: dict[int, list[int]] = {ROOT: [int(t) for t in tree.obs_tokens[ROOT]]}
-        for node in range(1, tree.size):
-            history[node] = [
-                *history[int(tree.parent[node])],
-                *(int(t) for t in tree.gen_tokens[node]),
-                *(int(t) for t in tree.obs_tokens[node]),
-            ]
-        for node in np.flatnonzero(~tree.leaf_mask & (n > 0)):
-            prefixes.append(history[int(node)])
-            targets.append(v[node])
-            weights.append(n[node])
-    return TrainingRows(prefixes, np.asarray(targets, float), np.asarray(weights, float))
 
 
 @dataclass

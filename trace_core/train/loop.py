@@ -17,7 +17,7 @@ every tree seen so far, and takes a policy-gradient step on the new trees
         trees.parquet  metrics.json
         policy/                    HF checkpoint (loads in TorchEngine and vLLM)
         optimizer.safetensors      AdamW moments, so a resumed run continues the same update
-        predictor.safetensors      the predictor's weights after this iteration's fit
+        predictor/                 the success predictor after this iteration's fit
       latest                       the last complete iteration, written last (atomic rename)
 
 A run started again with the same output folder resumes after ``latest``: the crash of an
@@ -38,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file, save_file
 
 from trace_core.algo.metrics import measure
 from trace_core.algo.plan import Budget, strategy
@@ -57,14 +56,14 @@ from trace_core.policy.update import (
     save_optimizer,
     update_policy,
 )
+from trace_core.policy.value import ValueConfig, ValuePredictor
 from trace_core.rollout.grow import GrowConfig, grow_trees
-from trace_core.rollout.predictor import HashedFeaturePredictor
-from trace_core.store.schema import read_trees, write_trees
+from trace_core.store.schema import write_trees
 from trace_core.train.evaluate import ALL, EvalReport, evaluate_policy
 from trace_core.train.warmstart import WarmstartConfig, warmstart
 
 LATEST = "latest"
-PREDICTOR = "predictor.safetensors"
+PREDICTOR = "predictor"
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,8 @@ class TrainConfig:
     """Evaluate after every this many iterations (and before the first, and after the last)."""
     warmstart_steps: int = 1000
     """SFT steps of the warm start (when ``init`` is None)."""
+    predictor: str = "hashed"
+    """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
     train_workers: int = 0
     """Ray Train workers for the policy update (0: in this process)."""
     ray_address: str | None = None
@@ -111,6 +112,10 @@ class TrainConfig:
         Budget(self.budget, self.continuations, self.group)  # validates
         if self.iterations < 1 or self.prompts < 1 or self.eval_every < 1:
             raise ValueError("iterations, prompts and eval_every must be >= 1")
+        if self.predictor not in ("hashed", "embedding"):
+            raise ValueError(f"predictor must be hashed or embedding, got {self.predictor!r}")
+        if self.train_workers < 0:
+            raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
         if self.eval_tasks < 1 or self.eval_k < 0:
             raise ValueError("eval_tasks must be >= 1 and eval_k >= 0")
         if self.init is None and self.task not in ("calc", "multihop"):
@@ -140,6 +145,8 @@ class IterationRecord:
     update: dict[str, float]
     eval: dict[str, object] | None
     seconds: dict[str, float]
+    predictor: dict[str, float] = field(default_factory=dict)
+    """The predictor fit: rows, replayed rows, weighted MSE before and after."""
 
 
 def train(
@@ -182,14 +189,15 @@ def train(
         reference, _ = load_checkpoint(config.init or out / "warmstart")
     fmt = TurnFormat(tokenizer)
     optimizer = make_optimizer(model, config.update)
-    predictor = HashedFeaturePredictor(turn_token=fmt.action_end_id)
+    predictor = ValuePredictor(
+        ValueConfig(turn_token=fmt.action_end_id, featurizer=config.predictor),
+        generator=torch.Generator().manual_seed(config.seed),
+        tokenizer=tokenizer,
+    )
     records = read_log(out)[: done + 1] if done else []
     if done:
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
-        # The predictor fits every tree seen so far, starting from its last weights.
-        for i in range(1, done + 1):
-            predictor.observe(read_trees(iteration_dir(out, i) / "trees.parquet"))
-        predictor.weights = load_file(str(iteration_dir(out, done) / PREDICTOR))["weights"]
+        predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
     eval_tasks = suite.tasks("eval")[: config.eval_tasks]
     if not records:
         say("evaluating the starting policy")
@@ -220,8 +228,7 @@ def train(
         )
         seconds["rollout"] = time.perf_counter() - start
         start = time.perf_counter()
-        predictor.observe(trees)
-        predictor.fit()
+        fit = predictor.fit(trees, torch.Generator().manual_seed(int(rng.integers(2**31))))
         seconds["predictor"] = time.perf_counter() - start
         start = time.perf_counter()
         update_seed = int(rng.integers(2**31))
@@ -253,6 +260,7 @@ def train(
             update=stats.as_dict(),
             eval=_eval_dict(report) if report else None,
             seconds=seconds,
+            predictor={k: float(v) for k, v in asdict(fit).items()},
         )
         _commit_iteration(out, i, model, tokenizer, optimizer, predictor, trees, record)
         policy_dir = iteration_dir(out, i) / "policy"
@@ -317,7 +325,7 @@ def _commit_iteration(
     model: torch.nn.Module,
     tokenizer: object,
     optimizer: torch.optim.Optimizer,
-    predictor: HashedFeaturePredictor,
+    predictor: ValuePredictor,
     trees: Sequence[RolloutTree],
     record: IterationRecord,
 ) -> None:
@@ -330,7 +338,7 @@ def _commit_iteration(
     (staging / "metrics.json").write_text(json.dumps(record.rollout, indent=2) + "\n")
     save_checkpoint(model, tokenizer, staging / "policy")  # type: ignore[arg-type]
     save_optimizer(optimizer, staging / "optimizer.safetensors")
-    save_file({"weights": predictor.weights}, str(staging / PREDICTOR))
+    predictor.save(staging / PREDICTOR)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     _append_log(out, record)

@@ -1,0 +1,502 @@
+"""The shared success predictor Ṽ_ψ(H_t): one small torch model scoring prompts and prefixes alike.
+
+TRACE asks one predictor for V at the roots (stage 1, which prompts get how many rollouts) and
+at the visited prefixes (stage 2, where to branch). ``ValuePredictor`` is that predictor: a
+*frozen featurizer* turns a token-id prefix into a vector, and a small MLP head with a sigmoid
+output maps it to V ∈ (0, 1). It is refitted after every iteration on the recursive targets
+V̂(y) of the new trees (``trace_core.algo.prefix.training_rows``), plus a bounded replay of the
+rows of earlier iterations, minimising the leaf-count-weighted squared error
+
+    L = Σ_y n_y (Ṽ_ψ(y) − V̂(y))² / Σ_y n_y.
+
+The featurizer (``trace_core.policy.featurizer``) is ``hashed`` (hashed token n-grams, no model,
+any tokenizer) or ``embedding`` (frozen all-MiniLM-L6-v2 over the decoded text); both append
+depth and length. Features are computed once per row and kept with the replay buffer.
+
+    predictor = ValuePredictor(ValueConfig(turn_token=fmt.action_end_id), generator=g)
+    predictor.fit(trees, g)                  # after every iteration; earlier rows are replayed
+    v = predictor.predict(prefixes)          # (N,) float64, the rollout ``Predictor`` protocol
+    predictor.save("ckpt/value")             # value.safetensors + value.json (+ replay.safetensors)
+    predictor = ValuePredictor.load("ckpt/value", tokenizer=tokenizer)
+    report = evaluate_predictor(predictor, train_trees, heldout_trees)
+
+Departures from the paper:
+1. Its L_value averages the squared error uniformly over the training nodes S; by default we
+   weight each node by its leaf count n_y (a node averaging n_y leaves carries n_y outcomes).
+   ``weighting="uniform"`` gives the paper's loss.
+2. It calls its predictor lightweight and "vanilla" without saying what it reads; the
+   featurizers and the head are ours.
+3. The embedding featurizer truncates from the left (keeps the latest turns): on a long history
+   the question itself is cut off.
+4. The replay buffer (bounded in rows) is ours: the paper trains online on an unstated window.
+
+Not yet validated: the embedding featurizer on real Qwen3 histories (only on the tiny calc
+policy's); the MLP on GPUs (it runs on the CPU, which is enough at these sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from trace_core.algo.forecast import auc, brier_score
+from trace_core.algo.prefix import Predictor, TrainingRows, concat_rows, training_rows
+from trace_core.algo.tree import RolloutTree
+from trace_core.policy.featurizer import (
+    EMBEDDING_MODEL,
+    EmbeddingFeaturizer,
+    Featurizer,
+    HashedNgramFeaturizer,
+)
+
+FloatArray = npt.NDArray[np.float64]
+
+FEATURIZERS = ("hashed", "embedding")
+WEIGHTINGS = ("leaves", "uniform")
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "value.safetensors"
+CONFIG_FILE = "value.json"
+REPLAY_FILE = "replay.safetensors"
+
+
+# --- configuration -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValueConfig:
+    """The predictor's featurizer, head and training; saved as ``value.json``."""
+
+    turn_token: int
+    """Id that ends every action (``TurnFormat.action_end_id``): its count measures depth."""
+    featurizer: str = "hashed"
+    """``hashed`` (token n-grams, no model) or ``embedding`` (frozen all-MiniLM-L6-v2)."""
+    buckets: int = 1024
+    """Hashed: buckets per n-gram block (two blocks: whole history, recent tokens)."""
+    ngram: int = 3
+    """Hashed: longest n-gram (1 = unigrams only)."""
+    recent: int = 32
+    """Hashed: the last this many tokens get their own n-gram block (0: no such block)."""
+    max_length: int = 256
+    """Embedding: encoder tokens kept, counted from the end of the history (MiniLM allows 512)."""
+    depth_scale: float = 16.0
+    """Turn-token count divided by this is the depth feature."""
+    hidden: int = 64
+    """Width of the MLP's hidden layer; 0 makes the head logistic regression."""
+    epochs: int = 10
+    """Passes over new + replayed rows per fit. More overfits a little: on calc trees the
+    held-out Brier of unseen prefixes is slightly worse at 20 epochs than at 10."""
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 1.0
+    """AdamW's decoupled weight decay (shrinks weights by lr·weight_decay per step)."""
+    replay_rows: int = 8192
+    """Rows of earlier fits kept and trained on again (oldest dropped first); 0: no replay."""
+    weighting: str = "leaves"
+    """``leaves``: each row weighs its leaf count n_y; ``uniform``: the paper's 1/|S|."""
+
+    def __post_init__(self) -> None:
+        if self.featurizer not in FEATURIZERS:
+            raise ValueError(
+                f"featurizer must be one of {', '.join(FEATURIZERS)}, got {self.featurizer!r}"
+            )
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}"
+            )
+        if self.turn_token < 0:
+            raise ValueError(f"turn_token must be a token id >= 0, got {self.turn_token}")
+        positive = ("buckets", "ngram", "epochs", "batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("recent", "hidden", "replay_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ngram > 4:
+            raise ValueError(f"ngram must be <= 4 (longer n-grams rarely repeat), got {self.ngram}")
+        if not 8 <= self.max_length <= 512:
+            raise ValueError(
+                f"max_length must be in [8, 512] (MiniLM's position limit), got {self.max_length}"
+            )
+        for name in ("depth_scale", "lr"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be >= 0 and finite, got {self.weight_decay}")
+
+
+def make_featurizer(
+    config: ValueConfig, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Featurizer:
+    """The one place a featurizer is picked from its name."""
+    match config.featurizer:
+        case "hashed":
+            return HashedNgramFeaturizer(
+                config.turn_token, config.buckets, config.ngram, config.recent, config.depth_scale
+            )
+        case "embedding":
+            if tokenizer is None:
+                raise ValueError(
+                    "featurizer 'embedding' decodes token ids to text: pass the policy's tokenizer"
+                )
+            return EmbeddingFeaturizer(
+                tokenizer,
+                config.turn_token,
+                max_length=config.max_length,
+                depth_scale=config.depth_scale,
+            )
+    raise ValueError(
+        f"featurizer must be one of {', '.join(FEATURIZERS)}, got {config.featurizer!r}"
+    )
+
+
+# --- the predictor -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FitReport:
+    """What one ``fit`` trained on and how far the weighted squared error fell."""
+
+    rows: int
+    """New rows (this call's trees)."""
+    replayed_rows: int
+    """Rows of earlier fits trained on again."""
+    loss_before: float
+    loss_after: float
+    """Weighted MSE on all rows trained on, before and after this fit."""
+    seconds: float
+
+
+@dataclass
+class _Replay:
+    rows: TrainingRows
+    features: torch.Tensor  # (R, dim): the featurizer is frozen, so these never go stale
+
+
+def _head(dim: int, hidden: int, generator: torch.Generator) -> nn.Sequential:
+    """Linear → GELU → Linear (or one Linear when hidden = 0), initialised from ``generator``.
+
+    The output layer starts at zero, so an unfitted predictor answers σ(0) = 0.5 everywhere,
+    exactly as the ``ConstantPredictor`` a strategy sees before any training.
+    """
+    layers: list[nn.Module] = []
+    width = dim
+    if hidden:
+        # Built on the meta device: nn.Linear's own init would draw from torch's global RNG.
+        first = nn.Linear(dim, hidden, device="meta").to_empty(device="cpu")
+        nn.init.kaiming_uniform_(first.weight, a=math.sqrt(5), generator=generator)
+        bound = 1 / math.sqrt(dim)
+        nn.init.uniform_(first.bias, -bound, bound, generator=generator)
+        layers += [first, nn.GELU()]
+        width = hidden
+    last = nn.Linear(width, 1, device="meta").to_empty(device="cpu")
+    nn.init.zeros_(last.weight)
+    nn.init.zeros_(last.bias)
+    return nn.Sequential(*layers, last)
+
+
+def _weighted_mse(
+    pred: torch.Tensor,  # (R,)
+    target: torch.Tensor,  # (R,)
+    weight: torch.Tensor,  # (R,)
+) -> torch.Tensor:
+    return (weight * (pred - target) ** 2).sum() / weight.sum()
+
+
+class ValuePredictor:
+    """Ṽ_ψ(prefix) = σ(MLP(φ(prefix))); the rollout layer's ``Predictor`` protocol."""
+
+    def __init__(
+        self,
+        config: ValueConfig,
+        *,
+        generator: torch.Generator,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        self.config = config
+        self.featurizer = make_featurizer(config, tokenizer)
+        self.head = _head(self.featurizer.dim, config.hidden, generator)
+        self.fits = 0
+        self._replay: list[_Replay] = []
+
+    # --- Predictor protocol --------------------------------------------------------------------
+    @torch.no_grad()
+    def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray:
+        """(N,) success probabilities, float64."""
+        if not len(prefixes):
+            return np.zeros(0)
+        out = []
+        for start in range(0, len(prefixes), 1024):  # bounds the (chunk, dim) feature matrix
+            x = self.featurizer.features(prefixes[start : start + 1024])  # (n, dim)
+            out.append(torch.sigmoid(self.head(x).squeeze(-1)).double().numpy())
+        return np.concatenate(out)
+
+    # --- training ------------------------------------------------------------------------------
+    @property
+    def replay_rows(self) -> int:
+        return sum(len(r.rows) for r in self._replay)
+
+    def fit(
+        self,
+        data: Sequence[RolloutTree] | TrainingRows,
+        generator: torch.Generator,
+        *,
+        epochs: int | None = None,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+    ) -> FitReport:
+        """AdamW on the weighted squared error of ``data``'s rows plus the replayed ones.
+
+        ``epochs``, ``lr`` and ``weight_decay`` default to the config's. The head keeps its
+        weights from the previous fit (a warm start); the optimiser starts fresh. Afterwards
+        ``data``'s rows join the replay buffer and the oldest rows beyond ``replay_rows`` go.
+        """
+        start = time.perf_counter()
+        c = self.config
+        epochs = c.epochs if epochs is None else epochs
+        lr = c.lr if lr is None else lr
+        weight_decay = c.weight_decay if weight_decay is None else weight_decay
+        if epochs < 1 or not lr > 0 or weight_decay < 0:
+            raise ValueError(
+                f"need epochs >= 1, lr > 0, weight_decay >= 0; got {epochs}, {lr}, {weight_decay}"
+            )
+        rows = data if isinstance(data, TrainingRows) else training_rows(data)
+        new = _Replay(rows, self.featurizer.features(rows.prefixes))
+        parts = [*self._replay, new]
+        x = torch.cat([p.features for p in parts])  # (R, dim)
+        y = torch.from_numpy(np.concatenate([p.rows.target for p in parts])).float()  # (R,)
+        n = np.concatenate([p.rows.weight for p in parts])
+        w = torch.from_numpy(n if c.weighting == "leaves" else np.ones_like(n)).float()  # (R,)
+        report_rows, replayed = len(rows), len(x) - len(rows)
+        if not len(x):
+            return FitReport(0, 0, math.nan, math.nan, time.perf_counter() - start)
+
+        last = self.head[-1]
+        assert isinstance(last, nn.Linear)
+        if self.fits == 0:
+            # Start from the best constant: σ(bias) = the weighted mean target.
+            mean = min(max(float((w * y).sum() / w.sum()), 1e-3), 1 - 1e-3)
+            with torch.no_grad():
+                last.bias.fill_(math.log(mean / (1 - mean)))
+        loss_before = self._loss(x, y, w)
+        optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=weight_decay)
+        self.head.train()
+        for _ in range(epochs):
+            order = torch.randperm(len(x), generator=generator)
+            for batch in order.split(c.batch_size):
+                pred = torch.sigmoid(self.head(x[batch]).squeeze(-1))  # (b,)
+                loss = _weighted_mse(pred, y[batch], w[batch])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        self.head.eval()
+        loss_after = self._loss(x, y, w)
+        self.fits += 1
+        self._push_replay(new)
+        return FitReport(
+            report_rows, replayed, loss_before, loss_after, time.perf_counter() - start
+        )
+
+    @torch.no_grad()
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
+        return float(_weighted_mse(torch.sigmoid(self.head(x).squeeze(-1)), y, w))
+
+    def _push_replay(self, new: _Replay) -> None:
+        self._replay.append(new)
+        excess = self.replay_rows - self.config.replay_rows
+        while excess > 0:
+            oldest = self._replay[0]
+            if len(oldest.rows) <= excess:
+                self._replay.pop(0)
+                excess -= len(oldest.rows)
+            else:
+                keep = np.arange(excess, len(oldest.rows))
+                self._replay[0] = _Replay(oldest.rows.select(keep), oldest.features[excess:])
+                excess = 0
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """``value.safetensors`` (head), ``value.json`` (config), ``replay.safetensors`` (rows)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in self.head.state_dict().items()}, out / WEIGHTS_FILE
+        )
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "config": asdict(self.config),
+            "featurizer": {
+                "kind": self.config.featurizer,
+                "dim": self.featurizer.dim,
+                **({"model": EMBEDDING_MODEL} if self.config.featurizer == "embedding" else {}),
+            },
+            "fits": self.fits,
+        }
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        replay = concat_rows([r.rows for r in self._replay])
+        lengths = np.asarray([len(p) for p in replay.prefixes], dtype=np.int64)
+        # Token ids, not features: a few bytes a token instead of 4·dim bytes a row.
+        save_file(
+            {
+                "tokens": torch.from_numpy(
+                    np.asarray([t for p in replay.prefixes for t in p], dtype=np.int64)
+                ),
+                "lengths": torch.from_numpy(lengths),
+                "target": torch.from_numpy(replay.target),
+                "weight": torch.from_numpy(replay.weight),
+                "depth": torch.from_numpy(replay.depth),
+            },
+            out / REPLAY_FILE,
+        )
+        return out
+
+    @classmethod
+    def load(
+        cls, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> ValuePredictor:
+        """A saved predictor; ``tokenizer`` (the policy's) is needed by the embedding featurizer."""
+        src = Path(directory)
+        if not (src / CONFIG_FILE).exists():
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {src}: not a saved ValuePredictor")
+        meta = json.loads((src / CONFIG_FILE).read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{src / CONFIG_FILE}: format_version {meta.get('format_version')!r}, "
+                f"this code reads {FORMAT_VERSION}"
+            )
+        predictor = cls(
+            ValueConfig(**meta["config"]),
+            generator=torch.Generator().manual_seed(0),  # overwritten by the saved weights
+            tokenizer=tokenizer,
+        )
+        if predictor.featurizer.dim != meta["featurizer"]["dim"]:
+            raise ValueError(
+                f"{src}: saved feature dim {meta['featurizer']['dim']}, the featurizer now "
+                f"gives {predictor.featurizer.dim}"
+            )
+        predictor.head.load_state_dict(load_file(src / WEIGHTS_FILE), strict=True)
+        predictor.head.eval()
+        predictor.fits = int(meta["fits"])
+        if (src / REPLAY_FILE).exists():
+            saved = {k: v.numpy() for k, v in load_file(src / REPLAY_FILE).items()}
+            bounds = np.cumsum(saved["lengths"])[:-1]
+            prefixes = [p.tolist() for p in np.split(saved["tokens"], bounds)]
+            if not len(saved["lengths"]):
+                prefixes = []
+            rows = TrainingRows(prefixes, saved["target"], saved["weight"], saved["depth"])
+            if len(rows):
+                predictor._replay = [_Replay(rows, predictor.featurizer.features(rows.prefixes))]
+        return predictor
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForecastScores:
+    """Brier score and AUC of one node set, for the predictor and for the constant baseline."""
+
+    nodes: int
+    """Evaluated nodes."""
+    pairs: int
+    """(node, descendant leaf) pairs: the labelled outcomes the scores are over."""
+    success_rate: float
+    """Share of those pairs whose leaf has reward 1."""
+    brier: float
+    auc: float
+    constant: float
+    """The baseline's V: the leaf-weighted mean training target of the same kind of node."""
+    brier_constant: float
+    auc_constant: float
+    """0.5 whenever the set holds both outcomes: a constant ties every pair."""
+
+    @property
+    def brier_skill(self) -> float:
+        """1 − brier / brier_constant: > 0 means better than the constant."""
+        return 1.0 - self.brier / self.brier_constant if self.brier_constant else math.nan
+
+
+@dataclass(frozen=True)
+class ValueReport:
+    """Held-out scores of a predictor on roots and on prefixes it never trained on."""
+
+    roots: ForecastScores
+    """Roots of the held-out trees (prompts whose token ids never appear in a training row)."""
+    prefixes: ForecastScores
+    """Non-root inner nodes of the held-out trees whose token history is no training row's."""
+    train_rows: int
+    seen_excluded: int
+    """Held-out rows left out because a training row has the same token history."""
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "train_rows": self.train_rows,
+            "seen_excluded": self.seen_excluded,
+        }
+        for name in ("roots", "prefixes"):
+            scores: ForecastScores = getattr(self, name)
+            out[name] = {**asdict(scores), "brier_skill": scores.brier_skill}
+        return out
+
+
+def _scores(predictor: Predictor, rows: TrainingRows, constant: float) -> ForecastScores:
+    s = rows.successes
+    f = rows.weight - s
+    p = predictor.predict(rows.prefixes) if len(rows) else np.zeros(0)
+    c = np.full(len(rows), constant)
+    pairs = float(rows.weight.sum())
+    return ForecastScores(
+        nodes=len(rows),
+        pairs=int(pairs),
+        success_rate=float(s.sum() / pairs) if pairs else math.nan,
+        brier=brier_score(p, s, f),
+        auc=auc(p, s, f),
+        constant=constant,
+        brier_constant=brier_score(c, s, f),
+        auc_constant=auc(c, s, f),
+    )
+
+
+def _weighted_mean(rows: TrainingRows) -> float:
+    return float(rows.successes.sum() / rows.weight.sum()) if rows.weight.sum() else 0.5
+
+
+def evaluate_predictor(
+    predictor: Predictor,
+    train_trees: Sequence[RolloutTree],
+    heldout_trees: Sequence[RolloutTree],
+) -> ValueReport:
+    """Score ``predictor`` on the held-out trees' roots and never-seen prefixes.
+
+    Labels: every evaluated node y is paired with each leaf below it, the pair's label being
+    that leaf's reward (0 or 1) and its forecast the predictor's V(y). Brier score and AUC are
+    over all these pairs (``trace_core.algo.forecast``), so a node weighs its leaf count n_y,
+    as in training, and both are proper scores of binary outcomes. A leaf below several
+    evaluated prefixes counts once for each.
+
+    "Unseen" is exact: a held-out row counts only if no training row has the same token
+    history (with trees split by prompt that is nearly every row; identical histories can
+    recur only when two prompt ids share a text). The baseline is the best constant fitted on
+    the training rows of the same kind: the leaf-weighted mean target V̂ of the training roots
+    for roots, of the training prefixes for prefixes.
+    """
+    train = training_rows(train_trees)
+    held = training_rows(heldout_trees)
+    seen = {tuple(p) for p in train.prefixes}
+    unseen = np.asarray([tuple(p) not in seen for p in held.prefixes], dtype=bool)
+    root, deeper = held.depth == 0, held.depth > 0
+    return ValueReport(
+        roots=_scores(
+            predictor, held.select(unseen & root), _weighted_mean(train.select(train.depth == 0))
+        ),
+        prefixes=_scores(
+            predictor, held.select(unseen & deeper), _weighted_mean(train.select(train.depth > 0))
+        ),
+        train_rows=len(train),
+        seen_excluded=int((~unseen).sum()),
+    )
