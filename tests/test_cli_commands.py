@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 CALC_LABELS = [f"ops={o},digits={d}" for o in (1, 2, 3) for d in (1, 2, 3)]
@@ -183,6 +184,20 @@ def test_prep_then_rollout_from_the_prompt_file(warmstarted: Warmstarted, tmp_pa
     rolled = read_trees(trees)
     assert len(rolled) == 4  # 4 roots x (1 + 2/2) = 8 units = 4 groups of 2
     assert {t.info.prompt_id for t in rolled} <= {f"calc-eval-{i:05d}" for i in range(6)}
+    # Fit a predictor on those trees and let it steer a trace rollout.
+    predictor = tmp_path / "predictor"
+    run = trace_rl("predictor", "fit", "--trees", str(trees), "--output", str(predictor),
+                   "--checkpoint", str(warmstarted.checkpoint), cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    run = trace_rl(
+        "rollout", "--checkpoint", str(warmstarted.checkpoint), "--prompt-file", str(prompts),
+        "--predictor", str(predictor), "--strategy", "trace", "--budget", "4",
+        "--max-tokens", "8", "--output", str(trees), "--metrics", str(metrics),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, said(run)[-2000:]
+    scored = read_trees(trees)
+    assert all(np.isfinite(t.predicted_v[0]) and t.predicted_v[0] != 0.5 for t in scored)
 
 
 def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Path) -> None:

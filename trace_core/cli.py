@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -26,6 +26,9 @@ from trace_core.bench.allocation import (
 from trace_core.bench.allocator_speed import DEFAULT_SIZES, LARGE_SIZE, SpeedRow, rows_to_json
 from trace_core.bench.allocator_speed import run_allocator_speed as _run_speed
 from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
+
+if TYPE_CHECKING:
+    from trace_core.policy.update import UpdateConfig as UpdateConfigT
 
 app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
 bench_app = typer.Typer(help="Benchmarks that print ratios against a baseline run alongside.")
@@ -469,6 +472,34 @@ def rollout_demo(
                 node = int(kids[0])
 
 
+@app.command("prep")
+def prep_command(
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    split: Annotated[str, typer.Option(help="train or eval.")] = "train",
+    limit: Annotated[int, typer.Option(help="Keep the first N tasks (0: all).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic generators.")] = 0,
+    output: Annotated[Path, typer.Option(help="Prompt Parquet to write.")] = Path(
+        "build/prompts/calc-train.parquet"
+    ),
+) -> None:
+    """Data prep: a task's prompts (one split) as a Parquet file for `trace-rl rollout`."""
+    from trace_core.envs.prompts import write_prompts
+    from trace_core.envs.suites import make_suite
+
+    if split not in ("train", "eval"):
+        raise _fail(f"--split must be train or eval, got {split!r}")
+    try:
+        tasks = make_suite(task, data, seed).tasks(split)  # type: ignore[arg-type]
+        tasks = tasks[:limit] if limit else tasks
+        write_prompts(output, task, tasks)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    console.print(f"wrote {len(tasks)} {task} {split} prompts to {output}")
+
+
 @app.command("rollout")
 def rollout_command(
     checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
@@ -476,6 +507,18 @@ def rollout_command(
         "calc"
     ),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    prompt_file: Annotated[
+        str | None,
+        typer.Option(help="Prompt Parquet (from `trace-rl prep`, path or s3://): the pool."),
+    ] = None,
+    predictor_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--predictor",
+            help="Success predictor folder (`trace-rl predictor fit`, or a training "
+            "iteration's predictor/); default: a constant 0.5.",
+        ),
+    ] = None,
     strategy: Annotated[str, typer.Option(help="Allocation strategy.")] = "trace",
     budget: Annotated[int, typer.Option(help="M: root rollouts (tree strategies).")] = 64,
     continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
@@ -515,7 +558,7 @@ def rollout_command(
     from trace_core.policy.model import load_checkpoint
     from trace_core.policy.torch_engine import TorchEngine
     from trace_core.rollout.grow import GrowConfig, grow_trees
-    from trace_core.rollout.predictor import ConstantPredictor
+    from trace_core.rollout.predictor import ConstantPredictor, Predictor
     from trace_core.store.schema import write_trees
 
     if split not in ("train", "eval"):
@@ -523,6 +566,11 @@ def rollout_command(
     if workers < 0:
         raise _fail(f"--workers must be >= 0, got {workers}")
     try:
+        file_tasks = None
+        if prompt_file:
+            from trace_core.envs.prompts import read_prompts
+
+            task, file_tasks = read_prompts(prompt_file)
         suite = make_suite(task, data, seed)
         config = GrowConfig(
             strategy,
@@ -532,7 +580,7 @@ def rollout_command(
         )
     except ValueError as err:
         raise _fail(str(err)) from None
-    tasks = suite.tasks("train" if split == "train" else "eval")
+    tasks = file_tasks or suite.tasks("train" if split == "train" else "eval")
     rng = np.random.default_rng(seed)
     pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
     with contextlib.ExitStack() as stack:
@@ -553,6 +601,14 @@ def rollout_command(
         else:
             model, tokenizer = load_checkpoint(checkpoint)
             engine = TorchEngine(model)
+        predictor: Predictor = ConstantPredictor()
+        if predictor_dir:
+            from trace_core.policy.value import ValuePredictor
+
+            try:
+                predictor = ValuePredictor.load(predictor_dir, tokenizer=tokenizer)
+            except (FileNotFoundError, ValueError) as err:
+                raise _fail(str(err)) from None
         with _progress() as bar:
             job = bar.add_task("rollout units", total=config.budget.units)
             trees = grow_trees(
@@ -560,7 +616,7 @@ def rollout_command(
                 TurnFormat(tokenizer),
                 suite.make_env,
                 pool,
-                ConstantPredictor(),
+                predictor,
                 config,
                 progress=lambda spent: bar.update(job, completed=spent),
             )
@@ -575,6 +631,556 @@ def rollout_command(
         f"mixed groups per 100 units {result.mixed_per_100_units:.2f}"
     )
     console.print(f"wrote {output} and {metrics}")
+
+
+# --- the shared success predictor ----------------------------------------------------------------
+predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it on stored trees.")
+app.add_typer(predictor_app, name="predictor")
+
+
+@bench_app.command("predictor")
+def bench_predictor(
+    trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
+    featurizer: Annotated[str, typer.Option(help="hashed, embedding or both.")] = "hashed",
+    checkpoint: Annotated[
+        Path, typer.Option(help="Policy directory whose tokenizer wrote the trees.")
+    ] = Path("build/policy/calc"),
+    heldout: Annotated[float, typer.Option(help="Share of prompt ids held out.")] = 0.25,
+    hidden: Annotated[int, typer.Option(help="MLP hidden width (0: logistic).")] = 64,
+    epochs: Annotated[int, typer.Option(help="Passes over the training rows.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the split, weights and batches.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Held-out Brier score and AUC of the predictor, roots and unseen prefixes, vs a constant."""
+    from trace_core.bench.predictor import (
+        PredictorBenchConfig,
+        load_policy_tokenizer,
+        run_predictor_bench,
+        tree_paths,
+        value_config,
+    )
+
+    names = ("hashed", "embedding") if featurizer == "both" else (featurizer,)
+    try:
+        tokenizer = load_policy_tokenizer(checkpoint)
+        value = value_config(tokenizer, names[0], hidden, epochs)
+        config = PredictorBenchConfig(tree_paths(trees), value, names, heldout, seed)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with console.status("fitting") as status:
+        try:
+            result = run_predictor_bench(
+                config, tokenizer, progress=lambda name: status.update(f"fitting {name}")
+            )
+        except ValueError as err:
+            raise _fail(str(err)) from None
+    table = Table(
+        title=f"Success predictor on {result.heldout_trees} held-out trees "
+        f"({result.train_trees} train, {result.prompts} prompts; pairs = node × descendant leaf)"
+    )
+    heads = ("nodes", "pairs", "success", "Brier", "Brier const", "skill", "AUC", "fit s")
+    table.add_column("predictor")
+    table.add_column("nodes of")
+    for head in heads:
+        table.add_column(head, justify="right")
+    for name, run in result.runs.items():
+        for label, s in (("roots", run.report.roots), ("unseen prefixes", run.report.prefixes)):
+            table.add_row(
+                name,
+                label,
+                f"{s.nodes:,}",
+                f"{s.pairs:,}",
+                f"{s.success_rate:.3f}",
+                f"{s.brier:.4f}",
+                f"{s.brier_constant:.4f}",
+                f"{s.brier_skill:+.3f}",
+                f"{s.auc:.3f}",
+                f"{run.fit_seconds:.1f}",
+            )
+    console.print(table)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@predictor_app.command("fit")
+def predictor_fit(
+    trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
+    output: Annotated[Path, typer.Option(help="Predictor directory to write.")],
+    featurizer: Annotated[str, typer.Option(help="hashed or embedding.")] = "hashed",
+    checkpoint: Annotated[
+        Path, typer.Option(help="Policy directory whose tokenizer wrote the trees.")
+    ] = Path("build/policy/calc"),
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue from this saved predictor (and its replay).")
+    ] = None,
+    hidden: Annotated[int, typer.Option(help="MLP hidden width (0: logistic).")] = 64,
+    epochs: Annotated[int, typer.Option(help="Passes over the training rows.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and batches.")] = 0,
+) -> None:
+    """Fit the predictor on stored trees and save it (value.safetensors + value.json)."""
+    import torch
+
+    from trace_core.bench.predictor import (
+        load_policy_tokenizer,
+        load_trees,
+        tree_paths,
+        value_config,
+    )
+    from trace_core.policy.value import ValuePredictor
+
+    try:
+        tokenizer = load_policy_tokenizer(checkpoint)
+        paths = tree_paths(trees)
+        if resume:
+            predictor = ValuePredictor.load(resume, tokenizer=tokenizer)
+        else:
+            predictor = ValuePredictor(
+                value_config(tokenizer, featurizer, hidden, epochs),
+                generator=torch.Generator().manual_seed(seed),
+                tokenizer=tokenizer,
+            )
+    except (ValueError, FileNotFoundError) as err:
+        raise _fail(str(err)) from None
+    with console.status(f"fitting on {len(paths)} files"):
+        fit = predictor.fit(load_trees(paths), torch.Generator().manual_seed(seed + 1))
+    predictor.save(output)
+    console.print(
+        f"{fit.rows:,} rows (+{fit.replayed_rows:,} replayed), weighted MSE "
+        f"{fit.loss_before:.4f} → {fit.loss_after:.4f} in {fit.seconds:.1f} s; wrote {output}"
+    )
+
+
+def _update_options(
+    estimator: str, lr: float, kl_coef: float, clip: float, minibatch: int, epochs: int
+) -> UpdateConfigT:
+    from trace_core.policy.update import UpdateConfig
+
+    return UpdateConfig(
+        estimator=estimator, lr=lr, kl_coef=kl_coef, clip=clip, minibatch=minibatch, epochs=epochs
+    )
+
+
+Estimator = Annotated[str, typer.Option(help="Advantage: grpo, drgrpo, treepo or treerl.")]
+LearningRate = Annotated[float, typer.Option(help="AdamW learning rate of the policy update.")]
+KLCoef = Annotated[float, typer.Option(help="β of the k3 KL to the starting policy (0: off).")]
+Clip = Annotated[float, typer.Option(help="PPO clip range ε.")]
+Minibatch = Annotated[int, typer.Option(help="Paths per optimizer step.")]
+Epochs = Annotated[int, typer.Option(help="Passes over each iteration's paths.")]
+Iterations = Annotated[int, typer.Option(help="K: rollout → predictor → update iterations.")]
+RootBudget = Annotated[int, typer.Option(help="M: root rollouts per iteration (tree strategies).")]
+Continuations = Annotated[int, typer.Option(help="N: continuations per root.")]
+Group = Annotated[int, typer.Option(help="Group size of grpo and pcl.")]
+Pool = Annotated[int, typer.Option(help="Candidate prompts drawn per iteration.")]
+EvalTasks = Annotated[int, typer.Option(help="Held-out tasks evaluated.")]
+EvalK = Annotated[int, typer.Option(help="Samples per task for mean@k.")]
+EvalEvery = Annotated[int, typer.Option(help="Evaluate every this many iterations.")]
+PredictorKind = Annotated[str, typer.Option(help="Predictor featurizer: hashed or embedding.")]
+
+
+@app.command("train")
+def train_command(
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    output: Annotated[Path, typer.Option(help="Run folder (resumes if it holds a run).")] = Path(
+        "build/train/calc-trace"
+    ),
+    init: Annotated[
+        Path | None, typer.Option(help="Starting policy (HF dir); default: warm start.")
+    ] = None,
+    strategy: Annotated[str, typer.Option(help="Allocation strategy.")] = "trace",
+    iterations: Iterations = 12,
+    budget: RootBudget = 128,
+    continuations: Continuations = 2,
+    group: Group = 8,
+    prompts: Pool = 512,
+    estimator: Estimator = "grpo",
+    lr: LearningRate = 2e-4,
+    kl_coef: KLCoef = 0.0,
+    clip: Clip = 0.2,
+    minibatch: Minibatch = 64,
+    epochs: Epochs = 1,
+    eval_tasks: EvalTasks = 300,
+    eval_k: EvalK = 4,
+    eval_every: EvalEvery = 2,
+    predictor: PredictorKind = "hashed",
+    seed: Annotated[int, typer.Option(help="Seed of pools, plans, sampling, updates.")] = 0,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    train_workers: Annotated[
+        int, typer.Option(help="Ray Train workers for the update (0: in this process).")
+    ] = 0,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray head for --train-workers (default: in-process Ray).")
+    ] = None,
+) -> None:
+    """Warm start, then K iterations of rollout → fit predictor → update policy → evaluate."""
+    from trace_core.train.loop import TrainConfig, plot_run, train
+    from trace_core.train.warmstart import set_threads
+
+    set_threads(threads)
+    try:
+        config = TrainConfig(
+            task=task,
+            data=data,
+            output=output,
+            init=init,
+            strategy=strategy,
+            iterations=iterations,
+            budget=budget,
+            continuations=continuations,
+            group=group,
+            prompts=prompts,
+            seed=seed,
+            update=_update_options(estimator, lr, kl_coef, clip, minibatch, epochs),
+            eval_tasks=eval_tasks,
+            eval_k=eval_k,
+            eval_every=eval_every,
+            predictor=predictor,
+            train_workers=train_workers,
+            ray_address=ray_address,
+        )
+        with _progress() as bar:
+            job = bar.add_task("training", total=iterations)
+
+            def report(message: str) -> None:
+                console.print(message)
+                if message.startswith("iteration "):
+                    bar.update(job, completed=int(message.split()[1].split("/")[0]))
+
+            records = train(config, progress=report)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    plot_run(records, output / "curves.png")
+    first, last = records[0].eval, next(r.eval for r in reversed(records) if r.eval)
+    assert first is not None and last is not None
+    table = Table(title=f"{task} · {strategy}: held-out success before and after")
+    for head in ("", "pass@1", f"mean@{eval_k}", "generated tokens"):
+        table.add_column(head, justify="right")
+    table.add_row("start", f"{first['pass1']['all']:.3f}", _mean_k(first), "0")  # type: ignore[index]
+    table.add_row(
+        f"iteration {records[-1].iteration}",
+        f"{last['pass1']['all']:.3f}",  # type: ignore[index]
+        _mean_k(last),
+        f"{records[-1].total_tokens:,}",
+    )
+    console.print(table)
+    console.print(f"wrote {output}/log.jsonl and {output}/curves.png")
+
+
+def _mean_k(report: dict[str, object]) -> str:
+    values = report["mean_k"]
+    return f"{values['all']:.3f}" if values else "-"  # type: ignore[index]
+
+
+@app.command("compare")
+def compare_command(
+    task: Annotated[str, typer.Option(help="Synthetic task with a warm start: calc, multihop.")] = (
+        "calc"
+    ),
+    output: Annotated[Path, typer.Option(help="Folder of every run (resumable).")] = Path(
+        "build/compare"
+    ),
+    init: Annotated[
+        Path | None, typer.Option(help="Starting policy (HF dir); default: one warm start.")
+    ] = None,
+    strategies: Annotated[
+        str, typer.Option(help="Comma-separated strategies.")
+    ] = "trace,grpo,pcl,treepo",
+    seeds: Annotated[int, typer.Option(help="Seeds per strategy.")] = 3,
+    iterations: Iterations = 12,
+    budget: RootBudget = 128,
+    continuations: Continuations = 2,
+    group: Group = 8,
+    prompts: Pool = 512,
+    estimator: Estimator = "grpo",
+    lr: LearningRate = 2e-4,
+    kl_coef: KLCoef = 0.0,
+    clip: Clip = 0.2,
+    minibatch: Minibatch = 64,
+    epochs: Epochs = 1,
+    eval_tasks: EvalTasks = 300,
+    eval_k: EvalK = 4,
+    eval_every: EvalEvery = 2,
+    predictor: PredictorKind = "hashed",
+    parallel: Annotated[int, typer.Option(help="Runs at once (one process each).")] = 2,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Plot PNG.")] = Path("build/compare.png"),
+) -> None:
+    """Every strategy from the same warm start, seeds and budget: table, plot, JSON."""
+    from trace_core.train.compare import (
+        METRICS as COMPARE_METRICS,
+    )
+    from trace_core.train.compare import (
+        CompareConfig,
+        plot_compare,
+        run_compare,
+        write_json,
+    )
+    from trace_core.train.loop import TrainConfig
+
+    try:
+        config = CompareConfig(
+            task=task,
+            output=output,
+            init=init,
+            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+            seeds=seeds,
+            parallel=parallel,
+            run=TrainConfig(
+                task=task,
+                iterations=iterations,
+                budget=budget,
+                continuations=continuations,
+                group=group,
+                prompts=prompts,
+                update=_update_options(estimator, lr, kl_coef, clip, minibatch, epochs),
+                eval_tasks=eval_tasks,
+                eval_k=eval_k,
+                eval_every=eval_every,
+                predictor=predictor,
+            ),
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    with console.status("training every strategy") as status:
+        result = run_compare(config, progress=lambda m: status.update(m))
+    table = Table(
+        title=f"{task}: {seeds} seeds × {iterations} iterations, M={budget} N={continuations}"
+    )
+    table.add_column("strategy")
+    for metric in COMPARE_METRICS:
+        table.add_column(metric.replace("_", " "), justify="right")
+    for name, row in result.strategies.items():
+        table.add_row(
+            name,
+            *(
+                f"{row[m]['mean']:.3f} ± {row[m]['std']:.3f}"
+                if m in row and m != "tokens"
+                else (f"{row[m]['mean']:,.0f}" if m in row else "-")
+                for m in COMPARE_METRICS
+            ),
+        )
+    console.print(table)
+    if json_path:
+        write_json(result, json_path)
+        console.print(f"wrote {json_path}")
+    if plot:
+        plot_compare(result, plot)
+        console.print(f"wrote {plot}")
+
+
+# --- trace-rl inspect / bench store: rollout trees on disk or S3 (logic in trace_core/store) ---
+inspect_app = typer.Typer(
+    help="Rollout trees in a Parquet file, a folder or tree set, or s3://bucket/prefix: "
+    "trace-rl inspect COMMAND PATH_OR_URI [ARGS]. S3 credentials come from AWS_* variables."
+)
+app.add_typer(inspect_app, name="inspect")
+_TREES_HELP = "A Parquet file, a folder or tree set, or s3://bucket/prefix."
+TreesArg = Annotated[
+    str, typer.Argument(help=_TREES_HELP, metavar="PATH_OR_URI", show_default=False)
+]
+RunOpt = Annotated[str | None, typer.Option(help="Only trees of this run id.")]
+IterationOpt = Annotated[int | None, typer.Option(help="Only trees of this iteration.")]
+if TYPE_CHECKING:
+    from trace_core.store.treeset import TreeSource
+# What a store, a schema or a query refuses: StoreError (OSError), SchemaError/ManifestError/
+# QueryError (ValueError), TreeNotFound (LookupError). Each message names the URI.
+_INSPECT_ERRORS = (OSError, ValueError, LookupError)
+
+
+def _open_trees(uri: str) -> TreeSource:
+    from trace_core.store.treeset import open_trees
+
+    try:
+        return open_trees(uri)
+    except _INSPECT_ERRORS as err:
+        raise _fail(str(err)) from None
+
+
+@inspect_app.command("summary")
+def inspect_summary(
+    uri: TreesArg,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the summary here.")] = (
+        None
+    ),
+) -> None:
+    """Trees, nodes, strategies, iterations, effective ratios, reward mix, units and tokens."""
+    from trace_core.store.inspect import summarize, summary_table
+
+    source = _open_trees(uri)
+    try:
+        with _progress() as bar:
+            job = bar.add_task("reading trees", total=len(source.keys))
+            summary = summarize(source, progress=lambda done, _n: bar.update(job, completed=done))
+    except _INSPECT_ERRORS as err:
+        raise _fail(str(err)) from None
+    console.print(summary_table(summary))
+    if json_path:
+        json_path.write_text(json.dumps(summary.to_json(), indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@inspect_app.command("query")
+def inspect_query(
+    uri: TreesArg,
+    sql: Annotated[str, typer.Argument(help="SQL over the view `nodes`, one row per node.")],
+    max_rows: Annotated[int, typer.Option(help="Rows printed at most.")] = 50,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write every row (.parquet or .csv).")
+    ] = None,
+) -> None:
+    """DuckDB SQL over the trees; only the columns the query uses are read."""
+    from trace_core.store.query import run_query
+
+    if output and output.suffix not in (".parquet", ".csv"):
+        raise _fail(f"--output {output}: use a .parquet or .csv file")
+    source = _open_trees(uri)
+    try:
+        with console.status("querying"):
+            result = run_query(source, sql)
+    except _INSPECT_ERRORS as err:
+        raise _fail(str(err)) from None
+    table = Table(
+        title=f"{result.num_rows:,} rows"
+        + (f" (first {max_rows})" if result.num_rows > max_rows else "")
+    )
+    for name in result.column_names:
+        table.add_column(name, overflow="fold")
+    for row in result.slice(0, max_rows).to_pylist():
+        table.add_row(*(_cell(v) for v in row.values()))
+    console.print(table)
+    if output:
+        import pyarrow.csv
+        import pyarrow.parquet as pq
+
+        if output.suffix == ".parquet":
+            pq.write_table(result, output)
+        else:
+            pyarrow.csv.write_csv(result, output)
+        console.print(f"wrote {output}")
+
+
+def _cell(value: object, width: int = 60) -> str:
+    text = "null" if value is None else str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+@inspect_app.command("show")
+def inspect_show(
+    uri: TreesArg,
+    tree_id: Annotated[int, typer.Argument(help="The tree's tree_id.", show_default=False)],
+    run: RunOpt = None,
+    iteration: IterationOpt = None,
+    width: Annotated[int, typer.Option(help="Characters of text per turn (0: all).")] = 80,
+) -> None:
+    """One tree in the terminal: turns, rewards, predicted V, targets V̂, continuations."""
+    from trace_core.store.inspect import find_trees, render_tree
+
+    source = _open_trees(uri)
+    try:
+        (tree,) = find_trees(source, [tree_id], run=run, iteration=iteration)
+    except _INSPECT_ERRORS as err:
+        raise _fail(str(err)) from None
+    console.print(render_tree(tree, width=width))
+
+
+@inspect_app.command("html")
+def inspect_html(
+    uri: TreesArg,
+    tree_ids: Annotated[
+        list[int] | None, typer.Argument(help="tree_ids to show (default: the first --sample).")
+    ] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="HTML file to write.")] = Path(
+        "trees.html"
+    ),
+    run: RunOpt = None,
+    iteration: IterationOpt = None,
+    sample: Annotated[int, typer.Option(help="Trees shown when no tree_id is given.")] = 5,
+    title: Annotated[str | None, typer.Option(help="Page title (default: the source).")] = None,
+) -> None:
+    """A self-contained HTML tree view (no network): collapsible turns, rewards, V and V̂."""
+    from trace_core.store.html import render_html
+    from trace_core.store.inspect import find_trees, sample_trees
+
+    source = _open_trees(uri)
+    try:
+        if tree_ids:
+            trees = find_trees(source, tree_ids, run=run, iteration=iteration)
+        else:
+            trees = sample_trees(source, sample)
+    except _INSPECT_ERRORS as err:
+        raise _fail(str(err)) from None
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(render_html(trees, title=title or f"Rollout trees: {source.uri}"))
+    console.print(f"wrote {output} ({len(trees)} trees, {sum(t.size for t in trees):,} nodes)")
+
+
+@bench_app.command("store")
+def bench_store(
+    trees: Annotated[int, typer.Option(help="N: simulator trees in both formats.")] = 1000,
+    query_nodes: Annotated[int, typer.Option(help="Nodes the query filters (0: skip).")] = (
+        1_000_000
+    ),
+    repeats: Annotated[int, typer.Option(help="Timed reads and queries; the best counts.")] = 5,
+    s3: Annotated[
+        str, typer.Option(help="auto (SeaweedFS on 127.0.0.1), none, or s3://bucket/prefix.")
+    ] = "auto",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Parquet vs JSON Lines (bytes, seconds, ratios) locally and on S3; a query over 1M nodes."""
+    from trace_core.bench.store import StoreBenchConfig, run_store_bench
+
+    try:
+        config = StoreBenchConfig(trees=trees, query_nodes=query_nodes, repeats=repeats, s3=s3)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    try:
+        with console.status("benchmarking storage") as status:
+            result = run_store_bench(config, progress=lambda m: status.update(m))
+    except (OSError, RuntimeError) as err:
+        raise _fail(str(err)) from None
+    table = Table(title=f"{result.trees:,} simulator trees, {result.nodes:,} nodes")
+    heads = (
+        "where",
+        "data",
+        "Parquet MB",
+        "JSONL MB",
+        "size ×",
+        "Parquet read s",
+        "JSONL read s",
+        "read ×",
+        "Parquet write s",
+        "JSONL write s",
+    )
+    for head in heads:
+        table.add_column(head, justify="right")
+    for r in result.formats:
+        table.add_row(
+            r.where,
+            r.data,
+            f"{r.parquet_bytes / 1e6:.2f}",
+            f"{r.jsonl_bytes / 1e6:.2f}",
+            f"{r.size_ratio:.1f}×",
+            f"{r.parquet_read_seconds:.3f}",
+            f"{r.jsonl_read_seconds:.3f}",
+            f"{r.read_speedup:.1f}×",
+            f"{r.parquet_write_seconds:.3f}",
+            f"{r.jsonl_write_seconds:.3f}",
+        )
+    console.print(table)
+    for q in result.queries:
+        console.print(
+            f"query ({q.where}): {q.nodes:,} nodes ({q.file_bytes / 1e6:.0f} MB file) → "
+            f"{q.rows:,} rows in {q.seconds:.3f} s"
+        )
+    for note in result.notes:
+        console.print(note)
+    if json_path:
+        result.write_json(json_path)
+        console.print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ def test_local_paths_and_file_uris_read_the_same_bytes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("uri", "message"),
     [
-        ("s3://bucket/data/train.jsonl", "S3 support arrives with the storage layer"),
-        ("S3://bucket/train.json", "S3 support arrives with the storage layer"),
         ("https://example.com/train.json", "unsupported URI scheme 'https'"),
         ("file://otherhost/data.json", "must name a local file"),
     ],
@@ -38,6 +36,21 @@ def test_other_locations_are_refused_clearly(uri: str, message: str) -> None:
         open_source(uri)
     with pytest.raises(ValueError, match=message):
         read_records(uri)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/data/train.jsonl", "S3://bucket/train.json"])
+def test_s3_goes_through_the_store_and_needs_credentials(
+    uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real S3 round trip is in tests/store/test_artifacts.py (SeaweedFS on 127.0.0.1).
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(PermissionError, match="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        open_source(uri)
+    with pytest.raises(PermissionError, match="no S3 credentials"):
+        read_records(uri)
+    with pytest.raises(ValueError, match="not a local file"):
+        local_path(uri)
 
 
 def test_missing_file_names_the_uri(tmp_path: Path) -> None:

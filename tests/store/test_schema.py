@@ -289,7 +289,7 @@ def test_failed_write_leaves_existing_file(tmp_path: Path, monkeypatch: pytest.M
     write_trees(path, [small_tree()])
     before = path.read_bytes()
 
-    def half_write(table: pa.Table, where: BinaryIO) -> None:
+    def half_write(table: pa.Table, where: BinaryIO, **options: object) -> None:
         where.write(b"PAR1 half a file")
         raise OSError("disk full")
 

@@ -2,12 +2,13 @@
 
     rows = read_records("data/deepscaler.json")          # a JSON list of objects
     rows = read_records("file:///data/train.parquet")    # one dict per Parquet row
-    rows = read_records("s3://bucket/train.jsonl")       # ValueError: not yet
+    rows = read_records("s3://bucket/train.jsonl")       # through trace_core.store (AWS_* env)
 
-Loaders take URIs from the start so that configs need not change when the storage layer lands;
-until then only local files are read. The format comes from the extension, so a file is never
-parsed as something it is not. Rows come back unvalidated: each loader checks its own fields
-and names the row that is wrong.
+``s3://`` (and KFP's ``minio://``) objects are fetched by the artifact store,
+``trace_core.store.artifacts``, with credentials and endpoint from the environment; it is imported
+only when such a URI is read, so the envs layer keeps its light imports. The format comes from the
+extension, so a file is never parsed as something it is not. Rows come back unvalidated: each
+loader checks its own fields and names the row that is wrong.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ Format = Literal["json", "jsonl", "parquet"]
 _FORMATS: dict[str, Format] = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 
 
+_OBJECT_STORES = ("s3", "minio")
+
+
+def is_object_store(uri: str) -> bool:
+    """True for ``s3://`` and ``minio://`` URIs (read through ``trace_core.store``)."""
+    return "://" in uri and urlparse(uri).scheme.lower() in _OBJECT_STORES
+
+
 def local_path(uri: str) -> Path:
     """The local file a path or ``file://`` URI names; a clear error for other schemes."""
     if "://" not in uri:
@@ -33,12 +42,11 @@ def local_path(uri: str) -> Path:
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"{uri}: file:// URIs must name a local file (file:///path)")
         return Path(unquote(parsed.path))
-    if scheme == "s3":
-        raise ValueError(
-            f"{uri}: reading from S3 is not supported yet; S3 support arrives with the storage "
-            "layer. Copy the file locally and pass its path (or a file:// URI) for now."
-        )
-    raise ValueError(f"{uri}: unsupported URI scheme {scheme!r}; use a local path or file://")
+    if scheme in _OBJECT_STORES:
+        raise ValueError(f"{uri}: an object-store URI, not a local file; use open_source")
+    raise ValueError(
+        f"{uri}: unsupported URI scheme {scheme!r}; use a local path, file:// or s3://"
+    )
 
 
 def source_format(uri: str) -> Format:
@@ -53,7 +61,15 @@ def source_format(uri: str) -> Format:
 
 
 def open_source(uri: str) -> bytes:
-    """The bytes of the file at ``uri``."""
+    """The bytes of the file at ``uri``: local, or an S3 object through the artifact store.
+
+    A missing object is a ``FileNotFoundError`` and missing credentials a ``PermissionError``
+    (both ``trace_core.store.artifacts.StoreError``s naming the URI), as for local files.
+    """
+    if is_object_store(uri):
+        from trace_core.store.artifacts import read_uri
+
+        return read_uri(uri)
     path = local_path(uri)
     if not path.is_file():
         raise FileNotFoundError(f"{uri}: no such file")
@@ -62,7 +78,8 @@ def open_source(uri: str) -> bytes:
 
 def read_records(uri: str) -> list[object]:
     """The rows of a dataset file: a JSON list, JSON Lines, or a Parquet table as dicts."""
-    local_path(uri)  # an unsupported scheme is the first thing to say
+    if not is_object_store(uri):
+        local_path(uri)  # an unsupported scheme is the first thing to say
     fmt = source_format(uri)
     data = open_source(uri)
     if fmt == "parquet":

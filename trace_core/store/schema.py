@@ -17,7 +17,7 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,10 @@ from trace_core.algo.tree import RolloutTree, TreeInfo, recursive_targets
 
 SCHEMA_VERSION = 1
 VERSION_KEY = b"trace.schema_version"
+# zstd: token ids and logprobs compress well; 64k-row groups let a reader that wants one tree
+# (``trace-rl inspect show``) skip the rest by the tree_id statistics of each group.
+PARQUET_COMPRESSION = "zstd"
+ROW_GROUP_ROWS = 65_536
 _INFO_COLUMNS = ("run_id", "iteration", "prompt_id", "tree_id", "strategy", "policy_version")
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 
@@ -285,13 +289,18 @@ def write_trees(path: str | os.PathLike[str], trees: Sequence[RolloutTree]) -> N
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "xb") as f:
-            pq.write_table(table, f)
+            write_parquet(table, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_parquet(table: pa.Table, where: str | os.PathLike[str] | BinaryIO) -> None:
+    """``table`` as Parquet with this schema's compression and row groups."""
+    pq.write_table(table, where, compression=PARQUET_COMPRESSION, row_group_size=ROW_GROUP_ROWS)
 
 
 def read_trees(path: str | os.PathLike[str]) -> list[RolloutTree]:

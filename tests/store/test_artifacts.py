@@ -1,0 +1,253 @@
+"""The artifact store on a local folder and on a real S3 server (SeaweedFS on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from trace_core.envs.source import read_records
+from trace_core.store.artifacts import (
+    AccessDenied,
+    LocalStore,
+    ObjectNotFound,
+    RetryPolicy,
+    S3Settings,
+    S3Store,
+    StoreError,
+    StoreUnavailable,
+    open_store,
+)
+from trace_core.store.server import SeaweedServer
+
+SECRET = "s3cr3t-Value-that-must-never-leak"
+KEY_ID = "AKIA-test-key-id-never-printed"
+
+
+# --- local ---------------------------------------------------------------------------------------
+def test_local_round_trip_and_listing(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "art")
+    assert isinstance(store, LocalStore)
+    store.put_bytes("a/b.json", b"{}")
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 3_000_000)
+    seen: list[int] = []
+    store.put_file("a/c/big.bin", src, progress=seen.append)
+    assert seen[-1] == 3_000_000
+    assert store.get_bytes("a/b.json") == b"{}"
+    store.get_file("a/c/big.bin", tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    assert [(o.key, o.size) for o in store.list_objects("a")] == [
+        ("a/b.json", 2),
+        ("a/c/big.bin", 3_000_000),
+    ]
+    assert store.exists("a/b.json") and not store.exists("a/nope")
+    # No temp file is left beside the objects, and hidden files are not listed.
+    assert sorted(p.name for p in (tmp_path / "art" / "a").iterdir()) == ["b.json", "c"]
+    (tmp_path / "art" / "a" / ".x.tmp").write_bytes(b"")
+    assert len(store.list_objects()) == 2
+    store.delete("a/b.json")
+    assert not store.exists("a/b.json")
+
+
+def test_local_errors_name_the_path(tmp_path: Path) -> None:
+    store = open_store(f"file://{tmp_path}")
+    with pytest.raises(ObjectNotFound, match=f"{tmp_path}/missing.json: no such file"):
+        store.get_bytes("missing.json")
+    with pytest.raises(FileNotFoundError):  # ObjectNotFound is one
+        store.get_file("missing.json", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"without '\.\.'"):
+        store.put_bytes("../escape", b"")
+    with pytest.raises(ValueError, match="unsupported URI scheme 'gs'"):
+        open_store("gs://bucket/x")
+    with pytest.raises(ValueError, match="s3://B_ad/x: invalid bucket name"):
+        open_store("s3://B_ad/x")
+
+
+def test_a_failed_local_write_leaves_the_old_object(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.put_bytes("m.json", b"old")
+    with pytest.raises(FileNotFoundError):
+        store.put_file("m.json", tmp_path / "does-not-exist")
+    assert store.get_bytes("m.json") == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+# --- settings ----------------------------------------------------------------------------------
+def test_settings_come_from_the_environment_and_are_never_printed() -> None:
+    env = {
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": "http://seaweedfs.kubeflow:9000",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    s = S3Settings.from_env(env)
+    assert (s.endpoint, s.secure, s.region) == ("seaweedfs.kubeflow:9000", False, "eu-west-1")
+    assert SECRET not in repr(s) and KEY_ID not in repr(s)
+    assert s.redact(f"key {KEY_ID} secret {SECRET}") == "key *** secret ***"
+    # AWS_ENDPOINT_URL_S3 wins; a bare host:port means https; no endpoint means AWS.
+    s = S3Settings.from_env({**env, "AWS_ENDPOINT_URL_S3": "minio:9000"})
+    assert (s.endpoint, s.secure) == ("minio:9000", True)
+    s = S3Settings.from_env({"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET})
+    assert (s.endpoint, s.region) == (None, "us-east-1")
+    with pytest.raises(AccessDenied, match="set AWS_SECRET_ACCESS_KEY in the environment"):
+        S3Settings.from_env({"AWS_ACCESS_KEY_ID": KEY_ID})
+    with pytest.raises(ValueError, match=r"ftp://host: expected http\(s\)://host\[:port\]"):
+        S3Settings.from_env({**env, "S3_ENDPOINT": "ftp://host", "AWS_ENDPOINT_URL": ""})
+
+
+def test_credentials_in_a_uri_are_refused_without_echoing_them() -> None:
+    with pytest.raises(ValueError, match="must not hold credentials") as err:
+        open_store(f"s3://{KEY_ID}:{SECRET}@bucket/prefix")
+    assert SECRET not in str(err.value) and KEY_ID not in str(err.value)
+
+
+# --- S3 ----------------------------------------------------------------------------------------
+def test_s3_round_trip(bucket_store: S3Store, tmp_path: Path) -> None:
+    store = bucket_store
+    store.put_bytes("runs/a.json", b'{"a": 1}')
+    store.put_bytes("runs/b/c.txt", b"c")
+    assert store.get_bytes("runs/a.json") == b'{"a": 1}'
+    assert [o.key for o in store.list_objects("runs")] == ["runs/a.json", "runs/b/c.txt"]
+    assert store.exists("runs/a.json") and not store.exists("runs/zzz")
+    store.put_bytes("runs/a.json", b"v2")  # replaced whole
+    assert store.get_bytes("runs/a.json") == b"v2"
+    store.delete("runs/a.json")
+    assert [o.key for o in store.list_objects("")] == ["runs/b/c.txt"]
+
+
+def test_s3_multipart_upload_of_a_large_file(bucket_store: S3Store, tmp_path: Path) -> None:
+    # 13 MiB: above minio's 5 MiB part size, so three parts in a multipart upload.
+    data = os.urandom(13 << 20)
+    src = tmp_path / "model.safetensors"
+    src.write_bytes(data)
+    seen: list[int] = []
+    bucket_store.put_file("ckpt/model.safetensors", src, progress=seen.append)
+    assert seen[-1] == len(data)
+    back = tmp_path / "back"
+    bucket_store.get_file("ckpt/model.safetensors", back)
+    assert hashlib.sha256(back.read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert bucket_store.list_objects("ckpt")[0].size == len(data)
+    # A ranged read through pyarrow's S3FileSystem sees the same bytes.
+    fs, path = bucket_store.arrow_path("ckpt/model.safetensors")
+    with fs.open_input_file(path) as f:
+        f.seek(7 << 20)
+        assert f.read(1000) == data[7 << 20 : (7 << 20) + 1000]
+
+
+def test_missing_object_and_bucket_name_the_uri(seaweed: SeaweedServer, prefix: str) -> None:
+    settings = S3Settings.from_env(seaweed.env())
+    store = S3Store("trace", prefix, settings)
+    with pytest.raises(ObjectNotFound, match=f"s3://trace/{prefix}/nope.json: no such object"):
+        store.get_bytes("nope.json")
+    nobucket = S3Store("no-such-bucket", "x", settings)
+    with pytest.raises(ObjectNotFound, match="s3://no-such-bucket/x/k: bucket 'no-such-bucket'"):
+        nobucket.get_bytes("k")
+    with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket' does not exist"):
+        nobucket.list_objects()
+
+
+def test_wrong_credentials_are_refused_without_leaking_them(
+    seaweed: SeaweedServer, prefix: str, tmp_path: Path
+) -> None:
+    right = S3Store("trace", prefix, S3Settings.from_env(seaweed.env()))
+    right.put_bytes("x.json", b"{}")
+    for env in (
+        {**seaweed.env(), "AWS_SECRET_ACCESS_KEY": SECRET},  # right key id, wrong secret
+        {**seaweed.env(), "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET},
+    ):
+        wrong = S3Store("trace", prefix, S3Settings.from_env(env), RetryPolicy(attempts=1))
+        src = tmp_path / "f"
+        src.write_bytes(b"1")
+        for call in (
+            lambda w=wrong: w.get_bytes("x.json"),
+            lambda w=wrong: w.put_bytes("y.json", b"1"),
+            lambda w=wrong, src=src: w.put_file("y.json", src),
+            lambda w=wrong: w.list_objects(),
+        ):
+            with pytest.raises(AccessDenied, match=f"s3://trace/{prefix}") as err:
+                call()
+            text = f"{err.value} {err.value!r}"
+            assert SECRET not in text and KEY_ID not in text
+            assert "AWS_ACCESS_KEY_ID" in text  # says what to check
+            assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert [o.key for o in right.list_objects()] == ["x.json"]
+
+
+def test_an_unreachable_server_is_retried_then_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    store = S3Store("bkt", "p", S3Settings.from_env(env), RetryPolicy(3, 0.05, 0.1))
+    with pytest.raises(StoreUnavailable, match=r"s3://bkt/p/k: download failed after 3 attempts"):
+        store.get_bytes("k")
+    with pytest.raises(StoreError) as err:
+        store.put_bytes("k", b"1")
+    assert SECRET not in str(err.value) and KEY_ID not in str(err.value)
+    # Each retry is logged (2 per call here), naming the URI and never a credential.
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 4 and all(m.startswith("s3://bkt/p/k: ") for m in retries)
+    assert SECRET not in caplog.text and KEY_ID not in caplog.text
+
+
+def test_dataset_loaders_read_s3_through_the_store(
+    s3_env: dict[str, str], bucket_store: S3Store
+) -> None:
+    bucket_store.put_bytes("data/train.jsonl", b'{"problem": "1+1?", "answer": "2"}\n')
+    uri = f"s3://trace/{bucket_store.prefix}/data/train.jsonl"
+    assert read_records(uri) == [{"problem": "1+1?", "answer": "2"}]
+    assert read_records(uri.replace("s3://", "minio://")) == read_records(uri)
+    with pytest.raises(FileNotFoundError, match=r"train\.json: no such object"):
+        read_records(uri[: -len("l")])
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            if width == 8:
+                ip = ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                ip = address
+            found.add((ip, int(port, 16)))
+    return found
+
+
+def test_the_server_listens_on_loopback_only_and_stops_by_pid(tmp_path: Path) -> None:
+    server = SeaweedServer.start(tmp_path / "s3")
+    try:
+        pid = server.pid
+        assert pid is not None
+        sockets = _listening(pid)
+        assert ("127.0.0.1", server.ports["s3.port"]) in sockets
+        assert {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
+        assert {port for _, port in sockets} <= set(server.ports.values())
+    finally:
+        server.stop()
+    assert not server.running()
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    assert not list(Path("/tmp").glob(f"seaweedfs-*-{server.ports['s3.port']}.sock"))

@@ -1,0 +1,156 @@
+"""The checkpoint registry: ``latest`` moves only after a checkpoint is complete, even when the
+S3 server is killed in the middle of an upload (a real SeaweedFS, SIGKILLed and restarted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from trace_core.algo.tree import RolloutTree
+from trace_core.store.artifacts import (
+    LocalStore,
+    ObjectNotFound,
+    RetryPolicy,
+    S3Store,
+    StoreError,
+    StoreUnavailable,
+)
+from trace_core.store.registry import CheckpointRegistry
+from trace_core.store.server import SeaweedServer
+from trace_core.store.treeset import read_tree_set, write_tree_set
+
+StoreOn = Callable[[SeaweedServer, str, RetryPolicy | None], S3Store]
+BIG = 24 << 20  # a "weights" file of 24 MiB: five multipart parts of 5 MiB
+
+
+def checkpoint_dir(path: Path, version: int, big: int = 0) -> Path:
+    (path / "tokenizer").mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"version": version}))
+    (path / "tokenizer" / "vocab.txt").write_text(f"vocab {version}\n")
+    if big:
+        (path / "model.safetensors").write_bytes(os.urandom(big))
+    return path
+
+
+def same_files(a: Path, b: Path) -> bool:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and all(
+        (a / f).read_bytes() == (b / f).read_bytes() for f in files
+    )
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_save_latest_download(where: str, tmp_path: Path, bucket_store: S3Store) -> None:
+    store = LocalStore(tmp_path / "store") if where == "local" else bucket_store
+    registry = CheckpointRegistry(store)
+    assert registry.latest("nightly") is None
+    v1 = checkpoint_dir(tmp_path / "v1", 1)
+    v2 = checkpoint_dir(tmp_path / "v2", 2)
+    first = registry.save("nightly", 1, v1, metadata={"policy_version": "1"})
+    registry.save("nightly", 2, v2)
+    latest = registry.latest("nightly")
+    assert latest is not None and latest.iteration == 2
+    assert [c.iteration for c in registry.checkpoints("nightly")] == [1, 2]
+    assert registry.checkpoints("nightly")[0].metadata == {"policy_version": "1"}
+    registry.load_latest("nightly", tmp_path / "resume")
+    assert same_files(tmp_path / "resume", v2)
+    registry.download(first, tmp_path / "old")
+    assert same_files(tmp_path / "old", v1)
+    assert registry.latest("other-run") is None  # runs are separate
+
+
+def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    registry = CheckpointRegistry(store)
+    with pytest.raises(ValueError, match="run name 'a/b'"):
+        registry.save("a/b", 1, checkpoint_dir(tmp_path / "v", 1))
+    with pytest.raises(ObjectNotFound, match=r"checkpoints/nightly/latest\.json: run 'nightly'"):
+        registry.load_latest("nightly", tmp_path / "x")
+    checkpoint = registry.save("nightly", 1, tmp_path / "v")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        registry.download(checkpoint, tmp_path / "full")
+    # Tampered content is caught, and nothing half-written is left at the target.
+    (tmp_path / "store" / checkpoint.key / "config.json").write_text('{"version": 666}')
+    with pytest.raises(StoreError, match=r"config\.json: content differs from its manifest"):
+        registry.download(checkpoint, tmp_path / "resume")
+    assert not (tmp_path / "resume").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".resume")]
+
+
+def test_server_killed_mid_upload_keeps_the_previous_latest(
+    crashable: SeaweedServer,
+    store_on: StoreOn,
+    tmp_path: Path,
+    tree_factory: Callable[..., RolloutTree],
+) -> None:
+    store = store_on(crashable, "runs", RetryPolicy(attempts=2, first_delay=0.2, max_delay=0.2))
+    registry = CheckpointRegistry(store)
+    v1 = checkpoint_dir(tmp_path / "v1", 1)
+    registry.save("nightly", 1, v1)
+    old_trees = [tree_factory(i) for i in range(3)]
+    write_tree_set(store, "iter-1/trees", old_trees)
+    v2 = checkpoint_dir(tmp_path / "v2", 2, big=BIG)
+
+    def kill_midway(sent: int) -> None:
+        if sent > 10 << 20 and crashable.running():
+            crashable.kill()  # SIGKILL: no chance to finish anything
+
+    with pytest.raises(StoreUnavailable, match=r"s3://trace/runs/checkpoints/nightly/iter-000002"):
+        registry.save("nightly", 2, v2, progress=kill_midway)
+    with pytest.raises(StoreUnavailable):  # a tree set written while the server is down
+        write_tree_set(store, "iter-1/trees", [tree_factory(9)])
+    assert not crashable.running()
+
+    crashable.restart()
+    latest = registry.latest("nightly")
+    assert latest is not None and latest.iteration == 1
+    registry.download(latest, tmp_path / "resume")
+    assert same_files(tmp_path / "resume", v1)
+    # The interrupted checkpoint has no manifest: it is not listed and latest never saw it.
+    manifests = [
+        o.key for o in store.list_objects("checkpoints") if o.key.endswith("manifest.json")
+    ]
+    assert manifests == [f"{latest.key}/manifest.json"]
+    assert [c.iteration for c in registry.checkpoints("nightly")] == [1]
+    trees = read_tree_set(store, "iter-1/trees")
+    assert len(trees) == 3 and all(a.equals(b) for a, b in zip(trees, old_trees, strict=True))
+
+    # Once the server is back, the same save goes through and moves latest.
+    registry.save("nightly", 2, v2)
+    registry.load_latest("nightly", tmp_path / "resume2")
+    assert same_files(tmp_path / "resume2", v2)
+
+
+def test_an_upload_in_flight_retries_until_the_server_is_back(
+    crashable: SeaweedServer, store_on: StoreOn, tmp_path: Path
+) -> None:
+    # Backoff 0.5, 1, 2, 3, 3, ... s: ≈30 s of retries. A restart takes ≈2 s, but SeaweedFS's
+    # volume server sometimes needs 5-20 s more to register with its master again.
+    store = store_on(crashable, "runs", RetryPolicy(attempts=12, first_delay=0.5, max_delay=3.0))
+    registry = CheckpointRegistry(store)
+    registry.save("nightly", 1, checkpoint_dir(tmp_path / "v1", 1))
+    v2 = checkpoint_dir(tmp_path / "v2", 2, big=BIG)
+    restarts: list[threading.Thread] = []
+
+    def crash_and_recover(sent: int) -> None:
+        if sent > 10 << 20 and not restarts:
+            crashable.kill()
+            restarts.append(threading.Thread(target=lambda: (time.sleep(0.5), crashable.restart())))
+            restarts[0].start()
+
+    started = time.monotonic()
+    checkpoint = registry.save("nightly", 2, v2, progress=crash_and_recover)
+    restarts[0].join()
+    assert crashable.running() and time.monotonic() - started > 0.5
+    latest = registry.latest("nightly")
+    assert latest is not None and (latest.iteration, latest.key) == (2, checkpoint.key)
+    registry.download(latest, tmp_path / "resume")  # sizes and sha256 checked
+    assert same_files(tmp_path / "resume", v2)

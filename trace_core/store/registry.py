@@ -1,0 +1,224 @@
+"""Checkpoint registry: complete checkpoints per run name and a ``latest`` pointer moved last.
+
+    registry = CheckpointRegistry(open_store("s3://mlpipeline/trace"))
+    registry.save("nightly", 12, "build/policy")       # files, then their manifest, then latest
+    checkpoint = registry.latest("nightly")            # None before the first complete save
+    registry.download(checkpoint, "build/resume")      # sizes and sha256 checked
+
+Layout below the store's root (``prefix`` defaults to ``checkpoints``):
+
+    checkpoints/<run>/iter-000012-<token>/<files>          the checkpoint directory, as saved
+    checkpoints/<run>/iter-000012-<token>/manifest.json    files, sizes, sha256 (after the files)
+    checkpoints/<run>/latest.json                          {"iteration": 12, "folder": ...} (last)
+
+Every save writes a fresh folder, so the files of the checkpoint ``latest`` names are never
+touched by a later save; ``latest.json`` is replaced by one PUT (or rename) only after the new
+manifest is stored. A crash anywhere before that (mid-upload, server killed) leaves the previous
+``latest`` in force, and a recurring run resumes from the last complete iteration. ``latest`` is
+the most recent complete save, whatever its iteration number. Old checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from trace_core.store.artifacts import ArtifactStore, ObjectNotFound, StoreError, file_sha256
+from trace_core.store.treeset import ManifestError, join_key
+
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+KIND = "trace.checkpoint"
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    path: str  # relative POSIX path inside the checkpoint directory
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint: where it is and what it holds."""
+
+    run: str
+    iteration: int
+    key: str  # folder key below the store's root
+    files: tuple[CheckpointFile, ...]
+    created: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        body = {
+            "kind": KIND,
+            "run": self.run,
+            "iteration": self.iteration,
+            "created": self.created,
+            "files": [vars(f) for f in self.files],
+            "metadata": dict(self.metadata),
+        }
+        return (json.dumps(body, indent=2) + "\n").encode()
+
+
+class CheckpointRegistry:
+    """Checkpoints of named runs in one store (module docstring)."""
+
+    def __init__(self, store: ArtifactStore, prefix: str = "checkpoints") -> None:
+        self.store = store
+        self.prefix = prefix
+
+    def _run_key(self, run: str, *rest: str) -> str:
+        if not _RUN_NAME.fullmatch(run):
+            raise ValueError(
+                f"run name {run!r}: use letters, digits, '.', '_' and '-' (at most 128), "
+                "starting with a letter or digit"
+            )
+        return join_key(self.prefix, run, *rest)
+
+    def save(
+        self,
+        run: str,
+        iteration: int,
+        directory: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Checkpoint:
+        """Upload every file under ``directory``, then the manifest, then move ``latest``.
+
+        ``progress`` is called with the bytes sent so far, over all files.
+        """
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        root = Path(directory)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: no such checkpoint directory")
+        paths = sorted(p for p in root.rglob("*") if p.is_file())
+        if not paths:
+            raise ValueError(f"{root}: the checkpoint directory holds no files")
+        folder = self._run_key(run, f"iter-{iteration:06d}-{uuid.uuid4().hex[:8]}")
+        files, sent = [], 0
+        for path in paths:
+            relative = path.relative_to(root).as_posix()
+
+            def report(n: int, before: int = sent) -> None:
+                if progress:
+                    progress(before + n)
+
+            self.store.put_file(join_key(folder, relative), path, progress=report)
+            size = path.stat().st_size
+            sent += size
+            files.append(CheckpointFile(relative, size, file_sha256(path)))
+        checkpoint = Checkpoint(
+            run,
+            iteration,
+            folder,
+            tuple(files),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            dict(metadata or {}),
+        )
+        self.store.put_bytes(join_key(folder, MANIFEST), checkpoint.to_json())
+        # Only now is the checkpoint complete: point latest at it.
+        pointer = {"iteration": iteration, "folder": folder.rsplit("/", 1)[-1]}
+        self.store.put_bytes(self._run_key(run, LATEST), (json.dumps(pointer) + "\n").encode())
+        return checkpoint
+
+    def latest(self, run: str) -> Checkpoint | None:
+        """The last complete checkpoint of ``run``; None if it has none."""
+        key = self._run_key(run, LATEST)
+        try:
+            pointer = json.loads(self.store.get_bytes(key))
+        except ObjectNotFound:
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ManifestError(f"{self.store.uri(key)}: not valid JSON ({err})") from None
+        folder = pointer.get("folder") if isinstance(pointer, dict) else None
+        if not isinstance(folder, str) or not folder.startswith("iter-") or "/" in folder:
+            raise ManifestError(f"{self.store.uri(key)}: field 'folder' is missing or invalid")
+        return self._read(run, self._run_key(run, folder))
+
+    def checkpoints(self, run: str) -> list[Checkpoint]:
+        """Every complete checkpoint of ``run`` (a folder with a manifest), oldest first."""
+        base = self._run_key(run)
+        found = []
+        for obj in self.store.list_objects(base):
+            relative = obj.key[len(base) + 1 :]
+            parts = relative.split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST and parts[0].startswith("iter-"):
+                found.append(self._read(run, join_key(base, parts[0])))
+        return sorted(found, key=lambda c: (c.iteration, c.created))
+
+    def _read(self, run: str, folder: str) -> Checkpoint:
+        key = join_key(folder, MANIFEST)
+        uri = self.store.uri(key)
+        try:
+            body = json.loads(self.store.get_bytes(key))
+        except ObjectNotFound:
+            raise ObjectNotFound(f"{uri}: checkpoint manifest missing") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ManifestError(f"{uri}: not valid JSON ({err})") from None
+        if not isinstance(body, dict) or body.get("kind") != KIND:
+            raise ManifestError(f"{uri}: not a checkpoint manifest (kind must be {KIND!r})")
+        try:
+            files = tuple(
+                CheckpointFile(str(f["path"]), int(f["bytes"]), str(f["sha256"]))
+                for f in body["files"]
+            )
+            iteration = int(body["iteration"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ManifestError(f"{uri}: field {err} is missing or invalid") from None
+        for f in files:
+            if f.path.startswith("/") or ".." in f.path.split("/"):
+                raise ManifestError(f"{uri}: file path {f.path!r} leaves the checkpoint")
+        metadata = body.get("metadata") or {}
+        return Checkpoint(
+            run, iteration, folder, files, str(body.get("created", "")), dict(metadata)
+        )
+
+    def download(self, checkpoint: Checkpoint, directory: str | os.PathLike[str]) -> Path:
+        """Fetch ``checkpoint`` into ``directory`` (created; must not exist or be empty).
+
+        Files land in a hidden sibling folder first, are checked against the manifest, and the
+        folder is renamed into place: ``directory`` never holds half a checkpoint.
+        """
+        target = Path(directory)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(f"{target}: exists and is not an empty directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.partial")
+        try:
+            for f in checkpoint.files:
+                local = staging / f.path
+                local.parent.mkdir(parents=True, exist_ok=True)
+                key = join_key(checkpoint.key, f.path)
+                self.store.get_file(key, local)
+                if local.stat().st_size != f.bytes or file_sha256(local) != f.sha256:
+                    raise StoreError(
+                        f"{self.store.uri(key)}: content differs from its manifest "
+                        f"({local.stat().st_size} bytes, expected {f.bytes})"
+                    )
+            if target.exists():
+                target.rmdir()
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def load_latest(self, run: str, directory: str | os.PathLike[str]) -> Checkpoint:
+        """Download the latest complete checkpoint of ``run``; ObjectNotFound if there is none."""
+        checkpoint = self.latest(run)
+        if checkpoint is None:
+            raise ObjectNotFound(
+                f"{self.store.uri(self._run_key(run, LATEST))}: run {run!r} has no checkpoint"
+            )
+        self.download(checkpoint, directory)
+        return checkpoint
