@@ -189,9 +189,12 @@ def record(i: int, total: int, accuracy: float | None, ratio: float = 0.5) -> It
     return IterationRecord(i, "x", 0, total, rollout if i else {}, {}, report, {})
 
 
-def test_tokens_to_reach_reads_the_first_evaluated_point() -> None:
+def test_tokens_to_reach_interpolates_the_first_crossing() -> None:
     curve = Curve([0, 2, 4], [0.0, 100.0, 200.0], [0.3, 0.5, 0.6], [0, 0, 0], [])
     assert _tokens_to_reach(curve, 0.5) == 100.0
+    # 0.55 lies halfway between 0.5 (100 tokens) and 0.6 (200 tokens): 150 tokens.
+    assert _tokens_to_reach(curve, 0.55) == pytest.approx(150.0)
+    assert _tokens_to_reach(curve, 0.2) == 0.0
     assert _tokens_to_reach(curve, 0.61) == float("inf")
 
 

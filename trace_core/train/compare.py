@@ -17,8 +17,8 @@ Reported per strategy, as mean ± std over seeds (the JSON has the shape of
 - ``tokens``: generated rollout tokens over all iterations;
 - ``tokens_to_grpo_final``: the generated tokens after which the strategy's mean held-out
   accuracy (over seeds) first reaches grpo's final one, divided by grpo's total tokens —
-  below 1 means it got there with fewer tokens. Read off the evaluated iterations only
-  (no interpolation), so it is an upper bound at the resolution of ``eval_every``.
+  below 1 means it got there with fewer tokens. Interpolated linearly between the two
+  evaluations (every ``eval_every`` iterations) that straddle grpo's final accuracy.
 """
 
 from __future__ import annotations
@@ -234,10 +234,15 @@ def _curve(
 
 
 def _tokens_to_reach(curve: Curve, target: float) -> float:
-    """Tokens at the first evaluated iteration whose accuracy reaches ``target`` (inf: never)."""
-    for tokens, accuracy in zip(curve.tokens, curve.accuracy, strict=True):
+    """Generated tokens at which the accuracy curve first reaches ``target`` (inf: never),
+    linearly interpolated between the two evaluations that straddle it."""
+    points = list(zip(curve.tokens, curve.accuracy, strict=True))
+    for i, (tokens, accuracy) in enumerate(points):
         if accuracy >= target - 1e-12:
-            return tokens
+            if i == 0:
+                return tokens
+            t0, a0 = points[i - 1]
+            return t0 + (target - a0) / (accuracy - a0) * (tokens - t0)
     return float("inf")
 
 
