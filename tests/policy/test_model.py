@@ -122,13 +122,50 @@ def test_forward_matches_hf_left_padded_batch() -> None:
         torch.testing.assert_close(ours[i], hf[i, width - len(r) :], atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_decode_step_matches_forward(kv_heads: int) -> None:
+    """decode_step, the engine's hot loop (one token per row at each row's own position, the
+    additive mask kept across steps), gives the hidden states of one forward pass over the
+    whole sequences."""
+    model = sharpened(kv_heads)
+    weights = qwen3.Qwen3Weights.from_model(model)
+    s = weights.spec
+    gen = torch.Generator().manual_seed(5)
+    lens, steps = [5, 2, 7], 4  # ragged prompts, then 4 decoded tokens per row
+    B, P = len(lens), max(lens)
+    seqs = torch.randint(0, len(TOK), (B, P + steps), generator=gen)
+    for b, n in enumerate(lens):  # row b: prompt seqs[b, :n], then its decoded tokens
+        seqs[b, n : n + steps] = torch.randint(0, len(TOK), (steps,), generator=gen)
+    positions = torch.arange(P + steps).expand(B, -1)
+    with torch.inference_mode():
+        whole = qwen3.forward(
+            weights, seqs, positions, qwen3.KVCache.zeros(weights, B, P + steps)
+        )  # (B, P + steps, C)
+
+        cache = qwen3.KVCache.zeros(weights, B, P + steps)
+        qwen3.forward(weights, seqs[:, :P], positions[:, :P], cache)  # prefill (padded rows)
+        at = torch.tensor(lens)
+        cols = torch.arange(P + steps)
+        mask = torch.zeros((B, P + steps)).masked_fill_(cols >= at[:, None], float("-inf"))
+        mask = mask.repeat_interleave(s.num_kv_heads, dim=0).unsqueeze(1)  # (B·Hkv, 1, T)
+        dest = qwen3.kv_rows(at, B, s.num_kv_heads, P + steps).flatten()
+        for t in range(steps):
+            tokens = seqs[torch.arange(B), at]
+            rope = weights.rope[at]
+            got = qwen3.decode_step(weights, tokens, dest, rope, cache, mask, P + t + 1)
+            want = whole[torch.arange(B), at]  # (B, C)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            at += 1
+            dest += 1
+
+
 def test_untied_head_and_state_dict_loading() -> None:
     model = sharpened()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
     model.config.tie_word_embeddings = False
     weights = qwen3.Qwen3Weights.from_state_dict(state, model.config)
-    assert not torch.equal(weights.lm_head, weights.embed)
+    assert not torch.equal(weights.lm_head, weights.embed.T)
     hidden = torch.randn(2, 128)
     torch.testing.assert_close(qwen3.lm_logits(weights, hidden), hidden @ state["lm_head.weight"].T)
 

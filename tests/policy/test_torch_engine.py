@@ -282,6 +282,24 @@ def test_small_batches_and_prefill_passes_do_not_change_results() -> None:
     ]
 
 
+def test_stale_kv_buffer_contents_are_never_read() -> None:
+    """The prefill and decode buffers are reused across calls without zeroing: whatever finite
+    values are left in them must not change the next call's tokens or logprobs."""
+    prompts = prompts_of([3, 9, 5])
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+    engine = TorchEngine(MODEL)
+    engine.generate(prompts_of([20, 20, 20, 20], seed=1), params)  # grows the buffer
+    engine.cache.clear()
+    with torch.inference_mode():  # the engine made its buffers there
+        engine._scratch.normal_(0, 100)  # large stale values in every column
+    got = engine.generate(prompts, params)
+    want = TorchEngine(MODEL).generate(prompts, params)
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids.tolist() == y.token_ids.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+
+
 def test_bad_prompts_are_refused() -> None:
     engine = TorchEngine(MODEL)
     with pytest.raises(ValueError, match="at least one token"):

@@ -1,7 +1,8 @@
 """``PrefixCache``: a radix tree over token ids whose nodes own slots of one preallocated KV pool.
 
 As SGLang's RadixAttention. Each node holds a run of tokens and the *slots* of their keys and
-values in the pool (``capacity`` slots of ``(layers, kv_heads, head_dim)``). A node's KV depends
+values in the pool (``capacity`` slots of ``(layers, 2, kv_heads, head_dim)``, keys and values
+side by side as in ``KVCache``). A node's KV depends
 only on the path from the root, so any prompt that walks through a node reuses it. Nodes on the
 paths of a call in flight are locked (``acquire``/``release``); when the pool is full, unlocked
 leaves are evicted, least recently used first. ``TorchEngine`` fills the slots; this module only
@@ -46,23 +47,22 @@ class Node:
 class PrefixCache:
     """Radix tree over token ids whose nodes own slots of a preallocated KV pool.
 
-    The pool holds ``capacity`` tokens; slot ``i`` is ``k[:, i]`` and ``v[:, i]``, each
-    ``(layers, kv_heads, head_dim)``. Paths are found by walking tokens, never kept across
+    The pool holds ``capacity`` tokens; slot ``i`` is ``kv[:, :, i]``, its keys and values
+    ``(layers, 2, kv_heads, head_dim)``. Paths are found by walking tokens, never kept across
     inserts: an insert may split a node, and the old node object then holds only its tail.
     """
 
     def __init__(self, weights: Qwen3Weights, capacity: int) -> None:
         s = weights.spec
-        shape = (s.num_layers, capacity, s.num_kv_heads, s.head_dim)
-        self.k = torch.zeros(shape, device=weights.device, dtype=weights.dtype)  # (L, S, Hkv, D)
-        self.v = torch.zeros(shape, device=weights.device, dtype=weights.dtype)
+        shape = (s.num_layers, 2, capacity, s.num_kv_heads, s.head_dim)  # (L, 2, S, Hkv, D)
+        self.kv = torch.zeros(shape, device=weights.device, dtype=weights.dtype)
         self.capacity = capacity
         self.clear()
 
     def clear(self) -> None:
-        self._empty = torch.empty(0, dtype=torch.long, device=self.k.device)
+        self._empty = torch.empty(0, dtype=torch.long, device=self.kv.device)
         self.root = Node((), self._empty, None)
-        self._free = torch.arange(self.capacity, device=self.k.device)
+        self._free = torch.arange(self.capacity, device=self.kv.device)
         self._clock = itertools.count(1)
         self.evicted_tokens = 0
 
