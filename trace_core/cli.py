@@ -1183,5 +1183,343 @@ def bench_store(
         console.print(f"wrote {json_path}")
 
 
+# --- the pipeline: compile, submit and schedule on KFP; Argo manifests without KFP ---------------
+pipeline_app = typer.Typer(
+    help="The KFP training pipeline: compile, upload, run, schedule, runs; `argo` writes the "
+    "Argo WorkflowTemplate and CronWorkflow. The server comes from --host or KFP_HOST, a token "
+    "from KFP_TOKEN (never printed)."
+)
+app.add_typer(pipeline_app, name="pipeline")
+
+KfpHost = Annotated[
+    str | None,
+    typer.Option(
+        envvar=["KFP_HOST", "KF_PIPELINES_ENDPOINT"],
+        help="KFP API endpoint, e.g. http://localhost:8080 (env KFP_HOST).",
+    ),
+]
+KfpToken = Annotated[
+    str | None,
+    typer.Option(
+        envvar="KFP_TOKEN",
+        help="Bearer token; prefer the KFP_TOKEN variable (flags show in `ps`). Never printed.",
+    ),
+]
+KfpNamespace = Annotated[
+    str | None,
+    typer.Option(envvar="KFP_NAMESPACE", help="Profile namespace (multi-user KFP only)."),
+]
+PackagePath = Annotated[
+    Path | None,
+    typer.Option(
+        "--package", help="Compiled pipeline YAML; default: pipelines/compiled/trace_training.yaml."
+    ),
+]
+PipelineName = Annotated[
+    str | None, typer.Option(help="Pipeline name on the server; default: the package's name.")
+]
+RunName = Annotated[
+    str,
+    typer.Option(
+        help="The run_name parameter: the checkpoint run to start or resume from `latest`."
+    ),
+]
+Params = Annotated[
+    list[str] | None,
+    typer.Option("--param", help="KEY=VALUE pipeline parameter (repeat), typed by the package."),
+]
+Experiment = Annotated[str, typer.Option(help="KFP experiment (created if missing).")]
+
+
+if TYPE_CHECKING:
+    from pipelines.client import Package, Server
+
+
+def _submission(
+    host: str | None, token: str | None, namespace: str | None, package: Path | None
+) -> tuple[Server, Package]:
+    from pipelines.client import DEFAULT_PACKAGE, Server, read_package
+
+    return Server.from_env(host, token, namespace), read_package(package or DEFAULT_PACKAGE)
+
+
+@pipeline_app.command("compile")
+def pipeline_compile(
+    output: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the IR YAML; default: pipelines/compiled/."),
+    ] = None,
+) -> None:
+    """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take)."""
+    from pipelines.client import DEFAULT_PACKAGE, read_package
+    from pipelines.trace_training import compile_pipeline
+
+    output = output or DEFAULT_PACKAGE
+    output.parent.mkdir(parents=True, exist_ok=True)
+    compile_pipeline(output)
+    package = read_package(output)
+    console.print(
+        f"compiled {package.name} ({len(package.parameters)} parameters: "
+        f"{', '.join(sorted(package.parameters))}) to {output}"
+    )
+
+
+@pipeline_app.command("upload")
+def pipeline_upload(
+    package_path: PackagePath = None,
+    name: PipelineName = None,
+    version: Annotated[
+        str | None, typer.Option(help="Version name; default: UTC time + the package's hash.")
+    ] = None,
+    description: Annotated[str | None, typer.Option(help="Shown in the KFP UI.")] = None,
+    host: KfpHost = None,
+    token: KfpToken = None,
+    namespace: KfpNamespace = None,
+) -> None:
+    """Upload the compiled pipeline; if its name exists on the server, as a new version."""
+    from pipelines.client import SubmitError, connect, upload
+
+    try:
+        server, package = _submission(host, token, namespace, package_path)
+        made = upload(connect(server), server, package, name, version, description)
+    except SubmitError as err:
+        raise _fail(str(err)) from None
+    what = "new pipeline" if made.new_pipeline else "new version"
+    console.print(f"{what} {name or package.name!r}: version {made.version_name!r}")
+    console.print(f"  pipeline id {made.pipeline_id}, version id {made.version_id}")
+    console.print(f"  {server.host}/#/pipelines/details/{made.pipeline_id}")
+
+
+@pipeline_app.command("run")
+def pipeline_run(
+    run_name: RunName,
+    param: Params = None,
+    pipeline: PipelineName = None,
+    version: Annotated[
+        str | None, typer.Option(help="Version name to run; default: the newest.")
+    ] = None,
+    experiment: Experiment = "trace-rl",
+    display_name: Annotated[
+        str | None, typer.Option(help="Run name in the UI; default: RUN_NAME-<UTC time>.")
+    ] = None,
+    package_path: PackagePath = None,
+    host: KfpHost = None,
+    token: KfpToken = None,
+    namespace: KfpNamespace = None,
+) -> None:
+    """Start one run of an uploaded pipeline version with parameters."""
+    from pipelines.client import SubmitError, build_params, connect, resolve, run
+
+    try:
+        server, package = _submission(host, token, namespace, package_path)
+        params = build_params(package, param or [], run_name)
+        client = connect(server)
+        target = resolve(client, server, pipeline or package.name, version)
+        made = run(client, server, target, params, experiment, display_name)
+    except SubmitError as err:
+        raise _fail(str(err)) from None
+    console.print(
+        f"started run {made.display_name!r} (id {made.id}) of version {target.version_name!r}"
+    )
+    console.print(f"  parameters: {json.dumps(params, sort_keys=True)}")
+    console.print(f"  {made.url}")
+
+
+@pipeline_app.command("schedule")
+def pipeline_schedule(
+    run_name: RunName,
+    cron: Annotated[
+        str, typer.Option(help="6-field cron, seconds first: '0 0 3 * * *' is 03:00 daily.")
+    ],
+    param: Params = None,
+    name: Annotated[
+        str | None, typer.Option(help="Recurring run name; default: RUN_NAME-schedule.")
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option(help="Runs at once (1: a run never overlaps the one resuming it).")
+    ] = 1,
+    catchup: Annotated[
+        bool, typer.Option(help="Backfill every missed slot after a pause (default: only one).")
+    ] = False,
+    pipeline: PipelineName = None,
+    version: Annotated[
+        str | None, typer.Option(help="Version name to schedule; default: the newest.")
+    ] = None,
+    experiment: Experiment = "trace-rl",
+    package_path: PackagePath = None,
+    host: KfpHost = None,
+    token: KfpToken = None,
+    namespace: KfpNamespace = None,
+) -> None:
+    """A recurring run: each run resumes RUN_NAME from its latest checkpoint."""
+    from pipelines.client import SubmitError, build_params, check_cron, connect, resolve, schedule
+
+    try:
+        cron = check_cron(cron)
+        server, package = _submission(host, token, namespace, package_path)
+        params = build_params(package, param or [], run_name)
+        client = connect(server)
+        target = resolve(client, server, pipeline or package.name, version)
+        made = schedule(
+            client,
+            server,
+            target,
+            cron,
+            params,
+            name or f"{run_name}-schedule",
+            experiment,
+            max_concurrency=max_concurrency,
+            no_catchup=not catchup,
+        )
+    except SubmitError as err:
+        raise _fail(str(err)) from None
+    console.print(
+        f"scheduled {made.display_name!r} (id {made.id}): cron {cron!r}, "
+        f"max concurrency {max_concurrency}, catch-up {'on' if catchup else 'off'}; "
+        f"each run resumes {run_name!r} from its latest checkpoint"
+    )
+    console.print(
+        f"  version {target.version_name!r}; parameters: {json.dumps(params, sort_keys=True)}"
+    )
+    console.print(f"  {made.url}")
+
+
+@pipeline_app.command("runs")
+def pipeline_runs(
+    experiment: Annotated[
+        str | None, typer.Option(help="Only this experiment's runs; default: all.")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="How many of the newest runs.")] = 20,
+    host: KfpHost = None,
+    token: KfpToken = None,
+    namespace: KfpNamespace = None,
+) -> None:
+    """The newest runs: id, name, state, created, the run_name they train, schedule."""
+    from pipelines.client import Server, SubmitError, connect, runs
+
+    try:
+        server = Server.from_env(host, token, namespace)
+        rows = runs(connect(server), server, experiment, limit)
+    except SubmitError as err:
+        raise _fail(str(err)) from None
+    table = Table(title=f"runs on {server.host}" + (f" · {experiment}" if experiment else ""))
+    for head in ("run id", "name", "state", "created", "run_name", "recurring run"):
+        table.add_column(head)
+    for r in rows:
+        table.add_row(
+            r.run_id, r.display_name, r.state, r.created_at, r.run_name, r.recurring_run_id
+        )
+    console.print(table)
+
+
+@pipeline_app.command("argo")
+def pipeline_argo(
+    output_dir: Annotated[
+        Path | None, typer.Option(help="Folder to write; default: manifests/argo/.")
+    ] = None,
+) -> None:
+    """Write the Argo WorkflowTemplate and CronWorkflow (same steps, no KFP) and kustomization."""
+    from pipelines.argo import DEFAULT_DIR, write_manifests
+
+    for path in write_manifests(output_dir or DEFAULT_DIR):
+        console.print(f"wrote {path}")
+
+
+# --- the pipeline run here (kfp.local), and one pipeline step (what a Ray job runs) -------------
+@app.command("run-local")
+def run_local_command(
+    output: Annotated[Path, typer.Option(help="Artifacts, links and the registry go here.")] = Path(
+        "runs"
+    ),
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    strategy: Annotated[str, typer.Option(help="Allocation strategy.")] = "trace",
+    iterations: Annotated[int, typer.Option(help="K, unrolled into the pipeline.")] = 6,
+    budget: RootBudget = 128,
+    continuations: Continuations = 2,
+    seed: Annotated[int, typer.Option(help="Seed of pools, plans, sampling, updates.")] = 0,
+    run_name: Annotated[
+        str, typer.Option(help="Registry name: resume after its latest checkpoint ('' : none).")
+    ] = "calc-local",
+    store: Annotated[str, typer.Option(help="Registry / staging root; default: OUTPUT/store.")] = (
+        ""
+    ),
+    dataset_uri: Annotated[str, typer.Option(help="Dataset path/URI (loader tasks).")] = "",
+    base_model_uri: Annotated[
+        str, typer.Option(help="Starting policy (HF dir or s3://); default: warm start.")
+    ] = "",
+    ray_address: Annotated[
+        str, typer.Option(help="Ray dashboard http://HEAD:8265: rollout/update as Ray jobs.")
+    ] = "",
+    settings_json: Annotated[
+        str,
+        typer.Option(help="TrainConfig fields (JSON) over make run's: prompts, eval_tasks, ..."),
+    ] = "{}",
+    s3_endpoint: Annotated[
+        str, typer.Option(help="AWS_ENDPOINT_URL_S3 for the steps; default: the environment's.")
+    ] = "",
+) -> None:
+    """The training pipeline through KFP's local runner: the same components as on a cluster."""
+    from pipelines.local import MAKE_RUN_SETTINGS, LocalRun, print_result, run_local
+
+    try:
+        overrides = json.loads(settings_json)
+        if not isinstance(overrides, dict):
+            raise ValueError("--settings-json must be a JSON object")
+        run = LocalRun(
+            output=output,
+            task=task,
+            strategy=strategy,
+            iterations=iterations,
+            budget=budget,
+            continuations=continuations,
+            seed=seed,
+            run_name=run_name,
+            store=store,
+            dataset_uri=dataset_uri,
+            base_model_uri=base_model_uri,
+            ray_address=ray_address,
+            settings={**MAKE_RUN_SETTINGS, **overrides},
+            s3_endpoint=s3_endpoint,
+        )
+        result = run_local(run, say=console.print)
+    except (ValueError, RuntimeError) as err:  # a bad setting, or a step that failed
+        raise _fail(str(err)) from None
+    print_result(result, say=lambda line: console.print(line, highlight=False, soft_wrap=True))
+
+
+@app.command("step")
+def step_command(
+    step: Annotated[str, typer.Argument(help="rollout or update.", show_default=False)],
+    config_json: Annotated[str, typer.Option(help="The pipeline's config JSON (prep's output).")],
+    iteration: Annotated[int, typer.Option(help="Training iteration (from 1).")],
+    inputs: Annotated[
+        list[str], typer.Option("--input", help="NAME=PATH_OR_URI of an input folder (repeat).")
+    ],
+    outputs: Annotated[
+        list[str], typer.Option("--output", help="NAME=PATH_OR_URI of an output folder (repeat).")
+    ],
+) -> None:
+    """One pipeline step on folders or s3:// prefixes: what a step sent to Ray runs there."""
+    from trace_core.train.steps import PipelineConfig, StepCall, execute_step
+
+    def pairs(items: list[str], flag: str) -> dict[str, str]:
+        found = {}
+        for item in items:
+            name, sep, uri = item.partition("=")
+            if not sep or not name or not uri:
+                raise ValueError(f"{flag} {item!r}: expected NAME=PATH_OR_URI")
+            found[name] = uri
+        return found
+
+    try:
+        call = StepCall(step, iteration, pairs(inputs, "--input"), pairs(outputs, "--output"))
+        execute_step(call, PipelineConfig.from_json(config_json))
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    console.print(f"{step} {iteration}: wrote {', '.join(call.outputs.values())}")
+
+
 if __name__ == "__main__":
     app()

@@ -33,18 +33,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from trace_core.algo.metrics import measure
 from trace_core.algo.plan import Budget, strategy
 from trace_core.algo.tree import RolloutTree
-from trace_core.envs.base import Task, TaskSuite
+from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
-from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint, save_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
@@ -54,13 +52,12 @@ from trace_core.policy.update import (
     load_optimizer,
     make_optimizer,
     save_optimizer,
-    update_policy,
 )
-from trace_core.policy.value import ValueConfig, ValuePredictor
-from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.policy.value import ValuePredictor
 from trace_core.store.schema import write_trees
-from trace_core.train.evaluate import ALL, EvalReport, evaluate_policy
-from trace_core.train.warmstart import WarmstartConfig, warmstart
+from trace_core.train import iteration
+from trace_core.train.evaluate import ALL, EvalReport
+from trace_core.train.warmstart import warmstart
 
 LATEST = "latest"
 PREDICTOR = "predictor"
@@ -74,8 +71,9 @@ class TrainConfig:
     """Dataset path or URI of the loader tasks."""
     output: Path = Path("build/train/calc-trace")
     """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
-    init: Path | None = None
-    """Policy to start from (HF directory); None warm-starts the tiny policy (calc, multihop)."""
+    init: Path | str | None = None
+    """Policy to start from (HF directory; in the pipeline also an s3:// URI); None warm-starts
+    the tiny policy (calc, multihop)."""
     strategy: str = "trace"
     """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
     iterations: int = 12
@@ -129,6 +127,36 @@ class TrainConfig:
         out["init"] = str(self.init) if self.init else None
         return out
 
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> TrainConfig:
+        """The config ``to_json`` wrote; an unknown or mistyped field is named in the error."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a train config is a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown train config field(s): {', '.join(unknown)}")
+        values = dict(data)
+        defaults = cls()
+        for name, value in values.items():
+            default = getattr(defaults, name)
+            if isinstance(default, bool | int | float) and not _same_kind(value, default):
+                raise ValueError(
+                    f"train config field {name!r}: expected {type(default).__name__}, got {value!r}"
+                )
+        if "output" in values:
+            values["output"] = Path(str(values["output"]))
+        if isinstance(values.get("update"), dict):
+            update = values["update"]
+            extra = sorted(set(update) - {f.name for f in fields(UpdateConfig)})
+            if extra:
+                raise ValueError(f"unknown update config field(s): {', '.join(extra)}")
+            values["update"] = UpdateConfig(**update)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as err:
+            raise ValueError(f"train config: {err}") from None
+
 
 @dataclass(frozen=True)
 class IterationRecord:
@@ -168,87 +196,63 @@ def train(
         policy_dir = iteration_dir(out, done) / "policy"
         say(f"resuming after iteration {done} from {policy_dir}")
     elif config.init:
-        policy_dir = config.init
+        policy_dir = Path(config.init)
     else:
         policy_dir = out / "warmstart"
         if not (policy_dir / "config.json").exists():
             say(f"warm start of the {config.task} policy")
-            warmstart(
-                WarmstartConfig(
-                    task=config.task,
-                    output=policy_dir,
-                    seed=config.seed,
-                    sft=replace(WarmstartConfig().sft, steps=config.warmstart_steps),
-                    eval_tasks=50,
-                    eval_samples=1,
-                )
-            )
+            warmstart(iteration.warmstart_config(config, policy_dir))
     model, tokenizer = load_checkpoint(policy_dir)
     reference = None
     if config.update.kl_coef > 0:  # KL to the policy the run started from, resumed or not
-        reference, _ = load_checkpoint(config.init or out / "warmstart")
+        reference, _ = load_checkpoint(Path(config.init or out / "warmstart"))
     fmt = TurnFormat(tokenizer)
     optimizer = make_optimizer(model, config.update)
-    predictor = ValuePredictor(
-        ValueConfig(turn_token=fmt.action_end_id, featurizer=config.predictor),
-        generator=torch.Generator().manual_seed(config.seed),
-        tokenizer=tokenizer,
-    )
+    predictor = iteration.new_predictor(config, tokenizer)
     records = read_log(out)[: done + 1] if done else []
     if done:
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
         predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
-    eval_tasks = suite.tasks("eval")[: config.eval_tasks]
+    eval_tasks = iteration.eval_tasks(suite, config)
     if not records:
         say("evaluating the starting policy")
-        report = _evaluate(model, fmt, suite, eval_tasks, config)
+        report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
         records = [IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), {})]
         _append_log(out, records[0], fresh=True)
     train_tasks = suite.tasks("train")
     for i in range(done + 1, config.iterations + 1):
-        rng = np.random.default_rng([config.seed, i])
+        draws = iteration.draw_iteration(config.seed, i, len(train_tasks), config.prompts)
         seconds: dict[str, float] = {}
         start = time.perf_counter()
-        pool = _draw_pool(train_tasks, config.prompts, rng)
-        trees = grow_trees(
+        trees = iteration.roll_out(
             TorchEngine(model),
             fmt,
             suite.make_env,
-            pool,
+            train_tasks,
             predictor,
-            GrowConfig(
-                config.strategy,
-                Budget(config.budget, config.continuations, config.group),
-                SamplingParams(max_tokens=config.max_tokens),  # temperature 1, no top-p
-                seed=int(rng.integers(2**31)),
-                run_id=out.name,
-                iteration=i,
-                policy_version=i - 1,
-            ),
+            config,
+            i,
+            draws,
+            run_id=out.name,
         )
         seconds["rollout"] = time.perf_counter() - start
         start = time.perf_counter()
-        fit = predictor.fit(trees, torch.Generator().manual_seed(int(rng.integers(2**31))))
+        fit = iteration.fit_predictor(predictor, trees, draws)
         seconds["predictor"] = time.perf_counter() - start
         start = time.perf_counter()
-        update_seed = int(rng.integers(2**31))
         if config.train_workers:
-            stats = _update_on_ray(config, out, i, policy_dir, trees, update_seed, model, optimizer)
+            stats = _update_on_ray(
+                config, out, i, policy_dir, trees, draws.update_seed, model, optimizer
+            )
         else:
-            stats = update_policy(
-                model,
-                optimizer,
-                trees,
-                config.update,
-                np.random.default_rng(update_seed),
-                tokenizer.pad_token_id,
-                reference,
+            stats = iteration.update(
+                model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference
             )
         seconds["update"] = time.perf_counter() - start
         report = None
         if i % config.eval_every == 0 or i == config.iterations:
             start = time.perf_counter()
-            report = _evaluate(model, fmt, suite, eval_tasks, config)
+            report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
             seconds["eval"] = time.perf_counter() - start
         metrics = measure(trees)
         record = IterationRecord(
@@ -386,7 +390,7 @@ def _update_on_ray(
         seed,
         config.train_workers,
         optimizer_path=previous if i > 1 else None,
-        reference_dir=config.init or out / "warmstart",
+        reference_dir=Path(config.init or out / "warmstart"),
         address=config.ray_address,
     )
     updated, _ = load_checkpoint(staging / "policy")
@@ -394,28 +398,6 @@ def _update_on_ray(
     load_optimizer(optimizer, staging / "policy" / OPTIMIZER)
     shutil.rmtree(staging)
     return stats
-
-
-def _draw_pool(tasks: Sequence[Task], size: int, rng: np.random.Generator) -> list[Task]:
-    return [tasks[i] for i in rng.permutation(len(tasks))[:size]]
-
-
-def _evaluate(
-    model: torch.nn.Module,
-    fmt: TurnFormat,
-    suite: TaskSuite,
-    tasks: Sequence[Task],
-    config: TrainConfig,
-) -> EvalReport:
-    return evaluate_policy(
-        TorchEngine(model),  # type: ignore[arg-type]
-        fmt,
-        suite.make_env,
-        tasks,
-        k=config.eval_k,
-        seed=config.seed,
-        max_tokens=config.max_tokens,
-    )
 
 
 def _eval_dict(report: EvalReport) -> dict[str, object]:
@@ -454,3 +436,12 @@ def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _same_kind(value: object, default: bool | int | float) -> bool:
+    """JSON's number kinds against a field's: an int is a float, a bool is neither."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    return isinstance(value, int | float)

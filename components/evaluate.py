@@ -1,0 +1,33 @@
+"""Evaluate: held-out accuracy of a policy (and, for the final one, register the checkpoint)."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Metrics, Model, Output
+
+from pipelines.settings import image
+
+
+@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+def evaluate(
+    config_json: str,
+    prompts: Input[Dataset],
+    policy: Input[Model],
+    metrics: Output[Metrics],
+    predictor: Input[Model] = None,
+) -> str:
+    """pass@1 (greedy) and mean@k on the eval prompts; returns the report as JSON. Given the
+    predictor and a run name, registers policy + predictor as the run's latest checkpoint."""
+    import json
+    from pathlib import Path
+
+    from trace_core.train.steps import PipelineConfig, evaluate_step
+
+    config = PipelineConfig.from_json(config_json)
+    result = evaluate_step(
+        config, Path(prompts.path), Path(policy.path), Path(predictor.path) if predictor else None
+    )
+    metrics.log_metric("accuracy_pass1", result["pass1"]["all"])
+    if result["mean_k"]:
+        metrics.log_metric(f"accuracy_mean_at_{result['k']}", result["mean_k"]["all"])
+    metrics.log_metric("eval_tokens", result["tokens"])
+    metrics.log_metric("iteration", result["iteration"])
+    return json.dumps(result)

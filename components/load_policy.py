@@ -1,0 +1,27 @@
+"""Load the starting policy: the run's latest registry checkpoint (resume) or the base model."""
+
+from kfp import dsl
+from kfp.dsl import Metrics, Model, Output
+
+from pipelines.settings import image
+
+
+@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+def load_policy(
+    config_json: str,
+    policy: Output[Model],
+    predictor: Output[Model],
+    metrics: Output[Metrics],
+) -> None:
+    """Policy folder (HF checkpoint, optimizer state and log when resuming) and predictor."""
+    from pathlib import Path
+
+    from trace_core.train.steps import PipelineConfig, load_step
+
+    config = PipelineConfig.from_json(config_json)
+    result = load_step(config, Path(policy.path), Path(predictor.path))
+    for key, value in result.items():
+        metrics.log_metric(key, value)
+    policy.metadata.update(
+        {"framework": "transformers", "iteration": int(result["resumed_iteration"])}
+    )

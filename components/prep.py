@@ -1,0 +1,41 @@
+"""Data prep: the run parameters become the one config JSON, the task's prompts a Dataset."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Dataset, Output
+
+from pipelines.settings import image
+
+
+@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+def prep(
+    task: str,
+    dataset_uri: str,
+    base_model_uri: str,
+    strategy: str,
+    budget: int,
+    continuations: int,
+    iterations: int,
+    seed: int,
+    ray_address: str,
+    run_name: str,
+    store_uri: str,
+    settings_json: str,
+    prompts: Output[Dataset],
+) -> NamedTuple("PrepOutputs", config_json=str, start=str, start_iteration=int):
+    """Validate the parameters into the run's config; write train/eval prompt Parquet files;
+    start = warmstart | load (base model, or the run's latest checkpoint to resume from)."""
+    from collections import namedtuple
+    from pathlib import Path
+
+    from trace_core.train.steps import PipelineParameters, prep_step
+
+    parameters = PipelineParameters(
+        task, dataset_uri, base_model_uri, strategy, budget, continuations, iterations, seed,
+        ray_address, run_name, store_uri, settings_json,
+    )  # fmt: skip
+    result = prep_step(parameters, Path(prompts.path))
+    prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})
+    outputs = namedtuple("PrepOutputs", ["config_json", "start", "start_iteration"])
+    return outputs(result.config_json, result.start, result.start_iteration)

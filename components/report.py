@@ -1,0 +1,34 @@
+"""Report: an HTML view of the last iteration's trees and a Markdown summary of the run."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Markdown, Model, Output
+
+from pipelines.settings import image
+
+
+@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+def report(
+    config_json: str,
+    trees: Input[Dataset],
+    policy: Input[Model],
+    start_eval: str,
+    final_eval: str,
+    tree_view: Output[HTML],
+    summary: Output[Markdown],
+) -> None:
+    """Both render in the KFP run view: the tree view (turns, rewards, V, targets) and the
+    accuracy, per-iteration ratios and the trees' Parquet head."""
+    import json
+    from pathlib import Path
+
+    from trace_core.train.steps import PipelineConfig, report_step
+
+    report_step(
+        PipelineConfig.from_json(config_json),
+        Path(trees.path),
+        Path(policy.path),
+        json.loads(start_eval),
+        json.loads(final_eval),
+        Path(tree_view.path),
+        Path(summary.path),
+    )

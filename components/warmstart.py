@@ -1,0 +1,25 @@
+"""Warm start (synthetic tasks): SFT of the tiny policy on scripted demonstrations."""
+
+from kfp import dsl
+from kfp.dsl import Metrics, Model, Output
+
+from pipelines.settings import image
+
+
+@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+def warmstart(
+    config_json: str,
+    policy: Output[Model],
+    predictor: Output[Model],
+    metrics: Output[Metrics],
+) -> None:
+    """The starting policy (HF checkpoint) and the predictor before its first fit."""
+    from pathlib import Path
+
+    from trace_core.train.steps import PipelineConfig, warmstart_step
+
+    config = PipelineConfig.from_json(config_json)
+    result = warmstart_step(config, Path(policy.path), Path(predictor.path))
+    for key, value in result.items():
+        metrics.log_metric(key, value)
+    policy.metadata.update({"framework": "transformers", "iteration": 0})

@@ -1,0 +1,205 @@
+"""The training pipeline run here through KFP's local runner: the same DAG and components as on
+the cluster, each step a subprocess of this Python, artifacts in a local folder.
+
+    trace-rl run-local                              # what `make run` does: calc, TRACE, K = 6
+    trace-rl run-local --iterations 2 --budget 16 --settings-json '{"warmstart_steps": 60}'
+    python -m pipelines.local --help                # the same command
+
+``kfp.local`` with ``SubprocessRunner(use_venv=False)`` runs lightweight components in this
+environment (trace_core installed, nothing pip-installed); the Kubernetes settings (GPUs,
+Secrets, node selectors) are part of the pipeline and ignored here. Ray, where a step uses it,
+starts in that step's process. Output layout under ``--output`` (default ``runs/``):
+
+    runs/kfp/trace-training-<time>/<task>/<artifact>   every step's artifacts, as KFP names them
+    runs/<run name>/trees/iteration-0001.parquet ...   links to each iteration's trees
+    runs/<run name>/report.html, summary.md            links to the report step's outputs
+    runs/store/checkpoints/<run name>/                 the checkpoint registry (resume)
+
+A run with the same ``--run-name`` and store resumes after the last registered checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelines.trace_training import PIPELINE_NAME, PipelineOptions, build_pipeline
+
+# make run: the calc task's tiny policy, warm-started, then K iterations of TRACE. Chosen so
+# that held-out accuracy moves within the 10 minutes a 2-core machine gives it.
+MAKE_RUN_SETTINGS = {
+    "prompts": 512,
+    "eval_tasks": 200,
+    "eval_k": 4,
+    "warmstart_steps": 1000,
+}
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What ``trace-rl run-local`` takes; the pipeline's run parameters plus K and folders."""
+
+    output: Path = Path("runs")
+    task: str = "calc"
+    strategy: str = "trace"
+    iterations: int = 6
+    budget: int = 128
+    continuations: int = 2
+    seed: int = 0
+    run_name: str = "calc-local"
+    store: str = ""
+    """Registry root; default: ``output/store``."""
+    dataset_uri: str = ""
+    base_model_uri: str = ""
+    ray_address: str = ""
+    settings: dict[str, object] = field(default_factory=lambda: dict(MAKE_RUN_SETTINGS))
+    s3_endpoint: str = ""
+    """AWS_ENDPOINT_URL_S3 for the steps; empty: the environment's."""
+
+    def parameters(self) -> dict[str, object]:
+        """The pipeline's run parameters."""
+        return {
+            "task": self.task,
+            "dataset_uri": self.dataset_uri,
+            "base_model_uri": self.base_model_uri,
+            "strategy": self.strategy,
+            "budget": self.budget,
+            "continuations": self.continuations,
+            "seed": self.seed,
+            "ray_address": self.ray_address,
+            "run_name": self.run_name,
+            "store_uri": self.store or str((self.output / "store").resolve()),
+            "settings_json": json.dumps(self.settings),
+        }
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    run_dir: Path
+    """KFP's folder of this run: one sub-folder per task."""
+    trees: list[Path]
+    """Each iteration's trees Parquet, in iteration order (links under output/run name)."""
+    trees_dir: Path
+    report_html: Path
+    summary_md: Path
+    start_eval: dict[str, object]
+    final_eval: dict[str, object]
+    rollout: list[dict[str, float]]
+    """Each iteration's rollout metrics (effective ratios, mixed groups, units, tokens)."""
+    seconds: float
+
+
+def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
+    """Run the pipeline through ``kfp.local``; raises if a step fails."""
+    from kfp import local
+
+    root = (run.output / "kfp").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    workspace = (run.output / ".kfp-workspace").resolve()
+    workspace.mkdir(parents=True, exist_ok=True)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(root),
+        workspace_root=str(workspace),
+    )
+    logging.getLogger("kfp").setLevel(logging.WARNING)  # the steps' own output still streams
+    before = set(root.iterdir())
+    options = PipelineOptions(iterations=run.iterations, s3_endpoint=run.s3_endpoint)
+    pipeline = build_pipeline(options)
+    say(f"running {PIPELINE_NAME} with kfp.local: {run.task}, {run.strategy}, K={run.iterations}")
+    start = time.perf_counter()
+    pipeline(**run.parameters())
+    seconds = time.perf_counter() - start
+    (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]
+    return _collect(run, run_dir, seconds)
+
+
+def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
+    """Find the artifacts of the run in KFP's folder and link the useful ones by name."""
+    rollouts = []
+    for metrics in run_dir.glob("*/trees/metrics.json"):
+        rollouts.append((json.loads(metrics.read_text()), metrics.parent / "trees.parquet"))
+    rollouts.sort(key=lambda pair: pair[0]["iteration"])
+    if not rollouts:
+        raise FileNotFoundError(f"{run_dir}: no rollout step wrote trees")
+    mine = run.output / (run.run_name or "pipeline")
+    trees_dir = mine / "trees"
+    trees_dir.mkdir(parents=True, exist_ok=True)
+    for old in trees_dir.glob("iteration-*.parquet"):
+        old.unlink()
+    links = []
+    for metrics, path in rollouts:
+        link = trees_dir / f"iteration-{int(metrics['iteration']):04d}.parquet"
+        link.symlink_to(os.path.relpath(path, trees_dir))
+        links.append(link)
+    html = _link(mine / "report.html", _only(run_dir.glob("*/tree_view")))
+    summary = _link(mine / "summary.md", _only(run_dir.glob("*/summary")))
+    # The start policy's evaluation is at the iteration the run started from, the final one K later.
+    evals = sorted(
+        (_task_output(task) for task in run_dir.glob("evaluate*")),
+        key=lambda e: int(e["iteration"]),  # type: ignore[call-overload]
+    )
+    if len(evals) != 2:
+        raise FileNotFoundError(f"{run_dir}: expected two evaluate steps, found {len(evals)}")
+    start_eval, final_eval = evals
+    return LocalResult(
+        run_dir, links, trees_dir, html, summary, start_eval, final_eval,
+        [m for m, _ in rollouts], seconds,
+    )  # fmt: skip
+
+
+def _only(paths: object) -> Path:
+    found = list(paths)  # type: ignore[call-overload]
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one report artifact, found {found}")
+    return Path(found[0])
+
+
+def _link(link: Path, target: Path) -> Path:
+    link.unlink(missing_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+    return link
+
+
+def _task_output(task_dir: Path) -> dict[str, object]:
+    """The string a step returned (its ``Output`` parameter), read from KFP's executor output."""
+    body = json.loads((task_dir / "executor_output.json").read_text())
+    value = body["parameterValues"]["Output"]
+    return dict(json.loads(value))
+
+
+def print_result(result: LocalResult, say: Callable[[str], None] = print) -> None:
+    """Where things are, what the run learnt, and how to look at the trees."""
+    k = result.final_eval.get("k", 0)
+    say(f"\npipeline finished in {result.seconds:.0f} s; its artifacts: {result.run_dir}")
+    for metrics, path in zip(result.rollout, result.trees, strict=True):
+        say(
+            f"  iteration {int(metrics['iteration'])}: prompt effective ratio "
+            f"{metrics['prompt_effective_ratio']:.2f}, mixed groups {metrics['mixed_groups']:.0f}, "
+            f"{metrics['tokens']:,.0f} tokens → {path}"
+        )
+    for label, report in (("start", result.start_eval), ("final", result.final_eval)):
+        pass1, mean_k = report["pass1"], report["mean_k"]
+        assert isinstance(pass1, dict) and isinstance(mean_k, dict)
+        sampled = f", mean@{k} {mean_k['all']:.3f}" if mean_k else ""
+        say(f"  held-out accuracy ({label}): pass@1 {pass1['all']:.3f}{sampled}")
+    if "checkpoint" in result.final_eval:
+        say(f"  checkpoint: {result.final_eval['checkpoint']}")
+    say(f"trees: {result.trees_dir}")
+    say(f"report: {result.report_html} (tree view), {result.summary_md} (summary)")
+    say("inspect them with:")
+    say(f"  trace-rl inspect summary {result.trees_dir}")
+    say(f"  trace-rl inspect show {result.trees[-1]} 0")
+    say(f"  trace-rl inspect html {result.trees[-1]} -o trees.html")
+
+
+if __name__ == "__main__":
+    from trace_core.cli import app
+
+    app(["run-local", *sys.argv[1:]])

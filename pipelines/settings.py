@@ -1,0 +1,43 @@
+"""The project's pinned settings the pipeline reads: the container images.
+
+    image("TRACE_IMAGE")        # ghcr.io/trace-rl/trace:0.1.0, the CPU steps' base image
+    image("TRACE_GPU_IMAGE")    # the rollout and update steps' base image
+
+``images/images.env`` is the one place image references are set (``NAME=reference`` lines,
+``#`` comments); the components, the Argo workflows, the manifests and ``make images`` all
+read it. Nothing here has a default: a missing file or name is an error naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+IMAGES_ENV = Path(__file__).resolve().parents[1] / "images" / "images.env"
+_LINE = re.compile(r"([A-Z][A-Z0-9_]*)=(\S+)")
+
+
+@cache
+def read_images(path: Path = IMAGES_ENV) -> dict[str, str]:
+    """Every ``NAME=reference`` line of ``path``."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; it sets the project's image references")
+    images = {}
+    for n, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _LINE.fullmatch(line)
+        if not match:
+            raise ValueError(f"{path}, line {n}: expected NAME=image-reference, got {line!r}")
+        images[match[1]] = match[2]
+    return images
+
+
+def image(name: str) -> str:
+    """The image reference ``name`` is set to in ``images/images.env``."""
+    images = read_images()
+    if name not in images:
+        raise KeyError(f"{IMAGES_ENV}: no {name}=... line (it has {', '.join(sorted(images))})")
+    return images[name]

@@ -1,0 +1,228 @@
+"""The TRACE training pipeline for Kubeflow Pipelines: the DAG, its cluster settings, compiling.
+
+    prep ─► If start == warmstart: warmstart        ─► evaluate (start)
+            Else:                   load_policy     ─► evaluate (start)
+          ─► [ rollout ─► fit_predictor ─┐                 ] × K ─► evaluate ─► report
+                          update_policy ─┴─► next rollout
+
+    python -m pipelines.trace_training pipelines/compiled/trace_training.yaml   # compile
+    compile_pipeline(Path("x.yaml"), PipelineOptions(iterations=8))              # from code
+
+The K iterations are unrolled when the pipeline is built (KFP v2 has no loops that carry
+state), so K is a build option, not a run parameter: the committed YAML has K = 4, and
+``trace-rl run-local`` builds its own. So are the GPU count and type of the rollout and update
+pods (KFP's local runner cannot resolve run parameters there). Everything else is a run
+parameter set in the KFP UI: task, dataset_uri, base_model_uri, strategy, budget (M),
+continuations (N), seed, ray_address, run_name (resume from / register under this name),
+store_uri, settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' placement
+(gpu_node_selector, gpu_tolerations) and the S3 credentials' Secret (s3_secret).
+
+Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
+the local run must be this same pipeline; so the warm-start branch and the load branch each
+carry the iterations (the UI shows the one that ran).
+
+Cluster settings:
+- rollout and update_policy request ``PipelineOptions.gpus`` accelerators of type
+  ``accelerator`` and take the node selector and tolerations given at run time; they use
+  TRACE_GPU_IMAGE, the other steps TRACE_IMAGE (``images/images.env``). With a ``ray_address``
+  the GPUs are the Ray cluster's: build with gpus=0 then.
+- every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
+  (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
+  default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
+- caching is off for prep and load_policy (they read the registry), rollout (sampling is
+  stochastic) and evaluate (it registers checkpoints); warmstart, fit and update are pure
+  functions of their inputs and may be cached.
+"""
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kfp import compiler, dsl, kubernetes
+from kfp.dsl import PipelineTask
+
+from components import (
+    evaluate,
+    fit_predictor,
+    load_policy,
+    prep,
+    report,
+    rollout,
+    update_policy,
+    warmstart,
+)
+
+PIPELINE_NAME = "trace-training"
+COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What is fixed when the pipeline is built (everything else is a run parameter)."""
+
+    iterations: int = 4
+    """K: rollout → fit/update iterations, unrolled into the DAG."""
+    gpus: int = 1
+    """Accelerators each rollout and update_policy pod requests (0: none, e.g. when they only
+    submit Ray jobs to a KubeRay cluster)."""
+    accelerator: str = "nvidia.com/gpu"
+    """Their accelerator type (``set_accelerator_type``)."""
+    s3_endpoint: str = "http://seaweedfs.kubeflow:9000"
+    """AWS_ENDPOINT_URL_S3 of every step (KFP's SeaweedFS); empty: leave the variable alone."""
+    s3_secret_keys: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "accesskey": "AWS_ACCESS_KEY_ID",
+            "secretkey": "AWS_SECRET_ACCESS_KEY",
+        }
+    )
+    """Secret key → environment variable (the keys of KFP's mlpipeline-minio-artifact)."""
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        if self.gpus < 0:
+            raise ValueError(f"gpus must be >= 0, got {self.gpus}")
+        if self.s3_endpoint and not self.s3_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"s3_endpoint {self.s3_endpoint!r}: expected http(s)://host:port")
+
+
+# No ``from __future__ import annotations`` here: KFP reads the pipeline function's annotations
+# as types, not strings.
+def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., object]:
+    """The pipeline function (a KFP ``GraphComponent``) for ``options``."""
+    opts = options or PipelineOptions()
+
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description=(
+            f"TRACE tree-rollout RL: prep, warm start or load, {opts.iterations} × (rollout → "
+            "fit predictor ∥ update policy), evaluate, report."
+        ),
+    )
+    def trace_training(
+        task: str = "calc",
+        dataset_uri: str = "",
+        base_model_uri: str = "",
+        strategy: str = "trace",
+        budget: int = 128,
+        continuations: int = 2,
+        seed: int = 0,
+        ray_address: str = "",
+        run_name: str = "",
+        store_uri: str = "",
+        settings_json: str = "{}",
+        gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
+        gpu_tolerations: list = [],  # noqa: B006
+        s3_secret: str = "mlpipeline-minio-artifact",
+    ) -> None:
+        def place(task: PipelineTask, name: str, gpu: bool = False) -> PipelineTask:
+            task.set_display_name(name)
+            kubernetes.use_secret_as_env(task, s3_secret, dict(opts.s3_secret_keys), True)
+            if opts.s3_endpoint:
+                task.set_env_variable("AWS_ENDPOINT_URL_S3", opts.s3_endpoint)
+            if gpu and opts.gpus:
+                task.set_accelerator_type(opts.accelerator).set_accelerator_limit(opts.gpus)
+            if gpu:
+                kubernetes.add_node_selector_json(task, gpu_node_selector)
+                kubernetes.add_toleration_json(task, gpu_tolerations)
+            return task
+
+        prepped = place(
+            prep(
+                task=task,
+                dataset_uri=dataset_uri,
+                base_model_uri=base_model_uri,
+                strategy=strategy,
+                budget=budget,
+                continuations=continuations,
+                iterations=opts.iterations,
+                seed=seed,
+                ray_address=ray_address,
+                run_name=run_name,
+                store_uri=store_uri,
+                settings_json=settings_json,
+            ),
+            "prep",
+        ).set_caching_options(False)
+        config = prepped.outputs["config_json"]
+        first = prepped.outputs["start_iteration"]
+        prompts = prepped.outputs["prompts"]
+
+        def iterations(start: PipelineTask) -> None:
+            """Start eval, K iterations, final eval and report, from ``start``'s policy."""
+            policy, predictor = start.outputs["policy"], start.outputs["predictor"]
+            start_eval = place(
+                evaluate(config_json=config, prompts=prompts, policy=policy), "evaluate start"
+            ).set_caching_options(False)
+            for i in range(1, opts.iterations + 1):
+                grown = place(
+                    rollout(
+                        config_json=config,
+                        iteration=i,
+                        start_iteration=first,
+                        prompts=prompts,
+                        policy=policy,
+                        predictor=predictor,
+                    ),
+                    f"rollout {i}",
+                    gpu=True,
+                ).set_caching_options(False)
+                fitted = place(
+                    fit_predictor(
+                        config_json=config,
+                        iteration=i,
+                        start_iteration=first,
+                        trees=grown.outputs["trees"],
+                        policy=policy,
+                        predictor=predictor,
+                    ),
+                    f"fit predictor {i}",
+                )
+                updated = place(
+                    update_policy(
+                        config_json=config,
+                        iteration=i,
+                        start_iteration=first,
+                        trees=grown.outputs["trees"],
+                        policy=policy,
+                        reference=start.outputs["policy"],
+                    ),
+                    f"update policy {i}",
+                    gpu=True,
+                )
+                policy = updated.outputs["new_policy"]
+                predictor = fitted.outputs["new_predictor"]
+            final_eval = place(
+                evaluate(config_json=config, prompts=prompts, policy=policy, predictor=predictor),
+                "evaluate",
+            ).set_caching_options(False)
+            place(
+                report(
+                    config_json=config,
+                    trees=grown.outputs["trees"],
+                    policy=policy,
+                    start_eval=start_eval.outputs["Output"],
+                    final_eval=final_eval.outputs["Output"],
+                ),
+                "report",
+            )
+
+        with dsl.If(prepped.outputs["start"] == "warmstart", name="warm start"):
+            iterations(place(warmstart(config_json=config), "warmstart"))
+        with dsl.Else(name="load policy"):
+            loaded = place(load_policy(config_json=config), "load policy")
+            iterations(loaded.set_caching_options(False))
+
+    return trace_training
+
+
+def compile_pipeline(path: Path, options: PipelineOptions | None = None) -> Path:
+    """Write the pipeline's IR YAML (the pipeline spec, then the Kubernetes platform spec)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build_pipeline(options), str(path))
+    return path
+
+
+if __name__ == "__main__":
+    print(compile_pipeline(Path(sys.argv[1]) if len(sys.argv) > 1 else COMPILED))

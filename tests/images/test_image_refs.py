@@ -1,0 +1,165 @@
+"""The project's image references come from one setting: images/images.env.
+
+Everything that names the trace or trace-gpu image must name exactly what images.env says:
+the KFP components and pipelines (their Python and the compiled YAML), the manifests (tracked
+files and every built overlay), the Makefile (``make images push``) and the README. A literal
+reference anywhere else that differs (another tag, another registry) fails here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES_ENV = REPO / "images" / "images.env"
+NAMES = {"trace": "TRACE_IMAGE", "trace-gpu": "TRACE_GPU_IMAGE"}
+# registry/path/trace[-gpu] with a tag or a digest: what a pod or a build would pull.
+REFERENCE = re.compile(
+    r"(?<![\w./-])(?:[a-z0-9][a-z0-9.-]*(?::\d+)?/)(?:[a-z0-9._-]+/)*(?P<name>trace(?:-gpu)?)"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?(?![\w./-])"
+)
+SCANNED = ("components", "pipelines", "manifests", "images", "Makefile", "README.md")
+SUFFIXES = {".py", ".yaml", ".yml", ".json", ".md", ".env", ".txt", ""}
+
+
+def read_env() -> dict[str, str]:
+    values = {}
+    for line in IMAGES_ENV.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name.strip()] = value.strip()
+    return values
+
+
+def load_render() -> ModuleType:
+    """tests/manifests/render.py (the overlays as the manifest tests build them)."""
+    if "trace_manifest_render" in sys.modules:
+        return sys.modules["trace_manifest_render"]
+    path = REPO / "tests" / "manifests" / "render.py"
+    spec = importlib.util.spec_from_file_location("trace_manifest_render", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def scanned_files() -> list[Path]:
+    files = []
+    for entry in SCANNED:
+        path = REPO / entry
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [
+                p
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
+            ]
+    return sorted(files)
+
+
+def references(text: str) -> list[tuple[str, str]]:
+    """(trace or trace-gpu, the whole reference) for each image reference in ``text``."""
+    return [(m["name"], m[0]) for m in REFERENCE.finditer(text) if ":" in m[0].split("/")[-1]]
+
+
+def assert_is_the_setting(name: str, reference: str, where: str) -> None:
+    env = read_env()
+    expected = env[NAMES[name]]
+    assert reference == expected, (
+        f"{where}: {reference} differs from {NAMES[name]}={expected} (images/images.env)"
+    )
+
+
+def test_the_setting() -> None:
+    env = read_env()
+    assert set(env) == set(NAMES.values())
+    for name, variable in NAMES.items():
+        found = references(env[variable])
+        assert found == [(name, env[variable])], f"{variable}={env[variable]}: not a tagged image"
+
+
+def test_the_pattern_finds_references() -> None:
+    text = "a ghcr.io/trace-rl/trace:0.1.0 b registry:5000/x/trace-gpu:1@sha256:" + "0" * 64
+    assert references(text) == [
+        ("trace", "ghcr.io/trace-rl/trace:0.1.0"),
+        ("trace-gpu", "registry:5000/x/trace-gpu:1@sha256:" + "0" * 64),
+    ]
+    assert references("images/trace/Dockerfile trace-rl/trace-rl:1 trace:1") == []
+
+
+def test_every_literal_reference_is_the_setting() -> None:
+    """Whatever exists of components/, pipelines/ (with the compiled YAML), manifests/, images/,
+    the Makefile and the README."""
+    found = 0
+    for path in scanned_files():
+        if path == IMAGES_ENV:
+            continue
+        for name, reference in references(path.read_text(errors="replace")):
+            assert_is_the_setting(name, reference, str(path.relative_to(REPO)))
+            found += 1
+    assert found, "no image reference found outside images.env (the README names both)"
+
+
+def test_the_kustomize_component_is_the_setting() -> None:
+    component = yaml.safe_load((REPO / "manifests" / "images" / "kustomization.yaml").read_text())
+    assert {i["name"] for i in component["images"]} == set(NAMES)
+    for image in component["images"]:
+        reference = f"{image['newName']}:{image['newTag']}"
+        assert_is_the_setting(image["name"], reference, "manifests/images/kustomization.yaml")
+
+
+def container_images(node: object) -> list[str]:
+    """Every ``image`` of a container (or of KubeRay's autoscaler options) below ``node``."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("image"), str):
+            found.append(node["image"])
+        for child in node.values():
+            found += container_images(child)
+    elif isinstance(node, list):
+        for child in node:
+            found += container_images(child)
+    return found
+
+
+@pytest.mark.parametrize("overlay", ["kfp", "standalone", "dev"])
+def test_built_overlays_pull_the_setting(tmp_path: Path, overlay: str) -> None:
+    render = load_render()
+    objects = render.build_all(tmp_path)[overlay]
+    images = container_images(objects)
+    ours = [i for i in images if i.rsplit("/", 1)[-1].split(":")[0].split("@")[0] in NAMES]
+    assert ours, f"{overlay}: no trace image in the build"
+    for image in ours:
+        name = image.rsplit("/", 1)[-1].split(":")[0].split("@")[0]
+        assert_is_the_setting(name, image, f"kubectl kustomize manifests/overlays/{overlay}")
+
+
+def test_make_images_reads_the_setting() -> None:
+    """`make images push` with no container engine prints what it would run, tags included."""
+    done = subprocess.run(
+        ["make", "--no-print-directory", "images", "push", "IMAGE_TOOL="],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    env = read_env()
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4, done.stdout
+    for variable, dockerfile in (
+        ("TRACE_IMAGE", "images/trace/Dockerfile"),
+        ("TRACE_GPU_IMAGE", "images/trace-gpu/Dockerfile"),
+    ):
+        assert f"docker build -f {dockerfile} -t {env[variable]} ." in done.stdout
+        assert f"docker push {env[variable]}" in done.stdout

@@ -1,0 +1,56 @@
+"""Fixtures of the manifest checks: every overlay built once per session, the upstream schemas.
+
+The builds come from ``render.py`` beside this file (also run by ``make scan``): a scratch copy
+of manifests/ whose Secret env files are the tracked examples, built by ``kubectl kustomize``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+def load_render() -> ModuleType:
+    """tests/manifests/render.py as a module (the tests are not a package)."""
+    if "trace_manifest_render" in sys.modules:
+        return sys.modules["trace_manifest_render"]
+    path = Path(__file__).with_name("render.py")
+    spec = importlib.util.spec_from_file_location("trace_manifest_render", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+render = load_render()
+SCHEMAS = render.REPO.parent / "shared" / "schemas"
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Overlay name (and "base") → the objects ``kubectl kustomize`` builds (``render.Builds``)."""
+    return render.build_all(tmp_path_factory.mktemp("manifests"))
+
+
+VENDORED = render.REPO / "tests" / "schemas"
+
+
+@pytest.fixture(scope="session")
+def schemas(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The upstream CRD schemas: shared/schemas beside the repository, or the gzipped copies
+    in tests/schemas (same bytes; see its README)."""
+    if (SCHEMAS / "kuberay").is_dir() and (SCHEMAS / "argo").is_dir():
+        return SCHEMAS
+    out = tmp_path_factory.mktemp("schemas")
+    for packed in VENDORED.rglob("*.gz"):
+        target = out / packed.relative_to(VENDORED).with_suffix("")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(gzip.decompress(packed.read_bytes()))
+    return out

@@ -1,0 +1,110 @@
+"""The compiled pipeline: committed YAML equals a fresh compile, parses strictly as KFP's
+``PipelineSpec`` and ``PlatformSpec`` protobufs, and holds the cluster settings the issue asks
+for (GPUs, Secrets, caching, images); components stay thin."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
+from kfp.pipeline_spec import pipeline_spec_pb2 as pb
+
+import components
+from pipelines.settings import read_images
+from pipelines.trace_training import COMPILED, PipelineOptions, compile_pipeline
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    path = compile_pipeline(tmp_path_factory.mktemp("compiled") / "trace_training.yaml")
+    fresh = path.read_text()
+    assert COMPILED.read_text() == fresh, (
+        f"{COMPILED} is stale: run `python -m pipelines.trace_training` and commit the result"
+    )
+    return list(yaml.safe_load_all(fresh))
+
+
+def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
+    pipeline_doc, platform_doc = docs  # the pipeline spec, then the Kubernetes platform spec
+    spec = json_format.ParseDict(pipeline_doc, pb.PipelineSpec(), ignore_unknown_fields=False)
+    platform = json_format.ParseDict(platform_doc, pb.PlatformSpec(), ignore_unknown_fields=False)
+    assert spec.pipeline_info.name == "trace-training"
+    parameters = set(spec.root.input_definitions.parameters)
+    assert {
+        "task", "dataset_uri", "base_model_uri", "strategy", "budget", "continuations", "seed",
+        "ray_address", "run_name", "store_uri", "settings_json",
+    } <= parameters  # fmt: skip
+    for name, executor in platform.platforms["kubernetes"].deployment_spec.executors.items():
+        config = json_format.ParseDict(
+            json_format.MessageToDict(executor), k8s_pb.KubernetesExecutorConfig()
+        )
+        (secret,) = config.secret_as_env
+        assert {e.env_var for e in secret.key_to_env} == {
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+        }, name
+
+
+def _tasks(spec: dict) -> dict[str, dict]:
+    """Every task of every DAG, by task name."""
+    found = {}
+    for component in spec["components"].values():
+        found.update(component.get("dag", {}).get("tasks", {}))
+    return found
+
+
+def test_gpu_caching_and_images(docs: list[dict]) -> None:
+    spec = docs[0]
+    executors = spec["deploymentSpec"]["executors"]
+    tasks = _tasks(spec)
+    images = read_images()
+    rollouts = [t for name, t in tasks.items() if name.startswith("rollout")]
+    assert len(rollouts) == 2 * PipelineOptions().iterations  # K in each start branch
+    for name, task in tasks.items():
+        kind = name.rstrip("-0123456789")
+        if kind.startswith("condition"):
+            continue
+        container = executors[task["componentRef"]["name"].replace("comp-", "exec-", 1)][
+            "container"
+        ]
+        gpu = kind in ("rollout", "update-policy")
+        assert container["image"] == images["TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE"], name
+        assert ("accelerator" in container.get("resources", {})) == gpu, name
+        cached = task.get("cachingOptions", {}).get("enableCache", False)
+        if kind in ("prep", "load-policy", "rollout", "evaluate"):
+            assert not cached, f"{name} must not be cached"
+        assert "pip install" not in " ".join(container["command"]), name  # image has it all
+
+
+def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
+    """If/Else on prep's start: warm start in one branch, load_policy in the other, each
+    holding the K iterations."""
+    spec = docs[0]
+    (branches,) = [n for n in spec["components"] if n.startswith("comp-condition-branches")]
+    conditions = {
+        task["componentRef"]["name"]: task["triggerPolicy"]["condition"]
+        for task in spec["components"][branches]["dag"]["tasks"].values()
+    }
+    warm = [c for c, rule in conditions.items() if rule.endswith("== 'warmstart'")]
+    load = [c for c, rule in conditions.items() if rule.startswith("!(")]
+    for component, first in ((warm, "warmstart"), (load, "load-policy")):
+        (name,) = component
+        tasks = spec["components"][name]["dag"]["tasks"]
+        assert first in tasks and sum(t.startswith("rollout") for t in tasks) == 4
+    assert not any(t.startswith(("warmstart", "rollout")) for t in spec["root"]["dag"]["tasks"])
+
+
+@pytest.mark.parametrize("component", components.__all__)
+def test_components_are_thin(component: str) -> None:
+    """≤ 40 lines each, heavy imports inside the body, one call into trace_core.train.steps."""
+    func = getattr(components, component).python_func
+    source = inspect.getsource(func)
+    assert len(source.splitlines()) <= 40, f"{component}: {len(source.splitlines())} lines"
+    assert "from trace_core.train.steps import" in source
+    module = Path(inspect.getsourcefile(func) or "").read_text()
+    header = module[: module.index("@dsl.component")]
+    assert "trace_core" not in header and "torch" not in header

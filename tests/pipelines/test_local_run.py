@@ -1,0 +1,66 @@
+"""The pipeline end to end through KFP's local runner (what `make run` does, smaller): every
+step runs as a subprocess, and the artifacts are what the cluster run would store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipelines.local import LocalRun, run_local
+from trace_core.cli import app
+from trace_core.store.schema import read_trees
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:.*have no effect in the current local runner"),
+]
+
+TINY = {"warmstart_steps": 20, "prompts": 16, "eval_tasks": 8, "eval_k": 1, "max_tokens": 16}
+
+
+def metrics_of(task_dir: Path, name: str = "metrics") -> dict[str, float]:
+    """What a step logged with ``log_metric`` (the Metrics artifact's metadata)."""
+    body = json.loads((task_dir / "executor_output.json").read_text())
+    (artifact,) = body["artifacts"][name]["artifacts"]
+    return artifact["metadata"]
+
+
+def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
+    run = LocalRun(output=tmp_path, iterations=2, budget=8, run_name="ci", settings=TINY)
+    result = run_local(run, say=lambda _line: None)
+
+    # Warm start branch, two iterations of M=8 roots with N=2 continuations = 16 units each.
+    tasks = {p.name for p in result.run_dir.iterdir() if p.is_dir()}
+    assert {"prep", "warmstart", "report"} <= tasks and "load-policy" not in tasks
+    assert len(result.trees) == 2
+    for i, path in enumerate(result.trees, start=1):
+        trees = read_trees(path)
+        assert {t.info.iteration for t in trees} == {i}
+        assert {t.info.run_id for t in trees} == {"ci"}
+        assert sum(t.units for t in trees) == 8 * (1 + 2 / 2)
+    for name in sorted(t for t in tasks if t.startswith("rollout")):
+        logged = metrics_of(result.run_dir / name)
+        for key in ("prompt_effective_ratio", "anchor_effective_ratio", "mixed_groups", "tokens"):
+            assert key in logged, (name, key)
+        assert logged["units"] == 16.0
+    final = next(
+        metrics_of(result.run_dir / t)
+        for t in tasks
+        if t.startswith("evaluate") and metrics_of(result.run_dir / t)["iteration"] == 2
+    )
+    assert 0.0 <= final["accuracy_pass1"] <= 1.0 and "accuracy_mean_at_1" in final
+    assert str(result.final_eval["checkpoint"]).startswith(str((tmp_path / "store").resolve()))
+
+    html = result.report_html.read_text()
+    assert html.startswith("<!doctype html>") and '<section class="tree"' in html
+    summary = result.summary_md.read_text()
+    assert "## Held-out accuracy" in summary and "| node_id |" not in summary.split("## Trees")[0]
+    assert "| iteration | tree_id | prompt_id | node_id |" in summary
+
+    # The command the run prints to look at the trees works on them.
+    shown = CliRunner().invoke(app, ["inspect", "summary", str(result.trees_dir)])
+    assert shown.exit_code == 0, shown.output
+    assert "trace" in shown.output

@@ -1,0 +1,247 @@
+"""The pipeline's rollout step with a Ray dashboard address: the step (the KFP component, run
+by KFP's local runner) submits a Ray job to a real Ray head, the job runs `trace-rl step
+rollout` there against a real SeaweedFS S3 server, and the step's output artifact carries the
+job's trees. A job that fails fails the step, with its log.
+
+The head is ``ray start --head --block`` in a session of its own with the dashboard on (job
+submission goes through it), token auth off (loopback only), and the SeaweedFS credentials in
+its environment, as a KubeRay cluster's pods would get them from a Secret. It is stopped by
+SIGTERM to that process, then anything of its session still alive is killed by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kfp import dsl, local
+from kfp.dsl import Dataset, Model
+
+from components import rollout
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.store.artifacts import open_store
+from trace_core.store.schema import read_trees
+from trace_core.store.server import SeaweedServer
+from trace_core.train.rayjob import RayJobFailed, submit_step
+from trace_core.train.steps import (
+    PipelineConfig,
+    PipelineParameters,
+    StepCall,
+    load_step,
+    prep_step,
+)
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:.*have no effect in the current local runner"),
+]
+
+BIN = Path(sys.executable).parent
+BUCKET = "trace"
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    server = SeaweedServer.start(tmp_path_factory.mktemp("seaweedfs"), buckets=(BUCKET,))
+    yield server
+    server.stop()
+    assert not server.running()
+
+
+@pytest.fixture(scope="module")
+def ray_dashboard(seaweed: SeaweedServer) -> Iterator[str]:
+    """http://127.0.0.1:PORT of a Ray head whose jobs see the S3 server and `trace-rl`."""
+    dashboard = free_port()
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))  # short: socket paths ≤ 107
+    env = {
+        **os.environ,
+        **seaweed.env(),
+        "RAY_AUTH_MODE": "disabled",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={free_port()}",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=200000000",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--block",
+        ],
+        env=env,
+        start_new_session=True,  # its session id is its pid: how its processes are found
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # the job API answers once the dashboard is up
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{address}/api/version", timeout=2) as response,
+            ):
+                if response.status == 200:
+                    break
+            assert head.poll() is None, "ray start exited"
+            assert time.monotonic() < deadline, "the Ray dashboard did not come up in 90 s"
+            time.sleep(0.5)
+        yield address
+    finally:
+        head.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=40)  # it drains for up to 30 s
+        for pid in session_pids(head.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert session_pids(head.pid) == [], "processes of the Ray head were left running"
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def client_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This side: the job client without auth, the store client on the S3 server."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    for name in ("AWS_ENDPOINT_URL_S3", "S3_ENDPOINT", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> tuple[Path, Path]:
+    """(base policy, folder): a tiny random policy; `config_for` preps and loads from it."""
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    base = tmp_path / "base"
+    save_checkpoint(create_policy(tokenizer, SMALL, seed=0), tokenizer, base)
+    return base, tmp_path
+
+
+def config_for(base: Path, address: str, root: Path) -> PipelineConfig:
+    parameters = PipelineParameters(
+        task="calc",
+        base_model_uri=str(base),
+        budget=6,
+        continuations=2,
+        iterations=1,
+        ray_address=address,
+        store_uri=f"s3://{BUCKET}/ray-test",
+        settings_json='{"prompts": 12, "max_tokens": 8, "eval_tasks": 4, "group": 2}',
+    )
+    prep = prep_step(parameters, root / "prompts")
+    config = PipelineConfig.from_json(prep.config_json)
+    load_step(config, root / "policy", root / "predictor")
+    return config
+
+
+@pytest.mark.usefixtures("client_env")
+def test_rollout_step_runs_as_a_ray_job(
+    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, root = inputs
+    config = config_for(base, ray_dashboard, root)
+
+    @dsl.pipeline(name="one-rollout")
+    def one_rollout(config_json: str) -> None:
+        def imported(path: Path, kind: type) -> dsl.PipelineTask:
+            return dsl.importer(artifact_uri=str(path), artifact_class=kind, reimport=False)
+
+        rollout(
+            config_json=config_json,
+            iteration=1,
+            start_iteration=0,
+            prompts=imported(root / "prompts", Dataset).output,
+            policy=imported(root / "policy", Model).output,
+            predictor=imported(root / "predictor", Model).output,
+        )
+
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(tmp_path / "kfp"),
+        workspace_root=str(tmp_path / "workspace"),
+    )
+    one_rollout(config_json=config.to_json())
+
+    (trees_path,) = (tmp_path / "kfp").glob("one-rollout-*/rollout/trees/trees.parquet")
+    trees = read_trees(trees_path)
+    assert sum(t.units for t in trees) == 6 * (1 + 2 / 2)
+    assert {t.info.iteration for t in trees} == {1}
+    # The job wrote them to S3 (staging/<job id>/out/trees); the artifact carries the same bytes.
+    store = open_store(f"s3://{BUCKET}/ray-test/staging")
+    (key,) = [o.key for o in store.list_objects() if o.key.endswith("out/trees/trees.parquet")]
+    assert key.startswith("trace-pipeline-rollout-0001-")
+    digest = hashlib.sha256(store.get_bytes(key)).hexdigest()
+    assert digest == hashlib.sha256(trees_path.read_bytes()).hexdigest()
+    # Its inputs went up first (the local runner's artifacts are not in object storage).
+    assert any(o.key.endswith("in/policy/model.safetensors") for o in store.list_objects())
+
+
+@pytest.mark.usefixtures("client_env")
+def test_a_failed_job_fails_the_step_with_its_log(
+    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    base, root = inputs
+    config = config_for(base, ray_dashboard, root)
+    broken = tmp_path / "broken-policy"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    call = StepCall(
+        "rollout",
+        1,
+        {
+            "prompts": str(root / "prompts"),
+            "policy": str(broken),
+            "predictor": str(root / "predictor"),
+        },
+        {"trees": str(tmp_path / "trees")},
+    )
+    lines: list[str] = []
+    with pytest.raises(RayJobFailed, match="ended FAILED") as failed:
+        submit_step(call, config, log=lines.append)
+    assert "last log lines" in str(failed.value)
+    assert "".join(lines).startswith("submitted Ray job trace-pipeline-rollout-0001-")
+    assert not (tmp_path / "trees").exists()  # nothing was fetched from a failed job

@@ -1,0 +1,205 @@
+"""The pipeline's steps without KFP: chained by hand they give exactly the run ``train`` gives,
+their config JSON round-trips and names what is wrong, resume goes through the registry, and
+the report writes the HTML tree view and the Markdown summary."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_core.envs.base import Split, Step, Task
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.update import UpdateConfig
+from trace_core.store.artifacts import open_store
+from trace_core.store.registry import CheckpointRegistry
+from trace_core.store.schema import read_trees
+from trace_core.train.loop import TrainConfig, read_log, train
+from trace_core.train.steps import (
+    PipelineConfig,
+    PipelineParameters,
+    evaluate_step,
+    fit_predictor_step,
+    load_step,
+    prep_step,
+    report_step,
+    rollout_step,
+    update_step,
+)
+
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+SETTINGS = {
+    "group": 2,
+    "prompts": 12,
+    "max_tokens": 6,
+    "eval_tasks": 4,
+    "eval_k": 1,
+    "eval_every": 1,
+    "update": {"lr": 1e-2, "minibatch": 4, "skip_flat_paths": False},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class ParityEnv:
+    """Two turns; reward 1 when the two actions together have an even length (as in
+    test_loop: a random policy wins half the time, so every update has contrast)."""
+
+    max_turns = 2
+
+    def reset(self, task: Task) -> str:
+        self.actions: list[str] = []
+        return task.prompt
+
+    def step(self, action: str) -> Step:
+        self.actions.append(action)
+        if len(self.actions) < 2:
+            return Step("ok", False, 0.0)
+        return Step("done", True, float(len("".join(self.actions)) % 2 == 0))
+
+
+class ParitySuite:
+    name = "calc"
+
+    def __init__(self) -> None:
+        self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)
+
+    def tasks(self, split: Split) -> list[Task]:
+        return self.calc.tasks(split)
+
+    def make_env(self) -> ParityEnv:
+        return ParityEnv()
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("init") / "policy"
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    save_checkpoint(create_policy(tokenizer, SMALL, seed=0), tokenizer, path)
+    return path
+
+
+def params(init: Path, **kwargs: object) -> PipelineParameters:
+    base = {
+        "task": "calc",
+        "base_model_uri": str(init),
+        "strategy": "trace",
+        "budget": 6,
+        "continuations": 2,
+        "iterations": 2,
+        "settings_json": json.dumps(SETTINGS),
+    }
+    return PipelineParameters(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def chain(config: PipelineConfig, root: Path, start: int = 0) -> Path:
+    """Run the steps of ``config.train.iterations`` iterations as the pipeline wires them;
+    returns the last policy folder."""
+    suite = ParitySuite()
+    policy, predictor = root / f"policy-{start}", root / f"predictor-{start}"
+    load_step(config, policy, predictor)
+    reference = policy
+    for i in range(start + 1, start + config.train.iterations + 1):
+        trees = root / f"trees-{i}"
+        rollout_step(config, i, root / "prompts", policy, predictor, trees, suite=suite)
+        fit_predictor_step(config, i, trees, policy, predictor, root / f"predictor-{i}")
+        update_step(config, i, trees, policy, reference, root / f"policy-{i}")
+        policy, predictor = root / f"policy-{i}", root / f"predictor-{i}"
+    return policy
+
+
+def test_steps_chained_give_the_loops_run(init: Path, tmp_path: Path) -> None:
+    loop_config = TrainConfig.from_json(
+        {**SETTINGS, "init": str(init), "output": str(tmp_path / "loop"), "budget": 6,
+         "iterations": 2}
+    )  # fmt: skip
+    records = train(loop_config, suite=ParitySuite())  # type: ignore[arg-type]
+    prep = prep_step(params(init), tmp_path / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    assert (prep.start, prep.start_iteration) == ("load", 0)
+    config = PipelineConfig.from_json(prep.config_json)
+    last = chain(config, tmp_path)
+    for i in (1, 2):
+        mine = read_trees(tmp_path / f"trees-{i}" / "trees.parquet")
+        theirs = read_trees(tmp_path / "loop" / "iterations" / f"{i:04d}" / "trees.parquet")
+        assert [t.generated_tokens for t in mine] == [t.generated_tokens for t in theirs]
+    a = load_file(str(last / "model.safetensors"))
+    b = load_file(str(tmp_path / "loop" / "iterations" / "0002" / "policy" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The log travels with the policy and says what the loop's log says.
+    log = read_log(last)
+    assert [r.iteration for r in log] == [1, 2]
+    assert [r.tokens for r in log] == [r.tokens for r in records[1:]]
+
+
+def test_config_json_round_trips_and_names_bad_fields(init: Path) -> None:
+    config = params(init, run_name="nightly", store_uri="s3://bucket/trace").config()
+    assert PipelineConfig.from_json(config.to_json()) == config
+    assert config.train.update == UpdateConfig(lr=1e-2, minibatch=4, skip_flat_paths=False)
+    with pytest.raises(ValueError, match="settings_json sets strategy"):
+        params(init, settings_json='{"strategy": "grpo"}').config()
+    with pytest.raises(ValueError, match="'budget': expected int"):
+        PipelineConfig.from_json(
+            json.dumps({"train": {"budget": "12"}, "run_name": "", "store": ""})
+        )
+    with pytest.raises(ValueError, match="unknown train config field"):
+        params(init, settings_json='{"budjet": 3}').config()
+    with pytest.raises(ValueError, match="store_uri"):
+        params(init, run_name="nightly").config()
+    with pytest.raises(ValueError, match="ray_address"):
+        params(init, ray_address="ray://head:10001", store_uri="s3://b/p").config()
+    with pytest.raises(ValueError, match="s3:// prefix"):
+        params(init, ray_address="http://head:8265", store_uri="runs/store").config()
+    with pytest.raises(ValueError, match="base_model_uri"):  # no warm start for bfcl
+        PipelineParameters(task="bfcl").config()
+
+
+def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None:
+    """A named run registers its final policy; the next run of that name starts after it."""
+    store = tmp_path / "store"
+    first = params(init, iterations=1, run_name="nightly", store_uri=str(store))
+    prep = prep_step(first, tmp_path / "a" / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    config = PipelineConfig.from_json(prep.config_json)
+    last = chain(config, tmp_path / "a")
+    final = evaluate_step(
+        config, tmp_path / "a" / "prompts", last, tmp_path / "a" / "predictor-1",
+        suite=ParitySuite(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert final["iteration"] == 1 and str(final["checkpoint"]).startswith(str(store))
+    checkpoint = CheckpointRegistry(open_store(store)).latest("nightly")
+    assert checkpoint is not None and checkpoint.iteration == 1
+
+    again = prep_step(first, tmp_path / "b" / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    assert (again.start, again.start_iteration) == ("load", 1)
+    resumed = chain(PipelineConfig.from_json(again.config_json), tmp_path / "b", start=1)
+    assert [r.iteration for r in read_log(resumed)] == [1, 2]  # the log went on
+    assert {t.info.iteration for t in read_trees(tmp_path / "b/trees-2/trees.parquet")} == {2}
+
+    report_step(
+        config,
+        tmp_path / "b" / "trees-2",
+        resumed,
+        {"pass1": {"all": 0.25}, "mean_k": {"all": 0.5}, "tasks": 4, "k": 1},
+        final,
+        tmp_path / "report.html",
+        tmp_path / "report.md",
+    )
+    html = (tmp_path / "report.html").read_text()
+    assert html.count('<section class="tree"') >= 1 and "iteration 2" in html
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| start | 0.250 | 0.500 | 4 |" in markdown
+    assert "## Trees (first 12 rows of `trees.parquet`)" in markdown
+    assert markdown.count("\n| 1 |") + markdown.count("\n| 2 |") >= 2  # two iteration lines

@@ -1,0 +1,43 @@
+"""Copy a folder between the local disk and a store URI (a path, ``file://``, ``s3://``).
+
+    upload_folder("runs/policy", "s3://mlpipeline/trace/staging/ab12/policy")
+    download_folder("s3://mlpipeline/trace/staging/ab12/policy", "/tmp/policy")
+
+What a pipeline step sent to a Ray cluster exchanges with the step that sent it: the inputs go
+up before the job starts, the outputs come down after it ends. The folder's files are copied
+one by one (multipart on S3); ``download_folder`` fails naming the URI when nothing is there,
+so a job that wrote no output is an error and never an empty artifact.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trace_core.store.artifacts import ObjectNotFound, open_store
+
+
+def upload_folder(folder: str | os.PathLike[str], uri: str) -> int:
+    """Every file under ``folder`` to the same relative keys below ``uri``; returns the count."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such folder to upload")
+    store = open_store(uri)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for path in files:
+        store.put_file(path.relative_to(root).as_posix(), path)
+    return len(files)
+
+
+def download_folder(uri: str, folder: str | os.PathLike[str]) -> int:
+    """Every object below ``uri`` into ``folder`` (created); returns the count."""
+    store = open_store(uri)
+    objects = store.list_objects("")
+    if not objects:
+        raise ObjectNotFound(f"{store.uri('')}: nothing to download (no such folder or prefix)")
+    root = Path(folder)
+    for obj in objects:
+        target = root / obj.key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(obj.key, target)
+    return len(objects)

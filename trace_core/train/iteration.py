@@ -1,0 +1,166 @@
+"""One training iteration in pieces, shared by the local loop (``train.loop``) and the pipeline's
+steps (``train.steps``): both draw, roll out, fit and update through these functions, so a
+pipeline run and ``trace-rl train`` with the same config sample and learn the same thing.
+
+    draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
+    trees = roll_out(engine, fmt, suite.make_env, [train_tasks[j] for j in draws.pool],
+                     predictor, config, i, draws, run_id="nightly")
+    fit = fit_predictor(predictor, trees, draws)
+    stats = update(model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference)
+
+Every random draw of iteration i comes from a generator seeded by (seed, i), in one fixed order
+(pool, rollout seed, predictor seed, update seed): a step that runs on its own, in another
+process or on another machine, draws what the loop would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from trace_core.algo.plan import Budget
+from trace_core.algo.tree import RolloutTree
+from trace_core.envs.base import Env, Task, TaskSuite
+from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.update import UpdateStats, update_policy
+from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
+from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.train.evaluate import EvalReport, evaluate_policy
+from trace_core.train.warmstart import WarmstartConfig
+
+if TYPE_CHECKING:
+    from trace_core.train.loop import TrainConfig
+
+
+@dataclass(frozen=True)
+class IterationDraws:
+    """What iteration i draws at random, in the order it draws it."""
+
+    pool: tuple[int, ...]
+    """Indices into the train tasks of this iteration's candidate prompts."""
+    grow_seed: int
+    fit_seed: int
+    update_seed: int
+
+
+def draw_iteration(seed: int, iteration: int, tasks: int, pool_size: int) -> IterationDraws:
+    """The draws of ``iteration`` over ``tasks`` train tasks (module docstring)."""
+    if tasks < 1:
+        raise ValueError("no train tasks to draw a prompt pool from")
+    rng = np.random.default_rng([seed, iteration])
+    pool = tuple(int(j) for j in rng.permutation(tasks)[:pool_size])
+    grow_seed, fit_seed, update_seed = (int(rng.integers(2**31)) for _ in range(3))
+    return IterationDraws(pool, grow_seed, fit_seed, update_seed)
+
+
+def warmstart_config(config: TrainConfig, output: Path) -> WarmstartConfig:
+    """The warm start of a run without ``init``: the SFT steps come from the run's config, and
+    a short warm start plays no more demonstrations than its steps can see (steps × batch)."""
+    sft = replace(WarmstartConfig().sft, steps=config.warmstart_steps)
+    return WarmstartConfig(
+        task=config.task,
+        output=output,
+        seed=config.seed,
+        demos=min(WarmstartConfig().demos, sft.steps * sft.batch_size),
+        sft=sft,
+        eval_tasks=50,
+        eval_samples=1,
+    )
+
+
+def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ValuePredictor:
+    """The run's success predictor before its first fit."""
+    return ValuePredictor(
+        ValueConfig(turn_token=TurnFormat(tokenizer).action_end_id, featurizer=config.predictor),
+        generator=torch.Generator().manual_seed(config.seed),
+        tokenizer=tokenizer,
+    )
+
+
+def roll_out(
+    engine: Engine,
+    fmt: TurnFormat,
+    make_env: Callable[[], Env],
+    tasks: Sequence[Task],
+    predictor: ValuePredictor,
+    config: TrainConfig,
+    iteration: int,
+    draws: IterationDraws,
+    run_id: str,
+) -> list[RolloutTree]:
+    """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``."""
+    pool = [tasks[j] for j in draws.pool]
+    return grow_trees(
+        engine,
+        fmt,
+        make_env,
+        pool,
+        predictor,
+        GrowConfig(
+            config.strategy,
+            Budget(config.budget, config.continuations, config.group),
+            SamplingParams(max_tokens=config.max_tokens),  # temperature 1, no top-p
+            seed=draws.grow_seed,
+            run_id=run_id,
+            iteration=iteration,
+            policy_version=iteration - 1,
+        ),
+    )
+
+
+def fit_predictor(
+    predictor: ValuePredictor, trees: Sequence[RolloutTree], draws: IterationDraws
+) -> FitReport:
+    return predictor.fit(trees, torch.Generator().manual_seed(draws.fit_seed))
+
+
+def update(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    trees: Sequence[RolloutTree],
+    config: TrainConfig,
+    draws: IterationDraws,
+    pad_id: int,
+    reference: PreTrainedModel | None,
+) -> UpdateStats:
+    """One policy update on this iteration's trees, in this process."""
+    return update_policy(
+        model,
+        optimizer,
+        trees,
+        config.update,
+        np.random.default_rng(draws.update_seed),
+        pad_id,
+        reference,
+    )
+
+
+def evaluate(
+    model: PreTrainedModel,
+    fmt: TurnFormat,
+    make_env: Callable[[], Env],
+    tasks: Sequence[Task],
+    config: TrainConfig,
+) -> EvalReport:
+    """Held-out pass@1 and mean@k of ``model`` on ``tasks``."""
+    return evaluate_policy(
+        TorchEngine(model),  # type: ignore[arg-type]
+        fmt,
+        make_env,
+        tasks,
+        k=config.eval_k,
+        seed=config.seed,
+        max_tokens=config.max_tokens,
+    )
+
+
+def eval_tasks(suite: TaskSuite, config: TrainConfig) -> list[Task]:
+    return list(suite.tasks("eval")[: config.eval_tasks])

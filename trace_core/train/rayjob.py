@@ -1,0 +1,115 @@
+"""A pipeline step run as a Ray job on a (Kube)Ray cluster: submit, stream its logs, fetch its
+outputs, and fail when it fails.
+
+    submit_step(StepCall("rollout", 3, inputs, outputs), config)   # config.ray_address set
+
+The job's entrypoint is the same command a person would type, ``trace-rl step rollout
+--config-json ... --input policy=s3://... --output trees=s3://...``; it runs on the head (or
+wherever the cluster places the driver) with the cluster's image. Inputs and outputs cross
+through S3: an input already in object storage (a KFP artifact's ``minio://`` URI on a cluster)
+is passed as is, any other is uploaded under ``<store>/staging/<job id>/in/<name>``; outputs are
+written by the job to ``.../out/<name>`` and downloaded into the step's own output folders, so
+the KFP artifacts carry the results. The staging prefix is kept (the job's record).
+
+Only non-secret S3 settings (endpoint, region) go into the job's ``runtime_env``, since Ray
+shows it in its dashboard: the Ray cluster's pods must get the credentials themselves (the same
+Kubernetes Secret the pipeline's steps read).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from trace_core.store.sync import download_folder, upload_folder
+
+if TYPE_CHECKING:
+    from trace_core.train.steps import PipelineConfig, StepCall
+
+PASSED_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT", "AWS_REGION")
+"""Settings the job inherits from the submitting step (never credentials)."""
+_DONE = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class RayJobFailed(RuntimeError):
+    """The job ended FAILED or STOPPED; the message has Ray's reason and the log's last lines."""
+
+
+def step_command(call: StepCall, config: PipelineConfig) -> str:
+    """The shell command that runs ``call`` (with URIs) on the cluster."""
+    args = ["trace-rl", "step", call.step, "--config-json", config.to_json()]
+    args += ["--iteration", str(call.iteration)]
+    for name, uri in call.inputs.items():
+        args += ["--input", f"{name}={uri}"]
+    for name, uri in call.outputs.items():
+        args += ["--output", f"{name}={uri}"]
+    return shlex.join(args)
+
+
+def submit_step(
+    call: StepCall,
+    config: PipelineConfig,
+    log: Callable[[str], None] | None = None,
+    poll_seconds: float = 1.0,
+) -> str:
+    """Run ``call`` as a Ray job at ``config.ray_address``; returns the job's id."""
+    from ray.job_submission import JobSubmissionClient
+
+    from trace_core.train.steps import StepCall
+
+    write = log or (lambda text: print(text, end="", flush=True, file=sys.stdout))
+    job_id = f"trace-{config.run_id}-{call.step}-{call.iteration:04d}-{uuid.uuid4().hex[:8]}"
+    staging = f"{config.store.rstrip('/')}/staging/{job_id}"
+    inputs = {}
+    for name, location in call.inputs.items():
+        uri = call.input_uris.get(name, "")
+        if uri.startswith(("s3://", "minio://")):
+            inputs[name] = uri
+        else:
+            inputs[name] = f"{staging}/in/{name}"
+            upload_folder(location, inputs[name])
+    outputs = {name: f"{staging}/out/{name}" for name in call.outputs}
+    remote = StepCall(call.step, call.iteration, inputs, outputs)
+    client = JobSubmissionClient(config.ray_address)
+    env = {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
+    client.submit_job(
+        entrypoint=step_command(remote, config),
+        submission_id=job_id,
+        runtime_env={"env_vars": env} if env else None,
+        metadata={"trace.step": call.step, "trace.iteration": str(call.iteration)},
+    )
+    write(f"submitted Ray job {job_id} to {config.ray_address}\n")
+    try:
+        status, tail = _follow(client, job_id, write, poll_seconds)
+    except BaseException:
+        client.stop_job(job_id)  # the step was cancelled (or this process is going): stop it
+        raise
+    if status != "SUCCEEDED":
+        message = client.get_job_info(job_id).message or ""
+        raise RayJobFailed(
+            f"Ray job {job_id} ended {status}: {message.strip()}\n--- last log lines ---\n{tail}"
+        )
+    for name, uri in outputs.items():
+        download_folder(uri, call.outputs[name])
+    return job_id
+
+
+def _follow(
+    client: object, job_id: str, write: Callable[[str], None], poll_seconds: float
+) -> tuple[str, str]:
+    """Stream the job's log until it ends; returns its final status and the log's last lines."""
+    shown = 0
+    while True:
+        status = str(client.get_job_status(job_id).value)  # type: ignore[attr-defined]
+        logs: str = client.get_job_logs(job_id)  # type: ignore[attr-defined]
+        if len(logs) > shown:
+            write(logs[shown:])
+            shown = len(logs)
+        if status in _DONE:
+            return status, "\n".join(logs.splitlines()[-20:])
+        time.sleep(poll_seconds)

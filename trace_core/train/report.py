@@ -1,0 +1,119 @@
+"""The Markdown summary of a training run: what the pipeline's report step shows in the KFP UI.
+
+    text = summary_markdown("TRACE run nightly", {"task": "calc"}, read_log(policy_dir),
+                            start_eval, final_eval, Path("trees/trees.parquet"))
+
+Sections: the settings, held-out accuracy before and after (pass@1 greedy, mean@k sampled), one
+line per iteration (prompt and anchor effective ratios, mixed groups, units, generated tokens,
+update loss), and the head of the last iteration's trees Parquet. The KFP UI renders Markdown
+but not Parquet, so the head is turned into a table here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from trace_core.train.loop import IterationRecord
+
+HEAD_COLUMNS = (
+    "iteration",
+    "tree_id",
+    "prompt_id",
+    "node_id",
+    "parent_id",
+    "depth",
+    "branch",
+    "reward",
+    "predicted_v",
+    "target_v",
+    "text",
+    "observation",
+)
+TEXT_CHARS = 48
+
+
+def summary_markdown(
+    title: str,
+    settings: Mapping[str, object],
+    records: Sequence[IterationRecord],
+    start_eval: Mapping[str, object],
+    final_eval: Mapping[str, object],
+    trees_path: Path,
+    head_rows: int = 12,
+) -> str:
+    lines = [f"# {title}", ""]
+    lines += [" · ".join(f"**{k}** {v}" for k, v in settings.items()), ""]
+    lines += ["## Held-out accuracy", ""]
+    k = final_eval.get("k", start_eval.get("k", 0))
+    lines += _table(
+        ["policy", "pass@1", f"mean@{k}", "eval tasks"],
+        [
+            [label, _all(report, "pass1"), _all(report, "mean_k"), str(report.get("tasks", "-"))]
+            for label, report in (("start", start_eval), ("final", final_eval))
+        ],
+    )
+    lines += ["", "## Iterations", ""]
+    lines += _table(
+        [
+            "iteration",
+            "prompt eff. ratio",
+            "anchor eff. ratio",
+            "mixed groups",
+            "mixed / 100 units",
+            "units",
+            "tokens",
+            "update loss",
+        ],
+        [
+            [
+                str(r.iteration),
+                f"{r.rollout.get('prompt_effective_ratio', 0):.3f}",
+                f"{r.rollout.get('anchor_effective_ratio', 0):.3f}",
+                f"{r.rollout.get('mixed_groups', 0):.0f}",
+                f"{r.rollout.get('mixed_per_100_units', 0):.2f}",
+                f"{r.rollout.get('units', 0):g}",
+                f"{r.tokens:,}",
+                f"{r.update.get('loss', 0):.4f}",
+            ]
+            for r in records
+        ],
+    )
+    lines += ["", f"## Trees (first {head_rows} rows of `{trees_path.name}`)", ""]
+    lines += parquet_head(trees_path, head_rows)
+    return "\n".join(lines) + "\n"
+
+
+def parquet_head(path: Path, rows: int) -> list[str]:
+    """The first ``rows`` rows of the trees file as a Markdown table (long text clipped)."""
+    file = pq.ParquetFile(path)
+    columns = [c for c in HEAD_COLUMNS if c in file.schema_arrow.names]
+    table = next(file.iter_batches(batch_size=rows, columns=columns), None)
+    if table is None:
+        return ["(no rows)"]
+    body = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    return [*_table(columns, body), "", f"{file.metadata.num_rows:,} rows in all."]
+
+
+def _all(report: Mapping[str, object], key: str) -> str:
+    values = report.get(key)
+    if isinstance(values, Mapping) and "all" in values:
+        return f"{float(values['all']):.3f}"
+    return "-"
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value).replace("\n", " ").replace("|", "\\|")
+    return text if len(text) <= TEXT_CHARS else text[: TEXT_CHARS - 1] + "…"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
