@@ -69,6 +69,8 @@ from hera.workflows import (
 )
 from hera.workflows import models as m
 
+from trace_core.train import steps
+
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
 TEMPLATE_FILE = "workflowtemplate.yaml"
 CRON_FILE = "cronworkflow.yaml"
@@ -101,18 +103,9 @@ PARAMETERS = {
 # ``--input NAME=URI`` and ``--output NAME=URI`` folders (prep: ``--param NAME=VALUE`` for each
 # workflow parameter instead of the config). prep writes config.json, start and start_iteration
 # into its local ``result`` folder, which Argo reads as output parameters; evaluate writes its
-# report into ``result``. ``trace-rl step`` accepts rollout and update today (STEPS_RUNNABLE).
-STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "prep": ((), ("prompts", "result")),
-    "warmstart": ((), ("policy", "predictor")),
-    "load": ((), ("policy", "predictor")),
-    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
-    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
-    "update": (("trees", "policy", "reference"), ("policy",)),
-    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
-    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
-}
-STEPS_RUNNABLE = ("rollout", "update")
+# report into ``result`` (``eval.json``), which report reads back.
+STEP_FOLDERS = steps.STEP_FOLDERS
+STEPS_RUNNABLE = tuple(STEP_FOLDERS)
 
 
 @dataclass(frozen=True)

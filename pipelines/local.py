@@ -6,9 +6,10 @@ the cluster, each step a subprocess of this Python, artifacts in a local folder.
     python -m pipelines.local --help                # the same command
 
 ``kfp.local`` with ``SubprocessRunner(use_venv=False)`` runs lightweight components in this
-environment (trace_core installed, nothing pip-installed); the Kubernetes settings (GPUs,
-Secrets, node selectors) are part of the pipeline and ignored here. Ray, where a step uses it,
-starts in that step's process. Output layout under ``--output`` (default ``runs/``):
+environment (trace_core installed, nothing pip-installed); the Kubernetes settings (Secrets,
+node selectors) are part of the pipeline and ignored here, and the GPU requests are left out
+(the runner cannot resolve their run parameters; see ``PipelineOptions.gpu_requests``).
+Ray, where a step uses it, starts in that step's process. Output under ``--output`` (``runs/``):
 
     runs/kfp/trace-training-<time>/<task>/<artifact>   every step's artifacts, as KFP names them
     runs/<run name>/trees/iteration-0001.parquet ...   links to each iteration's trees
@@ -25,6 +26,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,11 +112,17 @@ def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
     )
     logging.getLogger("kfp").setLevel(logging.WARNING)  # the steps' own output still streams
     before = set(root.iterdir())
-    options = PipelineOptions(iterations=run.iterations, s3_endpoint=run.s3_endpoint)
+    options = PipelineOptions(
+        iterations=run.iterations, gpu_requests=False, s3_endpoint=run.s3_endpoint
+    )
     pipeline = build_pipeline(options)
     say(f"running {PIPELINE_NAME} with kfp.local: {run.task}, {run.strategy}, K={run.iterations}")
     start = time.perf_counter()
-    pipeline(**run.parameters())
+    with warnings.catch_warnings():
+        # Expected here: the Kubernetes settings are no-ops and the images are not used.
+        warnings.filterwarnings("ignore", ".*have no effect in the current local runner")
+        warnings.filterwarnings("ignore", "You may be attemping to run a task")
+        pipeline(**run.parameters())
     seconds = time.perf_counter() - start
     (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]
     return _collect(run, run_dir, seconds)
@@ -167,6 +175,12 @@ def _link(link: Path, target: Path) -> Path:
     return link
 
 
+def _first_tree_id(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return int(pq.read_table(path, columns=["tree_id"]).column(0)[0].as_py())
+
+
 def _task_output(task_dir: Path) -> dict[str, object]:
     """The string a step returned (its ``Output`` parameter), read from KFP's executor output."""
     body = json.loads((task_dir / "executor_output.json").read_text())
@@ -195,7 +209,7 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     say(f"report: {result.report_html} (tree view), {result.summary_md} (summary)")
     say("inspect them with:")
     say(f"  trace-rl inspect summary {result.trees_dir}")
-    say(f"  trace-rl inspect show {result.trees[-1]} 0")
+    say(f"  trace-rl inspect show {result.trees[-1]} {_first_tree_id(result.trees[-1])}")
     say(f"  trace-rl inspect html {result.trees[-1]} -o trees.html")
 
 

@@ -10,22 +10,22 @@
 
 The K iterations are unrolled when the pipeline is built (KFP v2 has no loops that carry
 state), so K is a build option, not a run parameter: the committed YAML has K = 4, and
-``trace-rl run-local`` builds its own. So are the GPU count and type of the rollout and update
-pods (KFP's local runner cannot resolve run parameters there). Everything else is a run
-parameter set in the KFP UI: task, dataset_uri, base_model_uri, strategy, budget (M),
-continuations (N), seed, ray_address, run_name (resume from / register under this name),
-store_uri, settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' placement
-(gpu_node_selector, gpu_tolerations) and the S3 credentials' Secret (s3_secret).
+``trace-rl run-local`` builds its own. Everything else is a run parameter set in the KFP UI:
+task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N), seed, ray_address,
+run_name (resume from / register under this name), store_uri, settings_json (any other
+``TrainConfig`` field, as JSON), the GPU pods' request and placement (gpus, accelerator,
+gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret, ray_auth_secret).
 
 Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
 the local run must be this same pipeline; so the warm-start branch and the load branch each
 carry the iterations (the UI shows the one that ran).
 
 Cluster settings:
-- rollout and update_policy request ``PipelineOptions.gpus`` accelerators of type
-  ``accelerator`` and take the node selector and tolerations given at run time; they use
-  TRACE_GPU_IMAGE, the other steps TRACE_IMAGE (``images/images.env``). With a ``ray_address``
-  the GPUs are the Ray cluster's: build with gpus=0 then.
+- rollout and update_policy request ``gpus`` accelerators of type ``accelerator`` and take the
+  node selector and tolerations given at run time; they use TRACE_GPU_IMAGE, the other steps
+  TRACE_IMAGE (``images/images.env``). With a ``ray_address`` the GPUs are the Ray cluster's:
+  run with gpus=0 then. They also get RAY_AUTH_TOKEN from the Secret ``ray_auth_secret`` (key
+  auth_token, optional), which a Ray job submission to a token-auth cluster needs.
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
@@ -63,11 +63,10 @@ class PipelineOptions:
 
     iterations: int = 4
     """K: rollout → fit/update iterations, unrolled into the DAG."""
-    gpus: int = 1
-    """Accelerators each rollout and update_policy pod requests (0: none, e.g. when they only
-    submit Ray jobs to a KubeRay cluster)."""
-    accelerator: str = "nvidia.com/gpu"
-    """Their accelerator type (``set_accelerator_type``)."""
+    gpu_requests: bool = True
+    """Give rollout and update_policy the GPU request of the run parameters ``gpus`` and
+    ``accelerator``. KFP's local runner cannot resolve run parameters in a resource request
+    (and ignores GPU requests anyway): ``run_local`` builds with False, nothing else differs."""
     s3_endpoint: str = "http://seaweedfs.kubeflow:9000"
     """AWS_ENDPOINT_URL_S3 of every step (KFP's SeaweedFS); empty: leave the variable alone."""
     s3_secret_keys: Mapping[str, str] = field(
@@ -81,8 +80,6 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
-        if self.gpus < 0:
-            raise ValueError(f"gpus must be >= 0, got {self.gpus}")
         if self.s3_endpoint and not self.s3_endpoint.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint {self.s3_endpoint!r}: expected http(s)://host:port")
 
@@ -114,18 +111,25 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         settings_json: str = "{}",
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
         gpu_tolerations: list = [],  # noqa: B006
+        gpus: int = 1,
+        accelerator: str = "nvidia.com/gpu",
         s3_secret: str = "mlpipeline-minio-artifact",
+        ray_auth_secret: str = "trace-ray-auth",
     ) -> None:
         def place(task: PipelineTask, name: str, gpu: bool = False) -> PipelineTask:
             task.set_display_name(name)
             kubernetes.use_secret_as_env(task, s3_secret, dict(opts.s3_secret_keys), True)
             if opts.s3_endpoint:
                 task.set_env_variable("AWS_ENDPOINT_URL_S3", opts.s3_endpoint)
-            if gpu and opts.gpus:
-                task.set_accelerator_type(opts.accelerator).set_accelerator_limit(opts.gpus)
+            if gpu and opts.gpu_requests:
+                task.set_accelerator_type(accelerator).set_accelerator_limit(gpus)
             if gpu:
                 kubernetes.add_node_selector_json(task, gpu_node_selector)
                 kubernetes.add_toleration_json(task, gpu_tolerations)
+                # The Ray token, for submitting these steps as Ray jobs (ray_address).
+                kubernetes.use_secret_as_env(
+                    task, ray_auth_secret, {"auth_token": "RAY_AUTH_TOKEN"}, True
+                )
             return task
 
         prepped = place(

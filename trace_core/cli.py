@@ -1491,34 +1491,57 @@ def run_local_command(
 
 @app.command("step")
 def step_command(
-    step: Annotated[str, typer.Argument(help="rollout or update.", show_default=False)],
-    config_json: Annotated[str, typer.Option(help="The pipeline's config JSON (prep's output).")],
-    iteration: Annotated[int, typer.Option(help="Training iteration (from 1).")],
+    step: Annotated[
+        str,
+        typer.Argument(
+            help="prep, warmstart, load, rollout, fit-predictor, update, evaluate or report.",
+            show_default=False,
+        ),
+    ],
+    iteration: Annotated[int, typer.Option(help="Training iteration (from 1; 0 outside).")] = 0,
+    config_json: Annotated[
+        str, typer.Option(help="The pipeline's config JSON (prep's output; not for prep).")
+    ] = "",
     inputs: Annotated[
-        list[str], typer.Option("--input", help="NAME=PATH_OR_URI of an input folder (repeat).")
-    ],
+        list[str] | None,
+        typer.Option("--input", help="NAME=PATH_OR_URI of an input folder (repeat)."),
+    ] = None,
     outputs: Annotated[
-        list[str], typer.Option("--output", help="NAME=PATH_OR_URI of an output folder (repeat).")
-    ],
+        list[str] | None,
+        typer.Option("--output", help="NAME=PATH_OR_URI of an output folder (repeat)."),
+    ] = None,
+    params: Annotated[
+        list[str] | None,
+        typer.Option("--param", help="prep only: NAME=VALUE of a run parameter (repeat)."),
+    ] = None,
 ) -> None:
-    """One pipeline step on folders or s3:// prefixes: what a step sent to Ray runs there."""
-    from trace_core.train.steps import PipelineConfig, StepCall, execute_step
+    """One pipeline step on folders or s3:// prefixes: what an Argo container or a Ray job runs."""
+    from trace_core.train.steps import execute_cli_step
 
     def pairs(items: list[str], flag: str) -> dict[str, str]:
         found = {}
         for item in items:
             name, sep, uri = item.partition("=")
             if not sep or not name or not uri:
-                raise ValueError(f"{flag} {item!r}: expected NAME=PATH_OR_URI")
+                raise ValueError(f"{flag} {item!r}: expected NAME=VALUE")
             found[name] = uri
         return found
 
     try:
-        call = StepCall(step, iteration, pairs(inputs, "--input"), pairs(outputs, "--output"))
-        execute_step(call, PipelineConfig.from_json(config_json))
+        if step != "prep" and not config_json:
+            raise ValueError(f"step {step} needs --config-json (prep's config.json)")
+        written = pairs(outputs or [], "--output")
+        execute_cli_step(
+            step,
+            iteration,
+            pairs(inputs or [], "--input"),
+            written,
+            config_json,
+            pairs(params or [], "--param"),
+        )
     except ValueError as err:
         raise _fail(str(err)) from None
-    console.print(f"{step} {iteration}: wrote {', '.join(call.outputs.values())}")
+    console.print(f"{step} {iteration}: wrote {', '.join(written.values())}")
 
 
 if __name__ == "__main__":

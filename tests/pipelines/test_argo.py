@@ -264,20 +264,7 @@ def test_every_step_uses_the_step_interface(name: str) -> None:
     assert set(_pairs(flags.get("--output", []))) == set(outputs)
 
 
-RUNNABLE = [
-    pytest.param(
-        n,
-        marks=[]
-        if _parse_step(c["args"])[0] in argo.STEPS_RUNNABLE
-        else pytest.mark.xfail(
-            strict=True,
-            raises=ValueError,
-            reason="`trace-rl step` runs only rollout and update so far; this step needs the "
-            "same interface (argo.STEP_FOLDERS)",
-        ),
-    )
-    for n, c in _template_containers()
-]
+RUNNABLE = [n for n, _ in _template_containers()]
 
 
 def _sample(arg: str) -> str:
@@ -296,10 +283,11 @@ def _sample(arg: str) -> str:
 
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_trace_rl_step_accepts_the_command(name: str) -> None:
-    """The CLI parses the command line and ``StepCall`` accepts its step and folders."""
+    """The CLI parses the command line, the step gets exactly its folders, and prep's run
+    parameters parse into a valid config."""
     import typer.main
 
-    from trace_core.train.steps import StepCall
+    from trace_core.train.steps import check_step_folders, parse_parameters
 
     container = dict(_template_containers())[name]
     args = [_sample(a) for a in container["args"]]
@@ -309,12 +297,14 @@ def test_trace_rl_step_accepts_the_command(name: str) -> None:
     except Exception as err:  # click's usage errors: an unknown or missing flag
         raise ValueError(f"trace-rl rejects {args[:2]}: {err}") from err
     step, flags = _parse_step(args)
-    StepCall(
-        step,
-        context.params["iteration"],
-        _pairs(flags.get("--input", [])),
-        _pairs(flags.get("--output", [])),
-    )
+    assert context.params["iteration"] >= 0
+    check_step_folders(step, _pairs(flags.get("--input", [])), _pairs(flags.get("--output", [])))
+    if step == "prep":  # the workflow's parameters, at their defaults, make a valid config
+        template = yaml.safe_load((COMMITTED / "workflowtemplate.yaml").read_text())
+        default = {p["name"]: p["value"] for p in template["spec"]["arguments"]["parameters"]}
+        raw = _pairs(_parse_step(container["args"])[1]["--param"])
+        values = {k: default[k] if "{{" in v else v for k, v in raw.items()}
+        assert parse_parameters(values).config().train.iterations == argo.ArgoOptions().iterations
 
 
 def test_cron_workflow_references_the_template_and_resumes() -> None:

@@ -36,17 +36,18 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
     parameters = set(spec.root.input_definitions.parameters)
     assert {
         "task", "dataset_uri", "base_model_uri", "strategy", "budget", "continuations", "seed",
-        "ray_address", "run_name", "store_uri", "settings_json",
+        "ray_address", "run_name", "store_uri", "settings_json", "gpus", "accelerator",
+        "gpu_node_selector", "gpu_tolerations", "s3_secret", "ray_auth_secret",
     } <= parameters  # fmt: skip
     for name, executor in platform.platforms["kubernetes"].deployment_spec.executors.items():
         config = json_format.ParseDict(
             json_format.MessageToDict(executor), k8s_pb.KubernetesExecutorConfig()
         )
-        (secret,) = config.secret_as_env
-        assert {e.env_var for e in secret.key_to_env} == {
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-        }, name
+        env = {e.env_var for secret in config.secret_as_env for e in secret.key_to_env}
+        assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, name
+        gpu = name.startswith(("exec-rollout", "exec-update-policy"))
+        assert ("RAY_AUTH_TOKEN" in env) == gpu, name
+        assert bool(config.tolerations) == gpu and config.HasField("node_selector") == gpu
 
 
 def _tasks(spec: dict) -> dict[str, dict]:

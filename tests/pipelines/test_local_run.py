@@ -1,5 +1,6 @@
-"""The pipeline end to end through KFP's local runner (what `make run` does, smaller): every
-step runs as a subprocess, and the artifacts are what the cluster run would store."""
+"""The pipeline end to end through KFP's local runner (what `make run` does, smaller), twice
+with one run name: the first run warm-starts, the second resumes from the checkpoint the first
+registered. Every step runs as a subprocess; the artifacts are what a cluster run would store."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipelines.local import LocalRun, run_local
+from pipelines.local import LocalRun, print_result, run_local
 from trace_core.cli import app
 from trace_core.store.schema import read_trees
 
 pytestmark = [
     pytest.mark.slow,
+    # Expected of KFP's local runner: Kubernetes settings are no-ops, the images are not used.
     pytest.mark.filterwarnings("ignore:.*have no effect in the current local runner"),
+    pytest.mark.filterwarnings("ignore:You may be attemping to run a task"),
 ]
 
 TINY = {"warmstart_steps": 20, "prompts": 16, "eval_tasks": 8, "eval_k": 1, "max_tokens": 16}
@@ -60,7 +63,25 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
     assert "## Held-out accuracy" in summary and "| node_id |" not in summary.split("## Trees")[0]
     assert "| iteration | tree_id | prompt_id | node_id |" in summary
 
-    # The command the run prints to look at the trees works on them.
-    shown = CliRunner().invoke(app, ["inspect", "summary", str(result.trees_dir)])
-    assert shown.exit_code == 0, shown.output
-    assert "trace" in shown.output
+    # The commands the run prints to look at the trees work on them.
+    printed: list[str] = []
+    print_result(result, say=printed.append)
+    commands = [line.split()[1:] for line in printed if line.startswith("  trace-rl inspect")]
+    assert [c[:2] for c in commands] == [
+        ["inspect", "summary"],
+        ["inspect", "show"],
+        ["inspect", "html"],
+    ]
+    for command in commands[:2]:
+        shown = CliRunner().invoke(app, command)
+        assert shown.exit_code == 0, shown.output
+    assert "trace" in shown.output and "iteration 2" in shown.output
+
+    # The same run name again (a recurring run): the Else branch loads the registered
+    # checkpoint and goes on with iterations 3 and 4.
+    again = run_local(run, say=lambda _line: None)
+    tasks = {p.name for p in again.run_dir.iterdir() if p.is_dir()}
+    assert "load-policy" in tasks and "warmstart" not in tasks
+    assert metrics_of(again.run_dir / "load-policy")["resumed_iteration"] == 2
+    assert [read_trees(p)[0].info.iteration for p in again.trees] == [3, 4]
+    assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (2, 4)

@@ -9,8 +9,7 @@ its environment, as a KubeRay cluster's pods would get them from a Secret. It is
 SIGTERM to that process, then anything of its session still alive is killed by pid.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: KFP reads the test pipeline's annotations as types.
 import contextlib
 import hashlib
 import os
@@ -48,7 +47,9 @@ from trace_core.train.steps import (
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.slow,
+    # Expected of KFP's local runner: Kubernetes settings are no-ops, the images are not used.
     pytest.mark.filterwarnings("ignore:.*have no effect in the current local runner"),
+    pytest.mark.filterwarnings("ignore:You may be attemping to run a task"),
 ]
 
 BIN = Path(sys.executable).parent
@@ -65,11 +66,13 @@ def free_port() -> int:
 
 
 def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the head and everything it started; not zombies)."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if os.getsid(int(entry)) == sid:
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if os.getsid(int(entry)) == sid and state != "Z":
                     pids.append(int(entry))
     return pids
 
@@ -137,7 +140,9 @@ def ray_dashboard(seaweed: SeaweedServer) -> Iterator[str]:
         for pid in session_pids(head.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 15
+        while session_pids(head.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)  # a killed process takes a moment to go
         assert session_pids(head.pid) == [], "processes of the Ray head were left running"
         shutil.rmtree(temp_dir, ignore_errors=True)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,48 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
     assert "| start | 0.250 | 0.500 | 4 |" in markdown
     assert "## Trees (first 12 rows of `trees.parquet`)" in markdown
     assert markdown.count("\n| 1 |") + markdown.count("\n| 2 |") >= 2  # two iteration lines
+
+
+@pytest.mark.slow
+def test_update_step_on_ray_train_matches_the_in_process_one(init: Path, tmp_path: Path) -> None:
+    """``train_workers=1``: the update step runs ``update_on_ray`` (Ray in this process) and
+    writes what the in-process update step writes: policy, optimizer state, log line."""
+    prep = prep_step(params(init, iterations=1), tmp_path / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    config = PipelineConfig.from_json(prep.config_json)
+    load_step(config, tmp_path / "policy-0", tmp_path / "predictor-0")
+    trees = tmp_path / "trees-1"
+    rollout_step(
+        config, 1, tmp_path / "prompts", tmp_path / "policy-0", tmp_path / "predictor-0", trees,
+        suite=ParitySuite(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    policy = tmp_path / "policy-0"
+    here = update_step(config, 1, trees, policy, policy, tmp_path / "here")
+    on_ray = replace(config, train=replace(config.train, train_workers=1))
+    there = update_step(on_ray, 1, trees, policy, policy, tmp_path / "ray")
+    assert here["paths"] == there["paths"] and here["tokens"] == there["tokens"]
+    a = load_file(str(tmp_path / "here" / "model.safetensors"))
+    b = load_file(str(tmp_path / "ray" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+    assert (tmp_path / "ray" / "optimizer.safetensors").is_file()
+    assert [r.iteration for r in read_log(tmp_path / "ray")] == [1]
+
+
+def test_cli_prep_writes_what_argo_reads(tmp_path: Path) -> None:
+    """``trace-rl step prep --param ...``: the config, where to start, and the prompts."""
+    from trace_core.train.steps import PipelineConfig, execute_cli_step
+
+    outputs = {"prompts": str(tmp_path / "prompts"), "result": str(tmp_path / "result")}
+    params = {"task": "calc", "iterations": "3", "budget": "16", "settings_json": "{}"}
+    execute_cli_step("prep", 0, {}, outputs, params=params)
+    result = tmp_path / "result"
+    config = PipelineConfig.from_json((result / "config.json").read_text())
+    assert (config.train.iterations, config.train.budget) == (3, 16)
+    assert (result / "start").read_text() == "warmstart"
+    assert (result / "start_iteration").read_text() == "0"
+    assert any((tmp_path / "prompts").glob("*.parquet"))
+    with pytest.raises(ValueError, match="--param gpus: the pipeline has no such parameter"):
+        execute_cli_step("prep", 0, {}, outputs, params={"gpus": "1"})
+    with pytest.raises(ValueError, match=r"--param budget='many': expected an integer"):
+        execute_cli_step("prep", 0, {}, outputs, params={"budget": "many"})
+    with pytest.raises(ValueError, match=r"missing folder\(s\) \['result'\]"):
+        execute_cli_step("prep", 0, {}, {"prompts": outputs["prompts"]}, params=params)

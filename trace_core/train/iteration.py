@@ -149,10 +149,11 @@ def evaluate(
     make_env: Callable[[], Env],
     tasks: Sequence[Task],
     config: TrainConfig,
+    device: str = "cpu",
 ) -> EvalReport:
     """Held-out pass@1 and mean@k of ``model`` on ``tasks``."""
     return evaluate_policy(
-        TorchEngine(model),  # type: ignore[arg-type]
+        TorchEngine(model, device=device),  # type: ignore[arg-type]
         fmt,
         make_env,
         tasks,

@@ -27,6 +27,7 @@ from a given starting policy samples and learns what ``trace-rl train`` does fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -305,9 +306,9 @@ def rollout_step(
     model, tokenizer = load_checkpoint(policy_dir)
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
-    fmt = TurnFormat(tokenizer)
+    engine = TorchEngine(model, device=device())
     trees = roll_out(
-        TorchEngine(model), fmt, suite.make_env, tasks, predictor, train, iteration, draws,
+        engine, TurnFormat(tokenizer), suite.make_env, tasks, predictor, train, iteration, draws,
         run_id=config.run_id,
     )  # fmt: skip
     trees_dir.mkdir(parents=True, exist_ok=True)
@@ -385,11 +386,13 @@ def update_step(
         )
         (policy_out / "update.json").unlink(missing_ok=True)  # the stats go to metrics.json
     else:
-        model, tokenizer = load_checkpoint(policy_dir)
+        model, tokenizer = load_checkpoint(policy_dir, device=device())
         optimizer = make_optimizer(model, train.update)
         if optimizer_path.exists():
             load_optimizer(optimizer, optimizer_path)
-        reference = load_checkpoint(reference_dir)[0] if train.update.kl_coef > 0 else None
+        reference = None
+        if train.update.kl_coef > 0:
+            reference = load_checkpoint(reference_dir, device=device())[0]
         stats = update(model, optimizer, trees, train, draws, tokenizer.pad_token_id, reference)
         save_checkpoint(model, tokenizer, policy_out)
         save_optimizer(optimizer, policy_out / OPTIMIZER)
@@ -434,7 +437,7 @@ def evaluate_step(
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_EVAL))
     suite = suite or make_suite(task, train.data, train.seed)
     model, tokenizer = load_checkpoint(policy_dir)
-    report = evaluate(model, TurnFormat(tokenizer), suite.make_env, tasks, train)
+    report = evaluate(model, TurnFormat(tokenizer), suite.make_env, tasks, train, device())
     history = read_log(policy_dir)
     result: dict[str, object] = {
         **report.as_dict(),
@@ -568,6 +571,15 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def device() -> str:
+    """Where a step samples and trains: the GPU when the step's pod (or Ray job) has one.
+    Not yet validated on CUDA (the engine and the update are written device-agnostic and
+    exercised on CPU); results match ``train.loop`` exactly only on the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _is_remote(uri: str) -> bool:
     return uri.startswith(("s3://", "minio://"))
 
@@ -651,3 +663,118 @@ def _register(
             config.run_name, iteration, scratch, metadata={"strategy": config.train.strategy}
         )
     return registry.store.uri(checkpoint.key)
+
+
+# --- every step from the command line (what the Argo workflow's containers run) --------------
+STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "prep": ((), ("prompts", "result")),
+    "warmstart": ((), ("policy", "predictor")),
+    "load": ((), ("policy", "predictor")),
+    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
+    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
+    "update": (("trees", "policy", "reference"), ("policy",)),
+    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
+    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
+}
+"""Input and output folders of each ``trace-rl step`` (local paths or s3:// prefixes)."""
+EVAL_FILE = "eval.json"
+
+
+def execute_cli_step(
+    step: str,
+    iteration: int,
+    inputs: Mapping[str, str],
+    outputs: Mapping[str, str],
+    config_json: str = "",
+    params: Mapping[str, str] | None = None,
+) -> None:
+    """Run any step on folders or s3:// prefixes. ``prep`` takes the run parameters
+    (``params``, as the UI gives them: strings) and writes ``config.json``, ``start`` and
+    ``start_iteration`` into its ``result`` folder; every other step takes the config JSON."""
+    check_step_folders(step, inputs, outputs)
+    if step in RAY_STEPS:
+        execute_step(
+            StepCall(step, iteration, inputs, outputs), PipelineConfig.from_json(config_json)
+        )
+        return
+    from trace_core.store.sync import download_folder, upload_folder
+
+    with tempfile.TemporaryDirectory(prefix=f"trace-{step}-") as scratch:
+        local: dict[str, Path] = {}
+        for name, uri in inputs.items():
+            local[name] = Path(scratch, "in", name) if _is_remote(uri) else Path(uri)
+            if _is_remote(uri):
+                download_folder(uri, local[name])
+        out = {
+            name: Path(scratch, "out", name) if _is_remote(uri) else Path(uri)
+            for name, uri in outputs.items()
+        }
+        for folder in out.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        if step == "prep":
+            result = prep_step(parse_parameters(params or {}), out["prompts"])
+            (out["result"] / "config.json").write_text(result.config_json)
+            (out["result"] / "start").write_text(result.start)
+            (out["result"] / "start_iteration").write_text(str(result.start_iteration))
+        else:
+            config = PipelineConfig.from_json(config_json)
+            match step:
+                case "warmstart":
+                    warmstart_step(config, out["policy"], out["predictor"])
+                case "load":
+                    load_step(config, out["policy"], out["predictor"])
+                case "fit-predictor":
+                    fit_predictor_step(
+                        config, iteration, local["trees"], local["policy"],
+                        local["predictor"], out["predictor"],
+                    )  # fmt: skip
+                case "evaluate":
+                    report = evaluate_step(
+                        config, local["prompts"], local["policy"], local.get("predictor")
+                    )
+                    (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+                case "report":
+                    start, final = (
+                        json.loads((local[name] / EVAL_FILE).read_text())
+                        for name in ("start_eval", "final_eval")
+                    )
+                    report_step(
+                        config, local["trees"], local["policy"], start, final,
+                        out["report"] / "report.html", out["report"] / "summary.md",
+                    )  # fmt: skip
+        for name, uri in outputs.items():
+            if _is_remote(uri):
+                upload_folder(out[name], uri)
+
+
+def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
+    """The step exists and gets exactly its folders (evaluate's predictor is optional)."""
+    if step not in STEP_FOLDERS:
+        raise ValueError(f"step {step!r}: choose one of {', '.join(STEP_FOLDERS)}")
+    wanted_in, wanted_out = STEP_FOLDERS[step]
+    optional = {"predictor"} if step == "evaluate" else set()
+    missing = sorted((set(wanted_in) - set(inputs) - optional) | (set(wanted_out) - set(outputs)))
+    extra = sorted((set(inputs) - set(wanted_in)) | (set(outputs) - set(wanted_out)))
+    if missing or extra:
+        raise ValueError(
+            f"step {step}: missing folder(s) {missing or '-'}, unknown {extra or '-'}; "
+            f"it takes inputs {', '.join(wanted_in) or '-'} and outputs {', '.join(wanted_out)}"
+        )
+
+
+def parse_parameters(params: Mapping[str, str]) -> PipelineParameters:
+    """Run parameters from NAME=VALUE strings, converted to the fields' types."""
+    fields = {f.name: f for f in dataclasses.fields(PipelineParameters)}
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        raise ValueError(f"--param {', '.join(unknown)}: the pipeline has no such parameter")
+    values: dict[str, object] = {}
+    for name, text in params.items():
+        if fields[name].type in ("int", int):
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ValueError(f"--param {name}={text!r}: expected an integer") from None
+        else:
+            values[name] = text
+    return PipelineParameters(**values)  # type: ignore[arg-type]
