@@ -34,8 +34,9 @@ Cluster settings:
   functions of their inputs and may be cached.
 """
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,8 +225,31 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
 def compile_pipeline(path: Path, options: PipelineOptions | None = None) -> Path:
     """Write the pipeline's IR YAML (the pipeline spec, then the Kubernetes platform spec)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(options), str(path))
+    with _pyyaml_default_strings():
+        compiler.Compiler().compile(build_pipeline(options), str(path))
     return path
+
+
+@contextlib.contextmanager
+def _pyyaml_default_strings() -> Iterator[None]:
+    """PyYAML's own string style for the duration of a compile. hera (which writes the Argo
+    workflows) switches PyYAML to block scalars for every multi-line string, process-wide, on
+    import; the compiled YAML must not depend on whether hera was imported first."""
+    import yaml
+    from yaml.representer import SafeRepresenter
+
+    classes = (yaml.Dumper, yaml.SafeDumper, yaml.representer.Representer, SafeRepresenter)
+    saved = {cls: cls.__dict__.get("yaml_representers") for cls in classes}
+    for cls in classes:
+        cls.yaml_representers = {**cls.yaml_representers, str: SafeRepresenter.represent_str}
+    try:
+        yield
+    finally:
+        for cls, representers in saved.items():
+            if representers is None:
+                del cls.yaml_representers
+            else:
+                cls.yaml_representers = representers
 
 
 if __name__ == "__main__":
