@@ -27,6 +27,7 @@ from a given starting policy samples and learns what ``trace-rl train`` does fro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,7 +36,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -493,6 +494,36 @@ def report_step(
     )
 
 
+# --- step folders (what `trace-rl step` and the Argo containers pass) -----------------------
+STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "prep": ((), ("prompts", "result")),
+    "warmstart": ((), ("policy", "predictor")),
+    "load": ((), ("policy", "predictor")),
+    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
+    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
+    "update": (("trees", "policy", "reference"), ("policy",)),
+    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
+    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
+}
+"""Input and output folders of each ``trace-rl step`` (local paths or s3:// prefixes)."""
+EVAL_FILE = "eval.json"
+
+
+def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
+    """The step exists and gets exactly its folders (evaluate's predictor is optional)."""
+    if step not in STEP_FOLDERS:
+        raise ValueError(f"step {step!r}: choose one of {', '.join(STEP_FOLDERS)}")
+    wanted_in, wanted_out = STEP_FOLDERS[step]
+    optional = {"predictor"} if step == "evaluate" else set()
+    missing = sorted((set(wanted_in) - set(inputs) - optional) | (set(wanted_out) - set(outputs)))
+    extra = sorted((set(inputs) - set(wanted_in)) | (set(outputs) - set(wanted_out)))
+    if missing or extra:
+        raise ValueError(
+            f"step {step}: missing folder(s) {missing or '-'}, unknown {extra or '-'}; "
+            f"it takes inputs {', '.join(wanted_in) or '-'} and outputs {', '.join(wanted_out)}"
+        )
+
+
 # --- running a step here or as a Ray job -----------------------------------------------------
 @dataclass(frozen=True)
 class StepCall:
@@ -509,20 +540,7 @@ class StepCall:
     def __post_init__(self) -> None:
         if self.step not in RAY_STEPS:
             raise ValueError(f"step {self.step!r}: only {', '.join(RAY_STEPS)} run this way")
-        wanted = _STEP_FOLDERS[self.step]
-        missing = sorted((set(wanted[0]) - set(self.inputs)) | (set(wanted[1]) - set(self.outputs)))
-        extra = sorted((set(self.inputs) - set(wanted[0])) | (set(self.outputs) - set(wanted[1])))
-        if missing or extra:
-            raise ValueError(
-                f"step {self.step}: missing folder(s) {missing or '-'}, unknown {extra or '-'}; "
-                f"it takes inputs {', '.join(wanted[0])} and outputs {', '.join(wanted[1])}"
-            )
-
-
-_STEP_FOLDERS = {
-    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
-    "update": (("trees", "policy", "reference"), ("policy",)),
-}
+        check_step_folders(self.step, self.inputs, self.outputs)
 
 
 def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
@@ -540,20 +558,7 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
 
 def execute_step(call: StepCall, config: PipelineConfig) -> None:
     """Run ``call`` in this process; s3:// folders are fetched first and published after."""
-    from trace_core.store.sync import download_folder, upload_folder
-
-    with tempfile.TemporaryDirectory(prefix=f"trace-{call.step}-") as scratch:
-        local: dict[str, Path] = {}
-        for name, uri in call.inputs.items():
-            if _is_remote(uri):
-                download_folder(uri, Path(scratch, "in", name))
-                local[name] = Path(scratch, "in", name)
-            else:
-                local[name] = Path(uri)
-        out: dict[str, Path] = {
-            name: Path(scratch, "out", name) if _is_remote(uri) else Path(uri)
-            for name, uri in call.outputs.items()
-        }
+    with _staged(call.step, call.inputs, call.outputs) as (local, out):
         match call.step:
             case "rollout":
                 rollout_step(
@@ -565,9 +570,83 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
                     config, call.iteration, local["trees"], local["policy"],
                     local["reference"], out["policy"],
                 )  # fmt: skip
-        for name, uri in call.outputs.items():
+
+
+@contextlib.contextmanager
+def _staged(
+    step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]
+) -> Iterator[tuple[dict[str, Path], dict[str, Path]]]:
+    """Local folders for a step's folders: s3:// inputs are downloaded into a scratch folder;
+    s3:// outputs are written there and uploaded once the step has succeeded."""
+    from trace_core.store.sync import download_folder, upload_folder
+
+    with tempfile.TemporaryDirectory(prefix=f"trace-{step}-") as scratch:
+        local: dict[str, Path] = {}
+        for name, uri in inputs.items():
+            local[name] = Path(scratch, "in", name) if _is_remote(uri) else Path(uri)
+            if _is_remote(uri):
+                download_folder(uri, local[name])
+        out = {
+            name: Path(scratch, "out", name) if _is_remote(uri) else Path(uri)
+            for name, uri in outputs.items()
+        }
+        yield local, out
+        for name, uri in outputs.items():
             if _is_remote(uri):
                 upload_folder(out[name], uri)
+
+
+def execute_cli_step(
+    step: str,
+    iteration: int,
+    inputs: Mapping[str, str],
+    outputs: Mapping[str, str],
+    config_json: str = "",
+    params: Mapping[str, str] | None = None,
+) -> None:
+    """Run any step on folders or s3:// prefixes. ``prep`` takes the run parameters
+    (``params``, as the UI gives them: strings) and writes ``config.json``, ``start`` and
+    ``start_iteration`` into its ``result`` folder; every other step takes the config JSON."""
+    check_step_folders(step, inputs, outputs)
+    if step in RAY_STEPS:
+        execute_step(
+            StepCall(step, iteration, inputs, outputs), PipelineConfig.from_json(config_json)
+        )
+        return
+    with _staged(step, inputs, outputs) as (local, out):
+        for folder in out.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        if step == "prep":
+            result = prep_step(parse_parameters(params or {}), out["prompts"])
+            (out["result"] / "config.json").write_text(result.config_json)
+            (out["result"] / "start").write_text(result.start)
+            (out["result"] / "start_iteration").write_text(str(result.start_iteration))
+        else:
+            config = PipelineConfig.from_json(config_json)
+            match step:
+                case "warmstart":
+                    warmstart_step(config, out["policy"], out["predictor"])
+                case "load":
+                    load_step(config, out["policy"], out["predictor"])
+                case "fit-predictor":
+                    fit_predictor_step(
+                        config, iteration, local["trees"], local["policy"],
+                        local["predictor"], out["predictor"],
+                    )  # fmt: skip
+                case "evaluate":
+                    report = evaluate_step(
+                        config, local["prompts"], local["policy"], local.get("predictor")
+                    )
+                    (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+                case "report":
+                    start, final = (
+                        json.loads((local[name] / EVAL_FILE).read_text())
+                        for name in ("start_eval", "final_eval")
+                    )
+                    report_step(
+                        config, local["trees"], local["policy"], start, final,
+                        out["report"] / "report.html", out["report"] / "summary.md",
+                    )  # fmt: skip
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -663,103 +742,6 @@ def _register(
             config.run_name, iteration, scratch, metadata={"strategy": config.train.strategy}
         )
     return registry.store.uri(checkpoint.key)
-
-
-# --- every step from the command line (what the Argo workflow's containers run) --------------
-STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "prep": ((), ("prompts", "result")),
-    "warmstart": ((), ("policy", "predictor")),
-    "load": ((), ("policy", "predictor")),
-    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
-    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
-    "update": (("trees", "policy", "reference"), ("policy",)),
-    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
-    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
-}
-"""Input and output folders of each ``trace-rl step`` (local paths or s3:// prefixes)."""
-EVAL_FILE = "eval.json"
-
-
-def execute_cli_step(
-    step: str,
-    iteration: int,
-    inputs: Mapping[str, str],
-    outputs: Mapping[str, str],
-    config_json: str = "",
-    params: Mapping[str, str] | None = None,
-) -> None:
-    """Run any step on folders or s3:// prefixes. ``prep`` takes the run parameters
-    (``params``, as the UI gives them: strings) and writes ``config.json``, ``start`` and
-    ``start_iteration`` into its ``result`` folder; every other step takes the config JSON."""
-    check_step_folders(step, inputs, outputs)
-    if step in RAY_STEPS:
-        execute_step(
-            StepCall(step, iteration, inputs, outputs), PipelineConfig.from_json(config_json)
-        )
-        return
-    from trace_core.store.sync import download_folder, upload_folder
-
-    with tempfile.TemporaryDirectory(prefix=f"trace-{step}-") as scratch:
-        local: dict[str, Path] = {}
-        for name, uri in inputs.items():
-            local[name] = Path(scratch, "in", name) if _is_remote(uri) else Path(uri)
-            if _is_remote(uri):
-                download_folder(uri, local[name])
-        out = {
-            name: Path(scratch, "out", name) if _is_remote(uri) else Path(uri)
-            for name, uri in outputs.items()
-        }
-        for folder in out.values():
-            folder.mkdir(parents=True, exist_ok=True)
-        if step == "prep":
-            result = prep_step(parse_parameters(params or {}), out["prompts"])
-            (out["result"] / "config.json").write_text(result.config_json)
-            (out["result"] / "start").write_text(result.start)
-            (out["result"] / "start_iteration").write_text(str(result.start_iteration))
-        else:
-            config = PipelineConfig.from_json(config_json)
-            match step:
-                case "warmstart":
-                    warmstart_step(config, out["policy"], out["predictor"])
-                case "load":
-                    load_step(config, out["policy"], out["predictor"])
-                case "fit-predictor":
-                    fit_predictor_step(
-                        config, iteration, local["trees"], local["policy"],
-                        local["predictor"], out["predictor"],
-                    )  # fmt: skip
-                case "evaluate":
-                    report = evaluate_step(
-                        config, local["prompts"], local["policy"], local.get("predictor")
-                    )
-                    (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
-                case "report":
-                    start, final = (
-                        json.loads((local[name] / EVAL_FILE).read_text())
-                        for name in ("start_eval", "final_eval")
-                    )
-                    report_step(
-                        config, local["trees"], local["policy"], start, final,
-                        out["report"] / "report.html", out["report"] / "summary.md",
-                    )  # fmt: skip
-        for name, uri in outputs.items():
-            if _is_remote(uri):
-                upload_folder(out[name], uri)
-
-
-def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
-    """The step exists and gets exactly its folders (evaluate's predictor is optional)."""
-    if step not in STEP_FOLDERS:
-        raise ValueError(f"step {step!r}: choose one of {', '.join(STEP_FOLDERS)}")
-    wanted_in, wanted_out = STEP_FOLDERS[step]
-    optional = {"predictor"} if step == "evaluate" else set()
-    missing = sorted((set(wanted_in) - set(inputs) - optional) | (set(wanted_out) - set(outputs)))
-    extra = sorted((set(inputs) - set(wanted_in)) | (set(outputs) - set(wanted_out)))
-    if missing or extra:
-        raise ValueError(
-            f"step {step}: missing folder(s) {missing or '-'}, unknown {extra or '-'}; "
-            f"it takes inputs {', '.join(wanted_in) or '-'} and outputs {', '.join(wanted_out)}"
-        )
 
 
 def parse_parameters(params: Mapping[str, str]) -> PipelineParameters:
