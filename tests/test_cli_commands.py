@@ -151,6 +151,9 @@ def test_bench_engine_json(tmp_path: Path) -> None:
         "torch_tokens_per_s",
         "hf_tokens_per_s",
         "ratio_vs_hf",
+        "floor_seconds",
+        "floor_ratio_vs_hf",
+        "torch_vs_floor",
         "prefill_tokens",
         "unique_tokens",
     ):
@@ -159,6 +162,8 @@ def test_bench_engine_json(tmp_path: Path) -> None:
     assert data["ratio_vs_hf"] == pytest.approx(
         data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
     )
+    assert data["floor_ratio_vs_hf"] == pytest.approx(data["hf_seconds"] / data["floor_seconds"])
+    assert data["torch_vs_floor"] == pytest.approx(data["torch_seconds"] / data["floor_seconds"])
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
 
 

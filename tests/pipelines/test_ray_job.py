@@ -3,26 +3,17 @@ by KFP's local runner) submits a Ray job to a real Ray head, the job runs `trace
 rollout` there against a real SeaweedFS S3 server, and the step's output artifact carries the
 job's trees. A job that fails fails the step, with its log.
 
-The head is ``ray start --head --block`` in a session of its own with the dashboard on (job
-submission goes through it), token auth off (loopback only), and the SeaweedFS credentials in
-its environment, as a KubeRay cluster's pods would get them from a Secret. It is stopped by
-SIGTERM to that process, then anything of its session still alive is killed by pid.
+The head (``start_ray_head`` in tests/conftest.py) runs with the dashboard on (job submission
+goes through it), token auth off (loopback only), and the SeaweedFS credentials in its
+environment, as a KubeRay cluster's pods would get them from a Secret; it is stopped by its pid.
 """
 
 # No ``from __future__ import annotations``: KFP reads the test pipeline's annotations as types.
-import contextlib
 import hashlib
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kfp import dsl, local
@@ -52,29 +43,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:You may be attemping to run a task"),
 ]
 
-BIN = Path(sys.executable).parent
 BUCKET = "trace"
 SMALL = TinyPolicyConfig(
     hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the head and everything it started; not zombies)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if os.getsid(int(entry)) == sid and state != "Z":
-                    pids.append(int(entry))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -86,65 +58,12 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
 
 
 @pytest.fixture(scope="module")
-def ray_dashboard(seaweed: SeaweedServer) -> Iterator[str]:
+def ray_dashboard(
+    seaweed: SeaweedServer, start_ray_head: Callable[..., AbstractContextManager[Any]]
+) -> Iterator[str]:
     """http://127.0.0.1:PORT of a Ray head whose jobs see the S3 server and `trace-rl`."""
-    dashboard = free_port()
-    temp_dir = Path(tempfile.mkdtemp(prefix="rayj", dir="/tmp"))  # short: socket paths ≤ 107
-    env = {
-        **os.environ,
-        **seaweed.env(),
-        "RAY_AUTH_MODE": "disabled",
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={free_port()}",
-            "--num-cpus=2",
-            "--node-ip-address=127.0.0.1",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            "--object-store-memory=200000000",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-            "--block",
-        ],
-        env=env,
-        start_new_session=True,  # its session id is its pid: how its processes are found
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:  # the job API answers once the dashboard is up
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{address}/api/version", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    break
-            assert head.poll() is None, "ray start exited"
-            assert time.monotonic() < deadline, "the Ray dashboard did not come up in 90 s"
-            time.sleep(0.5)
-        yield address
-    finally:
-        head.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=40)  # it drains for up to 30 s
-        for pid in session_pids(head.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while session_pids(head.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)  # a killed process takes a moment to go
-        assert session_pids(head.pid) == [], "processes of the Ray head were left running"
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with start_ray_head(dashboard=True, env=seaweed.env()) as head:
+        yield head.dashboard_url
 
 
 @pytest.fixture

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.tokenizer import build_word_tokenizer
 
-TOK = build_word_tokenizer(["user assistant What is 2 + 3?", "answer(5)", "wrong, try again"])
+TOK = build_word_tokenizer(["What is 2 + 3?", "answer(5)", "wrong, try again"])
 FMT = TurnFormat(TOK)
 
 
@@ -45,12 +47,19 @@ def test_no_bos_or_eos_is_added() -> None:
 
 
 def test_a_tokenizer_without_the_markers_is_refused() -> None:
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     bare = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")),
         unk_token="<unk>",
     )
     with pytest.raises(ValueError, match="im_end"):
         TurnFormat(bare)
+
+
+def test_a_tokenizer_without_the_role_words_is_refused() -> None:
+    """Headers that encode to <unk> would hide who speaks: refuse such a tokenizer."""
+    vocab = {"<pad>": 0, "<unk>": 1, "<|im_start|>": 2, "<|im_end|>": 3, "user": 4}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.add_special_tokens(["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"])
+    old = PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>")
+    with pytest.raises(ValueError, match=r"role word 'assistant'.*<unk>"):
+        TurnFormat(old)

@@ -12,6 +12,7 @@ from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
 
 CORPUS = ["What is 12 + 30?", "The answer is 42.", "search(query='capital of France')"]
 WORDS = ["What", "is", "The", "answer", "search", "query", "capital", "of", "France"]
+ROLES = ["user", "assistant"]  # the turn headers' words: always in the vocabulary
 # Pieces that never merge with a neighbour: digits, punctuation, whitespace.
 SEPARATORS = list(string.digits + string.punctuation + " \n\t")
 TOK = build_word_tokenizer(CORPUS)
@@ -21,7 +22,7 @@ def test_vocabulary_is_specials_then_sorted_pieces() -> None:
     tok = build_word_tokenizer(CORPUS)
     vocab = tok.get_vocab()
     assert [vocab[s] for s in SPECIAL_TOKENS] == [0, 1, 2, 3]
-    pieces = sorted(set(WORDS) | set(SEPARATORS))
+    pieces = sorted(set(WORDS) | set(ROLES) | set(SEPARATORS))
     assert [vocab[p] for p in pieces] == list(range(4, 4 + len(pieces)))
     assert len(tok) == 4 + len(pieces)
     # Deterministic: corpus order does not matter.
@@ -52,7 +53,7 @@ def test_specials_are_single_ids_and_eos_is_im_end() -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == 2 and ids[-2] == 3  # <|im_start|> ... <|im_end|> \n
     assert ids.count(2) == 1 and ids.count(3) == 1
-    assert tok.decode(ids) == text.replace("user", "<unk>")  # "user" is not in CORPUS
+    assert tok.decode(ids) == text  # "user" is not in CORPUS, but a role word is always known
     assert (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id) == (0, 1, 3)
     assert tok.encode("is", add_special_tokens=True) == tok.encode("is", add_special_tokens=False)
 

@@ -1,26 +1,19 @@
 """``trace-rl rollout --workers 2 --ray-address`` against a real Ray head on 127.0.0.1.
 
-The head is ``ray start --head --block`` in a session of its own, on free ports, with its
-own temp dir, token auth off (loopback only) and the dashboard off. It is stopped with
-SIGTERM to the ``ray start`` process, which drains and stops GCS, raylet and workers; any
-process of that session still alive after that is killed by pid, and the test checks none
-is left. ``ray stop`` is never used: it would stop every Ray on the machine.
+The head (``start_ray_head`` in tests/conftest.py) runs without the dashboard, token auth off
+(loopback only), and is stopped by its pid with nothing of it left running.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,76 +26,16 @@ from trace_core.store.schema import read_trees
 pytestmark = pytest.mark.cluster
 
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # both sides of a loopback-only head
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the head and everything it started)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    pids.append(int(entry))
-            except OSError:  # gone meanwhile
-                pass
-    return pids
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the client side of a loopback-only head
 
 
 @pytest.fixture
-def ray_head() -> Iterator[tuple[str, Path]]:
-    """(address, temp dir) of a Ray head that lives for the test."""
-    port = free_port()
-    temp_dir = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths ≤ 107
-    head = subprocess.Popen(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--node-ip-address=127.0.0.1",
-            "--dashboard-host=127.0.0.1",
-            "--include-dashboard=false",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            "--object-store-memory=200000000",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-            "--block",
-        ],
-        env=ENV,
-        start_new_session=True,  # its session id is its pid: how its processes are found
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            status = [str(BIN / "ray"), "status", f"--address={address}"]
-            if subprocess.run(status, env=ENV, capture_output=True).returncode == 0:
-                break
-            assert head.poll() is None, "ray start exited"
-            assert time.monotonic() < deadline, "the Ray head did not come up in 60 s"
-            time.sleep(0.5)
-        yield address, temp_dir
-    finally:
-        head.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=40)  # it drains for up to 30 s
-        for pid in session_pids(head.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
-        assert session_pids(head.pid) == [], "processes of the Ray head were left running"
-        shutil.rmtree(temp_dir, ignore_errors=True)
+def ray_head(
+    start_ray_head: Callable[..., AbstractContextManager[Any]],
+) -> Iterator[tuple[str, Path]]:
+    """(address, temp dir) of a Ray head (tests/conftest.py) that lives for the test."""
+    with start_ray_head() as head:
+        yield head.address, head.temp_dir
 
 
 def test_rollout_with_two_workers_on_a_ray_head(ray_head: tuple[str, Path], tmp_path: Path) -> None:

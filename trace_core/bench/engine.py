@@ -8,6 +8,12 @@ not matter for speed):
   exactly ``batch · new_tokens`` tokens. Each engine runs once to warm up, then ``repeats``
   times; the best run counts. TorchEngine's prefix cache is cleared before every run, so it
   prefills the prompts as HF does and the ratio is decode against decode.
+* **Kernel floor.** The same run's unavoidable arithmetic alone: the prefill's and every
+  decode step's matmuls and attention (scores, softmax, weighted values) at the same shapes on
+  preallocated tensors, with nothing else (no norms, rope, sampling, KV writes or
+  bookkeeping). ``floor_ratio_vs_hf`` is HF's time over that: what an engine built on these
+  torch kernels could reach against HF at best, in this run on this machine; ``torch_vs_floor``
+  is how far TorchEngine is from it.
 * **Tree workload.** The shape of a TRACE rollout: ``tree_prompts`` prompts sampled
   ``tree_samples`` times; every sample is extended with ``obs_tokens`` observation tokens and
   sampled again, for ``tree_turns`` turns; then every first turn is cut in half and sampled
@@ -34,12 +40,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
 from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.qwen3 import Qwen3Weights
 from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
-from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.torch_engine import PASS_TOKENS, TorchEngine
 
 
 def run_engine_bench(
@@ -82,6 +90,9 @@ def run_engine_bench(
         # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
         torch_s = _best_seconds(torch_engine, prompts, params, repeats, torch_engine.cache.clear)
         hf_s = _best_seconds(hf_engine, prompts, params, repeats)
+        floor_s = _kernel_floor_seconds(
+            torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
+        )
         produced = batch * new_tokens
 
         tree = _tree_workload(
@@ -98,6 +109,9 @@ def run_engine_bench(
             "ratio_vs_hf": hf_s / torch_s,
             "torch_seconds": torch_s,
             "hf_seconds": hf_s,
+            "floor_seconds": floor_s,
+            "floor_ratio_vs_hf": hf_s / floor_s,
+            "torch_vs_floor": torch_s / floor_s,
             "batch": float(batch),
             "new_tokens": float(new_tokens),
             "prompt_tokens": float(prompt_tokens),
@@ -126,6 +140,56 @@ def _best_seconds(
             raise AssertionError("an engine stopped early with no stop token set")
         if run:
             best = min(best, seconds)
+    return best
+
+
+def _kernel_floor_seconds(
+    weights: Qwen3Weights, batch: int, prompt_tokens: int, new_tokens: int, repeats: int
+) -> float:
+    """Best time of the throughput run's matmuls and attention alone (see module doc)."""
+    s = weights.spec
+    B, P, C = batch, prompt_tokens, s.hidden_size
+    H, Hkv, D, inner = s.num_heads, s.num_kv_heads, s.head_dim, weights.layers[0].down.shape[0]
+    dev, dtype = weights.device, weights.dtype
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=dev, dtype=dtype)
+
+    kv = rand(s.num_layers, 2, B * Hkv, P + new_tokens, D)  # (L, 2, B·Hkv, T, D)
+    # Prefill in passes of at most PASS_TOKENS token slots, as TorchEngine runs it.
+    per_pass = max(1, min(B, PASS_TOKENS // P))
+    passes = -(-B // per_pass)
+    n = per_pass * P
+    x_pre, att_pre, act_pre = rand(n, C), rand(n, H * D), rand(n, inner)
+    q_pre, k_pre, v_pre = (
+        rand(per_pass, H, P, D),
+        rand(per_pass, Hkv, P, D),
+        rand(per_pass, Hkv, P, D),
+    )
+    x, att, act, q = rand(B, C), rand(B, H * D), rand(B, inner), rand(B * Hkv, H // Hkv, D)
+
+    def run() -> None:
+        for _, w in itertools.product(range(passes), weights.layers):  # prefill
+            torch.mm(x_pre, w.qkv), torch.mm(att_pre, w.o)
+            torch.mm(x_pre, w.gate_up), torch.mm(act_pre, w.down)
+            F.scaled_dot_product_attention(q_pre, k_pre, v_pre, is_causal=True, enable_gqa=True)
+        torch.mm(x, weights.lm_head)  # the first token's logits
+        for t in range(new_tokens):
+            span = P + t + 1
+            for layer, w in enumerate(weights.layers):
+                torch.mm(x, w.qkv)
+                scores = torch.bmm(q, kv[layer, 0, :, :span].transpose(1, 2)).softmax(-1)
+                torch.bmm(scores, kv[layer, 1, :, :span])
+                torch.mm(att, w.o), torch.mm(x, w.gate_up), torch.mm(act, w.down)
+            torch.mm(x, weights.lm_head)
+
+    best = float("inf")
+    with torch.inference_mode():
+        for attempt in range(repeats + 1):  # attempt 0 warms up
+            start = time.perf_counter()
+            run()
+            if attempt:
+                best = min(best, time.perf_counter() - start)
     return best
 
 

@@ -22,6 +22,9 @@ from transformers import PreTrainedTokenizerBase
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
+ROLES = ("user", "assistant")
+"""The words of the turn headers: a tokenizer must encode them (``build_word_tokenizer`` always
+includes them)."""
 
 
 class TurnFormat:
@@ -35,6 +38,14 @@ class TurnFormat:
             if not isinstance(tok_id, int) or tok_id == tokenizer.unk_token_id:
                 raise ValueError(f"the tokenizer has no {name} token; add it as a special token")
         assert isinstance(end, int)
+        unk = tokenizer.unk_token_id
+        for role in ROLES:
+            if unk is not None and unk in tokenizer.encode(role, add_special_tokens=False):
+                raise ValueError(
+                    f"the tokenizer encodes the role word {role!r} of the turn headers as "
+                    f"{tokenizer.unk_token}; rebuild it with the word in its vocabulary "
+                    "(a checkpoint from before this check: run trace-rl warmstart again)"
+                )
         self.action_end_id: int = end
         """Ends every action; the engine's stop token."""
 

@@ -3,7 +3,8 @@
 Every word (``[A-Za-z]+``), digit, punctuation character and whitespace character is its own
 token, and the decoder concatenates tokens with nothing in between, so for text whose words
 are all in the vocabulary ``decode(encode(x)) == x`` exactly. Words never seen in the corpus
-become ``<unk>`` (and decode to the string ``"<unk>"``).
+become ``<unk>`` (and decode to the string ``"<unk>"``). Digits, punctuation, whitespace and
+the turn headers' role words (``user``, ``assistant``) are always in the vocabulary.
 
 The four special tokens are matched before pre-tokenisation, so each is always one id:
 ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>`` (2), ``<|im_end|>`` (3, the action-end / EOS
@@ -22,6 +23,8 @@ from collections.abc import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from trace_core.policy.format import ROLES
+
 PAD = "<pad>"
 UNK = "<unk>"
 IM_START = "<|im_start|>"
@@ -33,8 +36,10 @@ SPECIAL_TOKENS = (PAD, UNK, IM_START, IM_END)
 _PIECE = r"[A-Za-z]+|[0-9]|\s|[^A-Za-z0-9\s]"
 
 # Always in the vocabulary, seen or not: numbers and formulas must never hit <unk>, and the
-# turn layout needs the newline.
-_ALWAYS = frozenset(string.digits) | frozenset(string.punctuation) | {" ", "\n", "\t"}
+# turn layout (``format.TurnFormat``) needs the newline and its role words.
+_ALWAYS = (
+    frozenset(string.digits) | frozenset(string.punctuation) | {" ", "\n", "\t"} | set(ROLES)
+)
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:

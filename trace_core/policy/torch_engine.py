@@ -15,7 +15,7 @@ its observation tokens.
 1. *Prefill.* Every distinct prompt is inserted into the tree; the tokens no node holds yet
    become *pending* nodes, which also merges prompts that share an uncached prefix. Pending
    nodes are computed in waves (a node is ready once its parent has KV), each wave in batched
-   ``qwen3.forward`` passes of at most ``_PASS_TOKENS`` token slots: the rows' cached context
+   ``qwen3.forward`` passes of at most ``PASS_TOKENS`` token slots: the rows' cached context
    is gathered from the pool, the new tokens run at their positions, and their KV is written
    back to fresh slots. A prompt must produce logits for its last token, so a prompt that is
    already fully cached reruns just that token.
@@ -41,16 +41,20 @@ engine in the same state gives the same tokens; KV from the cache and KV compute
 agree to float rounding only, so a sample sitting on a tie could still flip.
 
 **Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
-2-core CPU, quiet): ≈2.1× HF ``generate`` with one torch thread (≈0.13 s against ≈0.27 s;
-≈1.8× before ``decode_step``) and ≈2.0–2.1× with two (≈0.11 s against ≈0.22 s). Per-operation
+2-core CPU, quiet): ≈2.1× HF ``generate`` with one torch thread (≈0.12 s against ≈0.26 s;
+≈1.8× before ``decode_step``) and ≈2.0–2.1× with two (≈0.10 s against ≈0.21 s). Per-operation
 overhead is no longer most of a step: at batch 64 a step reads every row's keys and values
-(≈8 MB at the average span), and that attention plus the matmuls, timed alone, take ≈0.8 ms
-of the ≈1.35 ms single-thread step. Those kernels and the prefill's matmuls come to ≈60 ms a
-run, so even an engine with no other cost would stay under 5× HF on this machine.
+(≈8 MB at the average span) and runs ≈47 MFLOP of matmuls. The bench times those kernels
+alone at the same shapes (``floor_seconds``): ≈0.057 s with one thread and ≈0.037 s with two,
+i.e. 4.5× and 5.5–5.9× HF's time. An engine that calls these kernels can do no better, and
+TorchEngine spends 2.1× (one thread) to 2.8× (two) that floor; the rest is norms, rope,
+sampling, KV writes and the dispatch of ≈100 small operations per step.
 ``torch.compile`` (inductor, CPU) was tried on the decode step: compiled pieces were no faster
 than eager, and the whole step needs static shapes (≈15 s to compile each new batch/length)
-for ≈25% at best, so it is not used. With two threads on a shared machine both engines slow
-down several-fold and the ratio swings between runs.
+for ≈25% at best, so it is not used. Splitting the batch between two Python threads (one
+torch thread each) was slower than one thread (≈2.0 ms against ≈1.4 ms a step: the GIL).
+With two threads on a shared machine both engines slow down several-fold and the ratio swings
+between runs.
 
 Not validated yet: CUDA (written device-agnostic, exercised on CPU only), bfloat16 weights,
 and a single prompt longer than the pool (refused with an error). A call whose prompts do not
@@ -76,7 +80,7 @@ from trace_core.policy.sampling import sample
 # Token slots of one prefill pass. Its activations, ~4 KB per token (the MLP's gate and up
 # halves are the widest), then stay in a core's 2 MB L2 between the elementwise kernels;
 # 512 ran the 64 × 32-token bench prefill in ≈0.8× the time of one 2048-token pass.
-_PASS_TOKENS = 512
+PASS_TOKENS = 512
 
 # KV buffer storage kept between calls at most (bytes): enough for the tiny policy's usual
 # calls; a larger one (long contexts × many rows) is given back after its call rather than
@@ -284,14 +288,14 @@ class TorchEngine:
     def _run_rows(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Run prefill rows in passes whose KV buffers hold ``prefill_chunk`` columns at most
         (rows × (longest context + longest new run); a single longer row runs alone) and that
-        run ``_PASS_TOKENS`` token slots at most (rows × longest new run)."""
+        run ``PASS_TOKENS`` token slots at most (rows × longest new run)."""
         rows = sorted(rows, key=lambda r: -len(r.tokens))  # similar lengths pad little
         chunk: list[_Row] = []
         context = 0
         for row in rows:
             wider = max(context, len(row.context))
             n, width = len(chunk) + 1, len(chunk[0].tokens) if chunk else 0
-            if chunk and (n * (wider + width) > self.prefill_chunk or n * width > _PASS_TOKENS):
+            if chunk and (n * (wider + width) > self.prefill_chunk or n * width > PASS_TOKENS):
                 self._run_chunk(chunk, logits)
                 chunk, wider = [], len(row.context)
             chunk.append(row)

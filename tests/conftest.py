@@ -1,0 +1,144 @@
+"""Shared by every test folder: a real Ray head on 127.0.0.1, started and stopped by its pid.
+
+The head is ``ray start --head --block`` in a session of its own, on free ports, with its
+own temp dir and token auth off (loopback only). It is stopped with SIGTERM to the
+``ray start`` process, which drains and stops GCS, raylet and workers; anything of that
+session still alive afterwards is killed by pid, and the fixture checks none is left.
+``ray stop`` is never used: it would stop every Ray on the machine.
+
+    def test_x(start_ray_head):
+        with start_ray_head(dashboard=True, env={"AWS_ENDPOINT_URL": ...}) as head:
+            ... head.address (GCS, for ray.init / --ray-address), head.dashboard_url (jobs)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class RayHead:
+    address: str
+    """host:port of the GCS (``ray.init(address=...)``, ``trace-rl ... --ray-address``)."""
+    dashboard_url: str | None
+    """http://127.0.0.1:PORT of the job API, when started with the dashboard."""
+    temp_dir: Path
+    """Its sessions, sockets and logs (``session_*/logs``)."""
+    pid: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the head and everything it started; not zombies)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if os.getsid(int(entry)) == sid and state != "Z":
+                    pids.append(int(entry))
+    return pids
+
+
+@contextlib.contextmanager
+def ray_head(dashboard: bool = False, env: Mapping[str, str] | None = None) -> Iterator[RayHead]:
+    """A Ray head for the ``with`` block; ``env`` is added to its (and its jobs') environment.
+
+    Ready means ``ray status`` answers, or, with the dashboard, its job API does.
+    """
+    port, dashboard_port = free_port(), free_port()
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths ≤ 107
+    full_env = {
+        **os.environ,
+        **(env or {}),
+        "RAY_AUTH_MODE": "disabled",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--node-ip-address=127.0.0.1",
+            f"--include-dashboard={str(dashboard).lower()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=200000000",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--block",
+        ],
+        env=full_env,
+        start_new_session=True,  # its session id is its pid: how its processes are found
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    info = RayHead(
+        address=f"127.0.0.1:{port}",
+        dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
+        temp_dir=temp_dir,
+        pid=head.pid,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not _ready(info, full_env):
+            assert head.poll() is None, "ray start exited"
+            assert time.monotonic() < deadline, "the Ray head did not come up in 90 s"
+            time.sleep(0.5)
+        yield info
+    finally:
+        head.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=40)  # it drains for up to 30 s
+        for pid in session_pids(head.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while session_pids(head.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)  # a killed process takes a moment to go
+        assert session_pids(head.pid) == [], "processes of the Ray head were left running"
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _ready(head: RayHead, env: Mapping[str, str]) -> bool:
+    if head.dashboard_url is None:
+        status = [str(BIN / "ray"), "status", f"--address={head.address}"]
+        return subprocess.run(status, env=dict(env), capture_output=True).returncode == 0
+    with (
+        contextlib.suppress(OSError),
+        urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2) as response,
+    ):
+        return bool(response.status == 200)
+    return False
+
+
+@pytest.fixture(scope="session")
+def start_ray_head() -> Callable[..., AbstractContextManager[RayHead]]:
+    """``ray_head`` (above) for fixtures of any scope."""
+    return ray_head
