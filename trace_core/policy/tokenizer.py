@@ -37,9 +37,7 @@ _PIECE = r"[A-Za-z]+|[0-9]|\s|[^A-Za-z0-9\s]"
 
 # Always in the vocabulary, seen or not: numbers and formulas must never hit <unk>, and the
 # turn layout (``format.TurnFormat``) needs the newline and its role words.
-_ALWAYS = (
-    frozenset(string.digits) | frozenset(string.punctuation) | {" ", "\n", "\t"} | set(ROLES)
-)
+_ALWAYS = frozenset(string.digits) | frozenset(string.punctuation) | {" ", "\n", "\t"} | set(ROLES)
 
 
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
