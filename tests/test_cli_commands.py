@@ -165,6 +165,15 @@ def test_bench_engine_json(tmp_path: Path) -> None:
     assert data["floor_ratio_vs_hf"] == pytest.approx(data["hf_seconds"] / data["floor_seconds"])
     assert data["torch_vs_floor"] == pytest.approx(data["torch_seconds"] / data["floor_seconds"])
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
+    assert "vLLM: not timed (no .venv-vllm here" in said(run) and "vllm_seconds" not in data
+
+
+def test_bench_engine_names_a_missing_vllm_python(tmp_path: Path) -> None:
+    missing = tmp_path / "no-venv" / "python"
+    run = trace_rl("bench", "engine", "--batch", "2", "--new-tokens", "2",
+                   "--vllm-python", str(missing), cwd=tmp_path)  # fmt: skip
+    assert run.returncode != 0
+    assert f"vllm_python: {missing} is not a file" in said(run)
 
 
 # --- trace-rl prep / rollout --prompt-file / train / compare -----------------------------------

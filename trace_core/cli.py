@@ -205,13 +205,26 @@ def bench_engine(
     batch: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
     new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Python with vLLM to time it too (default: .venv-vllm/bin/python if it exists)."
+        ),
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """TorchEngine vs HF generate tokens/s on the tiny policy, and prefill savings on a tree."""
+    """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy; prefill on a tree."""
     from trace_core.bench.engine import run_engine_bench
 
-    with console.status("timing engines"):
-        result = run_engine_bench(batch=batch, new_tokens=new_tokens, threads=threads or None)
+    default_vllm = Path(".venv-vllm/bin/python")
+    if vllm_python is None and default_vllm.is_file():
+        vllm_python = default_vllm
+    if vllm_python is None:
+        console.print("vLLM: not timed (no .venv-vllm here: make test-vllm creates it)")
+    with console.status("timing engines" + (" (vLLM starts in ≈20-40 s)" if vllm_python else "")):
+        result = run_engine_bench(
+            batch=batch, new_tokens=new_tokens, threads=threads or None, vllm_python=vllm_python
+        )
     table = Table(title=f"Tiny policy, batch {batch} × {new_tokens} new tokens")
     table.add_column("measure")
     table.add_column("value", justify="right")

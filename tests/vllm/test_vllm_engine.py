@@ -13,7 +13,11 @@ exactly; ``test_hf_greedy_margins`` checks that premise instead of trusting it.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,3 +228,38 @@ def test_empty_prompt_is_refused(setup) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[1, 2], []], SamplingParams())
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_bench_timing_module_times_the_bench_prompts(tmp_path: Path) -> None:
+    """`trace-rl bench engine`'s vLLM side, run as the bench runs it: a module in this Python."""
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "policy")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    done = subprocess.run(
+        [sys.executable, "-m", "trace_core.bench.vllm_timing",
+         "--checkpoint", str(tmp_path / "policy"), "--prompts", str(tmp_path / "prompts.json"),
+         "--max-tokens", "6", "--repeats", "1", "--json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["tokens"] == 2 * 6 and result["vllm_seconds"] > 0
+    import vllm  # importorskip above: present
+
+    assert result["vllm_version"] == vllm.__version__
+
+    (tmp_path / "bad.json").write_text('[[1, "two"]]')
+    done = subprocess.run(
+        [sys.executable, "-m", "trace_core.bench.vllm_timing",
+         "--checkpoint", str(tmp_path / "policy"), "--prompts", str(tmp_path / "bad.json"),
+         "--max-tokens", "6", "--json", str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (
+        done.returncode != 0 and "expected a JSON list of non-empty token-id lists" in done.stderr
+    )

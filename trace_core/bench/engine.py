@@ -14,6 +14,11 @@ not matter for speed):
   bookkeeping). ``floor_ratio_vs_hf`` is HF's time over that: what an engine built on these
   torch kernels could reach against HF at best, in this run on this machine; ``torch_vs_floor``
   is how far TorchEngine is from it.
+* **vLLM** (when ``vllm_python`` names a Python with vLLM, e.g. ``.venv-vllm/bin/python``
+  from ``make test-vllm``): the same policy, saved as a checkpoint, and the same prompts and
+  sampling, timed by ``trace_core.bench.vllm_timing`` in that Python (vLLM pins its own torch
+  and transformers, so it cannot share this process). ``ratio_vs_vllm`` is vLLM's time over
+  TorchEngine's. vLLM's CPU build runs its own threads, whatever ``threads`` says.
 * **Tree workload.** The shape of a TRACE rollout: ``tree_prompts`` prompts sampled
   ``tree_samples`` times; every sample is extended with ``obs_tokens`` observation tokens and
   sampled again, for ``tree_turns`` turns; then every first turn is cut in half and sampled
@@ -34,17 +39,22 @@ Timings are wall-clock and sensitive to other load on the machine: on a shared C
 from __future__ import annotations
 
 import itertools
+import json
 import string
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
-from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
 from trace_core.policy.qwen3 import Qwen3Weights
 from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
 from trace_core.policy.torch_engine import PASS_TOKENS, TorchEngine
@@ -63,12 +73,15 @@ def run_engine_bench(
     obs_tokens: int = 8,
     turn_tokens: int = 16,
     device: str = "cpu",
+    vllm_python: Path | None = None,
 ) -> dict[str, float]:
-    """Throughput of both engines and the tree workload's prefill counts (see module doc)."""
+    """Throughput of the engines and the tree workload's prefill counts (see module doc)."""
     if min(batch, new_tokens, prompt_tokens, repeats, tree_prompts, tree_samples) < 1:
         raise ValueError("batch, token counts, repeats and tree sizes must be >= 1")
     if tree_turns < 1 or obs_tokens < 1 or turn_tokens < 2:
         raise ValueError("tree_turns and obs_tokens must be >= 1 and turn_tokens >= 2")
+    if vllm_python is not None and not vllm_python.is_file():
+        raise FileNotFoundError(f"vllm_python: {vllm_python} is not a file (make test-vllm?)")
     saved_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -94,6 +107,14 @@ def run_engine_bench(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
         )
         produced = batch * new_tokens
+        vllm: dict[str, float] = {}
+        if vllm_python is not None:
+            vllm_s = _vllm_seconds(vllm_python, model, tokenizer, prompts, new_tokens, repeats)
+            vllm = {
+                "vllm_tokens_per_s": produced / vllm_s,
+                "vllm_seconds": vllm_s,
+                "ratio_vs_vllm": vllm_s / torch_s,
+            }
 
         tree = _tree_workload(
             TorchEngine(model, device=device),
@@ -112,6 +133,7 @@ def run_engine_bench(
             "floor_seconds": floor_s,
             "floor_ratio_vs_hf": hf_s / floor_s,
             "torch_vs_floor": torch_s / floor_s,
+            **vllm,
             "batch": float(batch),
             "new_tokens": float(new_tokens),
             "prompt_tokens": float(prompt_tokens),
@@ -141,6 +163,34 @@ def _best_seconds(
         if run:
             best = min(best, seconds)
     return best
+
+
+def _vllm_seconds(
+    python: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+) -> float:
+    """Best seconds of vLLM on ``prompts``, timed in ``python`` (see module doc)."""
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        work = Path(tmp)
+        save_checkpoint(model, tokenizer, work / "policy")
+        (work / "prompts.json").write_text(json.dumps(prompts))
+        command = [
+            str(python), "-m", "trace_core.bench.vllm_timing",
+            "--checkpoint", str(work / "policy"), "--prompts", str(work / "prompts.json"),
+            "--max-tokens", str(new_tokens), "--repeats", str(repeats),
+            "--json", str(work / "vllm.json"),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"timing vLLM with {python} failed (exit {done.returncode}):\n"
+                + done.stderr[-3000:]
+            )
+        return float(json.loads((work / "vllm.json").read_text())["vllm_seconds"])
 
 
 def _kernel_floor_seconds(

@@ -202,6 +202,11 @@ class VLLMEngine:
         extra["generate_s"] = extra.get("generate_s", 0.0) + time.perf_counter() - t0
         return completions
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block (between benchmark runs, so each one prefills)."""
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
     def close(self) -> None:
         """Stop vLLM's engine processes now instead of at interpreter exit."""
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
