@@ -1,4 +1,9 @@
-"""Shared by every test folder: a real Ray head on 127.0.0.1, started and stopped by its pid.
+"""Shared by every test folder: the helper files importable by name, and a real Ray head on
+127.0.0.1, started and stopped by its pid.
+
+The tests are not a package, so helper files beside them are registered here as modules before
+any test folder is collected: ``import trace_manifest_render`` (tests/manifests/render.py) and
+``import trace_train_parity`` (tests/train/parity.py).
 
 The head is ``ray start --head --block`` in a session of its own, on free ports, with its
 own temp dir and token auth off (loopback only). It is stopped with SIGTERM to the
@@ -14,6 +19,7 @@ session still alive afterwards is killed by pid, and the fixture checks none is 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -31,6 +37,25 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+HELPERS = {
+    "trace_manifest_render": "manifests/render.py",
+    "trace_train_parity": "train/parity.py",
+}
+
+
+def register_helper(name: str, path: Path) -> None:
+    """Import the file ``path`` as the module ``name``, once."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+for _name, _file in HELPERS.items():
+    register_helper(_name, Path(__file__).parent / _file)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,12 @@ reference anywhere else that differs (another tag, another registry) fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,19 +35,6 @@ def read_env() -> dict[str, str]:
             name, _, value = line.partition("=")
             values[name.strip()] = value.strip()
     return values
-
-
-def load_render() -> ModuleType:
-    """tests/manifests/render.py (the overlays as the manifest tests build them)."""
-    if "trace_manifest_render" in sys.modules:
-        return sys.modules["trace_manifest_render"]
-    path = REPO / "tests" / "manifests" / "render.py"
-    spec = importlib.util.spec_from_file_location("trace_manifest_render", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def scanned_files() -> list[Path]:
@@ -134,7 +119,6 @@ def container_images(node: object) -> list[str]:
 
 @pytest.mark.parametrize("overlay", ["kfp", "standalone", "dev"])
 def test_built_overlays_pull_the_setting(tmp_path: Path, overlay: str) -> None:
-    render = load_render()
     objects = render.build_all(tmp_path)[overlay]
     images = container_images(objects)
     ours = [i for i in images if i.rsplit("/", 1)[-1].split(":")[0].split("@")[0] in NAMES]

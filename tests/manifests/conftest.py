@@ -7,29 +7,12 @@ of manifests/ whose Secret env files are the tracked examples, built by ``kubect
 from __future__ import annotations
 
 import gzip
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+import trace_manifest_render as render  # registered by tests/conftest.py
 
-
-def load_render() -> ModuleType:
-    """tests/manifests/render.py as a module (the tests are not a package)."""
-    if "trace_manifest_render" in sys.modules:
-        return sys.modules["trace_manifest_render"]
-    path = Path(__file__).with_name("render.py")
-    spec = importlib.util.spec_from_file_location("trace_manifest_render", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-render = load_render()
 SCHEMAS = render.REPO.parent / "shared" / "schemas"
 
 

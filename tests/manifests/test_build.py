@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import trace_manifest_render as render  # registered by conftest.py: render.py beside it
+import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
 
 KUBERNETES = "1.32"

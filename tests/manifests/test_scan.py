@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trace_manifest_render as render  # registered by conftest.py: render.py beside it
+import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
 
 CHECKOV = render.REPO / ".venv-scan" / "bin" / "checkov"

@@ -10,21 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
 
-from trace_core.envs.base import Split, Step, Task
-from trace_core.envs.calc import CalcSuite
-from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
-from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.update import UpdateConfig
 from trace_core.store.schema import read_trees
 from trace_core.train import loop
 from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
 from trace_core.train.loop import IterationRecord, TrainConfig, read_latest, read_log, train
-
-SMALL = TinyPolicyConfig(
-    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
-)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,47 +26,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class ParityEnv:
-    """Two turns; the reward is 1 when the two actions together have an even length.
-
-    A random policy wins half the time, so every estimator has contrast to push on, and a
-    policy can learn it; the env is deterministic given the actions (continuations replay)."""
-
-    max_turns = 2
-
-    def reset(self, task: Task) -> str:
-        self.actions: list[str] = []
-        return task.prompt
-
-    def step(self, action: str) -> Step:
-        self.actions.append(action)
-        if len(self.actions) < 2:
-            return Step("ok", False, 0.0)
-        return Step("done", True, float(len("".join(self.actions)) % 2 == 0))
-
-
-class ParitySuite:
-    """Calc's prompts and tokenizer vocabulary with the parity env."""
-
-    def __init__(self) -> None:
-        self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)
-
-    def tasks(self, split: Split) -> list[Task]:
-        return self.calc.tasks(split)
-
-    def make_env(self) -> ParityEnv:
-        return ParityEnv()
-
-
-@pytest.fixture(scope="module")
-def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random tiny calc policy (it will rarely answer right; the loop does not care)."""
-    path = tmp_path_factory.mktemp("init") / "policy"
-    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
-    save_checkpoint(create_policy(tokenizer, SMALL, seed=0), tokenizer, path)
-    return path
 
 
 def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainConfig:
@@ -98,7 +50,7 @@ def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainCo
 
 
 def run(config: TrainConfig) -> list[IterationRecord]:
-    return train(config, suite=ParitySuite())  # type: ignore[arg-type]
+    return train(config, suite=parity.ParitySuite())  # type: ignore[arg-type]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

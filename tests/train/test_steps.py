@@ -11,12 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
 
-from trace_core.envs.base import Split, Step, Task
-from trace_core.envs.calc import CalcSuite
-from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
-from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.update import UpdateConfig
 from trace_core.store.artifacts import open_store
 from trace_core.store.registry import CheckpointRegistry
@@ -34,9 +31,6 @@ from trace_core.train.steps import (
     update_step,
 )
 
-SMALL = TinyPolicyConfig(
-    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
-)
 SETTINGS = {
     "group": 2,
     "prompts": 12,
@@ -56,44 +50,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-class ParityEnv:
-    """Two turns; reward 1 when the two actions together have an even length (as in
-    test_loop: a random policy wins half the time, so every update has contrast)."""
-
-    max_turns = 2
-
-    def reset(self, task: Task) -> str:
-        self.actions: list[str] = []
-        return task.prompt
-
-    def step(self, action: str) -> Step:
-        self.actions.append(action)
-        if len(self.actions) < 2:
-            return Step("ok", False, 0.0)
-        return Step("done", True, float(len("".join(self.actions)) % 2 == 0))
-
-
-class ParitySuite:
-    name = "calc"
-
-    def __init__(self) -> None:
-        self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)
-
-    def tasks(self, split: Split) -> list[Task]:
-        return self.calc.tasks(split)
-
-    def make_env(self) -> ParityEnv:
-        return ParityEnv()
-
-
-@pytest.fixture(scope="module")
-def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("init") / "policy"
-    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
-    save_checkpoint(create_policy(tokenizer, SMALL, seed=0), tokenizer, path)
-    return path
-
-
 def params(init: Path, **kwargs: object) -> PipelineParameters:
     base = {
         "task": "calc",
@@ -110,7 +66,7 @@ def params(init: Path, **kwargs: object) -> PipelineParameters:
 def chain(config: PipelineConfig, root: Path, start: int = 0) -> Path:
     """Run the steps of ``config.train.iterations`` iterations as the pipeline wires them;
     returns the last policy folder."""
-    suite = ParitySuite()
+    suite = parity.ParitySuite()
     policy, predictor = root / f"policy-{start}", root / f"predictor-{start}"
     load_step(config, policy, predictor)
     reference = policy
@@ -128,8 +84,8 @@ def test_steps_chained_give_the_loops_run(init: Path, tmp_path: Path) -> None:
         {**SETTINGS, "init": str(init), "output": str(tmp_path / "loop"), "budget": 6,
          "iterations": 2}
     )  # fmt: skip
-    records = train(loop_config, suite=ParitySuite())  # type: ignore[arg-type]
-    prep = prep_step(params(init), tmp_path / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    records = train(loop_config, suite=parity.ParitySuite())  # type: ignore[arg-type]
+    prep = prep_step(params(init), tmp_path / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     assert (prep.start, prep.start_iteration) == ("load", 0)
     config = PipelineConfig.from_json(prep.config_json)
     last = chain(config, tmp_path)
@@ -172,18 +128,18 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
     """A named run registers its final policy; the next run of that name starts after it."""
     store = tmp_path / "store"
     first = params(init, iterations=1, run_name="nightly", store_uri=str(store))
-    prep = prep_step(first, tmp_path / "a" / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    prep = prep_step(first, tmp_path / "a" / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     config = PipelineConfig.from_json(prep.config_json)
     last = chain(config, tmp_path / "a")
     final = evaluate_step(
         config, tmp_path / "a" / "prompts", last, tmp_path / "a" / "predictor-1",
-        suite=ParitySuite(),  # type: ignore[arg-type]
+        suite=parity.ParitySuite(),  # type: ignore[arg-type]
     )  # fmt: skip
     assert final["iteration"] == 1 and str(final["checkpoint"]).startswith(str(store))
     checkpoint = CheckpointRegistry(open_store(store)).latest("nightly")
     assert checkpoint is not None and checkpoint.iteration == 1
 
-    again = prep_step(first, tmp_path / "b" / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    again = prep_step(first, tmp_path / "b" / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     assert (again.start, again.start_iteration) == ("load", 1)
     resumed = chain(PipelineConfig.from_json(again.config_json), tmp_path / "b", start=1)
     assert [r.iteration for r in read_log(resumed)] == [1, 2]  # the log went on
@@ -210,13 +166,13 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
 def test_update_step_on_ray_train_matches_the_in_process_one(init: Path, tmp_path: Path) -> None:
     """``train_workers=1``: the update step runs ``update_on_ray`` (Ray in this process) and
     writes what the in-process update step writes: policy, optimizer state, log line."""
-    prep = prep_step(params(init, iterations=1), tmp_path / "prompts", suite=ParitySuite())  # type: ignore[arg-type]
+    prep = prep_step(params(init, iterations=1), tmp_path / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     config = PipelineConfig.from_json(prep.config_json)
     load_step(config, tmp_path / "policy-0", tmp_path / "predictor-0")
     trees = tmp_path / "trees-1"
     rollout_step(
         config, 1, tmp_path / "prompts", tmp_path / "policy-0", tmp_path / "predictor-0", trees,
-        suite=ParitySuite(),  # type: ignore[arg-type]
+        suite=parity.ParitySuite(),  # type: ignore[arg-type]
     )  # fmt: skip
     policy = tmp_path / "policy-0"
     here = update_step(config, 1, trees, policy, policy, tmp_path / "here")

@@ -1,0 +1,22 @@
+"""Shared by the loop and step tests: one random tiny calc policy per module (the parity task
+is ``parity.py`` beside this file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trace_train_parity as parity  # registered by tests/conftest.py
+
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.model import create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny calc policy (it will rarely answer right; the loop does not care)."""
+    path = tmp_path_factory.mktemp("init") / "policy"
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    save_checkpoint(create_policy(tokenizer, parity.SMALL, seed=0), tokenizer, path)
+    return path

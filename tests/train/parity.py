@@ -1,0 +1,49 @@
+"""The parity task the loop and step tests train on, and their tiny policy's size.
+
+Registered by tests/conftest.py as the module ``trace_train_parity`` (the tests are not a
+package).
+"""
+
+from __future__ import annotations
+
+from trace_core.envs.base import Split, Step, Task
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.model import TinyPolicyConfig
+
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+
+
+class ParityEnv:
+    """Two turns; the reward is 1 when the two actions together have an even length.
+
+    A random policy wins half the time, so every estimator has contrast to push on, and a
+    policy can learn it; the env is deterministic given the actions (continuations replay)."""
+
+    max_turns = 2
+
+    def reset(self, task: Task) -> str:
+        self.actions: list[str] = []
+        return task.prompt
+
+    def step(self, action: str) -> Step:
+        self.actions.append(action)
+        if len(self.actions) < 2:
+            return Step("ok", False, 0.0)
+        return Step("done", True, float(len("".join(self.actions)) % 2 == 0))
+
+
+class ParitySuite:
+    """Calc's prompts and tokenizer vocabulary with the parity env."""
+
+    name = "calc"
+
+    def __init__(self) -> None:
+        self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)
+
+    def tasks(self, split: Split) -> list[Task]:
+        return self.calc.tasks(split)
+
+    def make_env(self) -> ParityEnv:
+        return ParityEnv()
