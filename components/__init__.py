@@ -1,5 +1,5 @@
 """One lightweight KFP component per pipeline step; each calls one ``trace_core.train.steps``
-function (see components/README.md)."""
+function (see components/README.md). Their images come from ``components.images``."""
 
 from components.evaluate import evaluate
 from components.fit_predictor import fit_predictor

@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -19,7 +19,8 @@ def evaluate(
     import json
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineConfig, evaluate_step
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.finish import evaluate_step
 
     config = PipelineConfig.from_json(config_json)
     result = evaluate_step(

@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -20,7 +20,8 @@ def fit_predictor(
     """The refitted predictor; rows, replayed rows and the weighted MSE before/after."""
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineConfig, fit_predictor_step
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.cycle import fit_predictor_step
 
     config = PipelineConfig.from_json(config_json)
     result = fit_predictor_step(

@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -16,7 +16,8 @@ def load_policy(
     """Policy folder (HF checkpoint, optimizer state and log when resuming) and predictor."""
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineConfig, load_step
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.start import load_step
 
     config = PipelineConfig.from_json(config_json)
     result = load_step(config, Path(policy.path), Path(predictor.path))

@@ -5,7 +5,7 @@ from typing import NamedTuple
 from kfp import dsl
 from kfp.dsl import Dataset, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -29,7 +29,8 @@ def prep(
     from collections import namedtuple
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineParameters, prep_step
+    from trace_core.train.contract import PipelineParameters
+    from trace_core.train.steps.start import prep_step
 
     parameters = PipelineParameters(
         task, dataset_uri, base_model_uri, strategy, budget, continuations, iterations, seed,

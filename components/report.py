@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -21,7 +21,8 @@ def report(
     import json
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineConfig, report_step
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.finish import report_step
 
     report_step(
         PipelineConfig.from_json(config_json),

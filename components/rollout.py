@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_GPU_IMAGE"), install_kfp_package=False)
@@ -19,7 +19,8 @@ def rollout(
 ) -> None:
     """Trees Parquet of iteration start_iteration + iteration; effective ratios, mixed groups,
     units and tokens as metrics. With a Ray dashboard address it runs as a Ray job."""
-    from trace_core.train.steps import PipelineConfig, StepCall, run_step
+    from trace_core.train.contract import PipelineConfig, StepCall
+    from trace_core.train.dispatch import run_step
 
     config = PipelineConfig.from_json(config_json)
     call = StepCall(

@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_GPU_IMAGE"), install_kfp_package=False)
@@ -19,7 +19,8 @@ def update_policy(
 ) -> None:
     """The updated policy (HF checkpoint + optimizer state + log); loss, KL, clip fraction.
     ``reference`` is the starting policy (the KL anchor when kl_coef > 0)."""
-    from trace_core.train.steps import PipelineConfig, StepCall, run_step
+    from trace_core.train.contract import PipelineConfig, StepCall
+    from trace_core.train.dispatch import run_step
 
     config = PipelineConfig.from_json(config_json)
     call = StepCall(

@@ -3,7 +3,7 @@
 from kfp import dsl
 from kfp.dsl import Metrics, Model, Output
 
-from pipelines.settings import image
+from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
@@ -16,7 +16,8 @@ def warmstart(
     """The starting policy (HF checkpoint) and the predictor before its first fit."""
     from pathlib import Path
 
-    from trace_core.train.steps import PipelineConfig, warmstart_step
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.start import warmstart_step
 
     config = PipelineConfig.from_json(config_json)
     result = warmstart_step(config, Path(policy.path), Path(predictor.path))

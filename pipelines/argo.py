@@ -42,13 +42,14 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
 
 Not yet validated: no Argo controller runs on this machine, so the workflow has only been checked
 against the schemas, never run; the ``when``/``depends`` expressions and the ``{{=...}}``
-iteration arithmetic follow Argo's documentation (>= 3.4) untested. ``trace-rl step`` runs only
-``rollout`` and ``update`` today; the other steps' command lines here are the interface they
-need (``STEP_FOLDERS``).
+iteration arithmetic follow Argo's documentation (>= 3.4) untested. Each container's command is
+``trace-rl step`` with the folders of ``trace_core.train.contract.STEP_FOLDERS``, and every step
+runs that way here on local folders and s3:// prefixes (tests/train/test_step_cli.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,8 @@ from hera.workflows import (
 )
 from hera.workflows import models as m
 
-from trace_core.train import steps
+from components.images import image
+from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
 TEMPLATE_FILE = "workflowtemplate.yaml"
@@ -83,28 +85,18 @@ SERVICE_ACCOUNT = "trace-pipeline"  # may only report step outputs (manifests/ba
 GPU_STEPS = ("rollout", "update-policy")
 OUT = "/tmp/outputs"  # where steps write the small values Argo reads as output parameters
 
-# The workflow parameters, named and defaulted as the KFP pipeline's run parameters, except
-# store_uri: without KFP there is no artifact store, so the S3 prefix of trace-rl-settings.
+# The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list),
+# except iterations, which is unrolled here, and store_uri's default: without KFP there is no
+# artifact store, so the S3 prefix of trace-rl-settings.
 PARAMETERS = {
-    "task": "calc",
-    "dataset_uri": "",
-    "base_model_uri": "",
-    "strategy": "trace",
-    "budget": "128",
-    "continuations": "2",
-    "seed": "0",
-    "ray_address": "",
-    "run_name": "",
-    "store_uri": "s3://trace-rl/runs",
-    "settings_json": "{}",
-}
+    f.name: str(f.default) for f in dataclasses.fields(PipelineParameters) if f.name != "iterations"
+} | {"store_uri": "s3://trace-rl/runs"}
 
 # What each container runs: ``trace-rl step STEP --config-json C --iteration I`` with these
 # ``--input NAME=URI`` and ``--output NAME=URI`` folders (prep: ``--param NAME=VALUE`` for each
 # workflow parameter instead of the config). prep writes config.json, start and start_iteration
 # into its local ``result`` folder, which Argo reads as output parameters; evaluate writes its
 # report into ``result`` (``eval.json``), which report reads back.
-STEP_FOLDERS = steps.STEP_FOLDERS
 STEPS_RUNNABLE = tuple(STEP_FOLDERS)
 
 
@@ -146,8 +138,6 @@ class ArgoOptions:
 
 
 def _image(gpu: bool) -> str:
-    from pipelines.settings import image
-
     return image("TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE")
 
 

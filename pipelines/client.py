@@ -31,7 +31,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import urllib.error
 import urllib.request
 import warnings
@@ -43,6 +42,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from trace_core.store.uri import check_run_name as check_registry_name
+
 if TYPE_CHECKING:
     import kfp
 
@@ -53,9 +54,6 @@ STORE_PARAM = "store_uri"  # where the checkpoint registry lives, when the pipel
 HOST_ENV = ("KFP_HOST", "KF_PIPELINES_ENDPOINT")
 TOKEN_ENV = "KFP_TOKEN"
 NAMESPACE_ENV = "KFP_NAMESPACE"
-# The checkpoint registry's rule for run names (trace_core/store/registry.py): the name becomes
-# an object-key segment, so it is checked here before a run is submitted, not an hour into it.
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class SubmitError(Exception):
@@ -220,12 +218,12 @@ def _convert(parameter: Parameter, text: str) -> object:
 
 
 def check_run_name(run_name: str) -> str:
-    if not _RUN_NAME.fullmatch(run_name):
-        raise SubmitError(
-            f"--run-name {run_name!r}: use letters, digits, '.', '_' and '-' (at most 128), "
-            "starting with a letter or digit (it names the run's checkpoints)"
-        )
-    return run_name
+    """The registry's rule for run names, checked before a run is submitted, not an hour into
+    it (the name becomes an object-key segment of the run's checkpoints)."""
+    try:
+        return check_registry_name(run_name, "--run-name")
+    except ValueError as err:
+        raise SubmitError(str(err)) from None
 
 
 def build_params(package: Package, assignments: list[str], run_name: str) -> dict[str, object]:

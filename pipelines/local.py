@@ -3,7 +3,6 @@ the cluster, each step a subprocess of this Python, artifacts in a local folder.
 
     trace-rl run-local                              # what `make run` does: calc, TRACE, K = 6
     trace-rl run-local --iterations 2 --budget 16 --settings-json '{"warmstart_steps": 60}'
-    python -m pipelines.local --help                # the same command
 
 ``kfp.local`` with ``SubprocessRunner(use_venv=False)`` runs lightweight components in this
 environment (trace_core installed, nothing pip-installed); the Kubernetes settings (Secrets,
@@ -21,17 +20,17 @@ A run with the same ``--run-name`` and store resumes after the last registered c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.trace_training import PIPELINE_NAME, PipelineOptions, build_pipeline
+from trace_core.train.contract import PipelineParameters
 
 # make run: the calc task's tiny policy, warm-started, then K iterations of TRACE. Chosen so
 # that held-out accuracy moves within the 10 minutes a 2-core machine gives it.
@@ -43,42 +42,29 @@ MAKE_RUN_SETTINGS = {
 }
 
 
+MAKE_RUN = PipelineParameters(
+    iterations=6, run_name="calc-local", settings_json=json.dumps(MAKE_RUN_SETTINGS)
+)
+"""``make run``'s run parameters: calc, TRACE, K = 6, resumable under the name calc-local."""
+
+
 @dataclass(frozen=True)
 class LocalRun:
-    """What ``trace-rl run-local`` takes; the pipeline's run parameters plus K and folders."""
+    """What ``trace-rl run-local`` takes: the pipeline's run parameters, and where things go."""
 
     output: Path = Path("runs")
-    task: str = "calc"
-    strategy: str = "trace"
-    iterations: int = 6
-    budget: int = 128
-    continuations: int = 2
-    seed: int = 0
-    run_name: str = "calc-local"
-    store: str = ""
-    """Registry root; default: ``output/store``."""
-    dataset_uri: str = ""
-    base_model_uri: str = ""
-    ray_address: str = ""
-    settings: dict[str, object] = field(default_factory=lambda: dict(MAKE_RUN_SETTINGS))
+    params: PipelineParameters = MAKE_RUN
+    """``iterations`` is unrolled into the pipeline (K); an empty ``store_uri`` is
+    ``output/store``."""
     s3_endpoint: str = ""
     """AWS_ENDPOINT_URL_S3 for the steps; empty: the environment's."""
 
     def parameters(self) -> dict[str, object]:
-        """The pipeline's run parameters."""
-        return {
-            "task": self.task,
-            "dataset_uri": self.dataset_uri,
-            "base_model_uri": self.base_model_uri,
-            "strategy": self.strategy,
-            "budget": self.budget,
-            "continuations": self.continuations,
-            "seed": self.seed,
-            "ray_address": self.ray_address,
-            "run_name": self.run_name,
-            "store_uri": self.store or str((self.output / "store").resolve()),
-            "settings_json": json.dumps(self.settings),
-        }
+        """The pipeline's run parameters (all but iterations, which is built in)."""
+        values = dataclasses.asdict(self.params)
+        del values["iterations"]
+        values["store_uri"] = self.params.store_uri or str((self.output / "store").resolve())
+        return values
 
 
 @dataclass(frozen=True)
@@ -101,6 +87,8 @@ def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
     """Run the pipeline through ``kfp.local``; raises if a step fails."""
     from kfp import local
 
+    from pipelines.trace_training import PIPELINE_NAME, PipelineOptions, build_pipeline
+
     root = (run.output / "kfp").resolve()
     root.mkdir(parents=True, exist_ok=True)
     workspace = (run.output / ".kfp-workspace").resolve()
@@ -113,10 +101,11 @@ def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
     logging.getLogger("kfp").setLevel(logging.WARNING)  # the steps' own output still streams
     before = set(root.iterdir())
     options = PipelineOptions(
-        iterations=run.iterations, gpu_requests=False, s3_endpoint=run.s3_endpoint
+        iterations=run.params.iterations, gpu_requests=False, s3_endpoint=run.s3_endpoint
     )
     pipeline = build_pipeline(options)
-    say(f"running {PIPELINE_NAME} with kfp.local: {run.task}, {run.strategy}, K={run.iterations}")
+    p = run.params
+    say(f"running {PIPELINE_NAME} with kfp.local: {p.task}, {p.strategy}, K={p.iterations}")
     start = time.perf_counter()
     with warnings.catch_warnings():
         # Expected here: the Kubernetes settings are no-ops and the images are not used.
@@ -136,7 +125,7 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
     rollouts.sort(key=lambda pair: pair[0]["iteration"])
     if not rollouts:
         raise FileNotFoundError(f"{run_dir}: no rollout step wrote trees")
-    mine = run.output / (run.run_name or "pipeline")
+    mine = run.output / (run.params.run_name or "pipeline")
     trees_dir = mine / "trees"
     trees_dir.mkdir(parents=True, exist_ok=True)
     for old in trees_dir.glob("iteration-*.parquet"):
@@ -211,9 +200,3 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     say(f"  trace-rl inspect summary {result.trees_dir}")
     say(f"  trace-rl inspect show {result.trees[-1]} {_first_tree_id(result.trees[-1])}")
     say(f"  trace-rl inspect html {result.trees[-1]} -o trees.html")
-
-
-if __name__ == "__main__":
-    from trace_core.cli import app
-
-    app(["run-local", *sys.argv[1:]])

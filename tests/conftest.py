@@ -14,6 +14,10 @@ session still alive afterwards is killed by pid, and the fixture checks none is 
     def test_x(start_ray_head):
         with start_ray_head(dashboard=True, env={"AWS_ENDPOINT_URL": ...}) as head:
             ... head.address (GCS, for ray.init / --ray-address), head.dashboard_url (jobs)
+
+Also a real SeaweedFS S3 server on 127.0.0.1 (``seaweed``, bucket ``trace``, one per session)
+and ``s3_env``, its endpoint and credentials in the environment, for the storage tests and the
+steps run on s3:// folders (tests/train/test_step_cli.py).
 """
 
 from __future__ import annotations
@@ -33,8 +37,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from trace_core.store.server import SeaweedServer
 
 BIN = Path(sys.executable).parent
 HELPERS = {
@@ -167,3 +175,26 @@ def _ready(head: RayHead, env: Mapping[str, str]) -> bool:
 def start_ray_head() -> Callable[..., AbstractContextManager[RayHead]]:
     """``ray_head`` (above) for fixtures of any scope."""
     return ray_head
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One SeaweedFS S3 server for the whole session, with the bucket ``trace`` (≈2 s to start,
+    ≈3 s to stop); stopped by pid (SIGTERM, then SIGKILL) when the session ends."""
+    from trace_core.store.server import SeaweedServer
+
+    server = SeaweedServer.start(tmp_path_factory.mktemp("seaweedfs"), buckets=("trace",))
+    yield server
+    server.stop()
+    assert not server.running(), f"SeaweedFS still running after the tests: pid {server.pid}"
+
+
+@pytest.fixture
+def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The session server's endpoint and credentials in the environment, as a Secret sets them."""
+    for name in ("AWS_ENDPOINT_URL_S3", "S3_ENDPOINT", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    env = seaweed.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env

@@ -100,13 +100,46 @@ def test_roots_zero_budget() -> None:
     assert allocate_roots_dp([0.3, 0.4], 0).tolist() == [0, 0]
 
 
+def test_dp_worked_table() -> None:
+    # v = [0.5, 0.4], M = 4. Row F[1] (prompt 0, v = 0.5), b = 0..4:
+    #   [0, −∞, 0.5, 0.75, 0.875]   (b = 1 is a lone rollout: unreachable)
+    # contrast(0.4, m): m = 2: 1 − 0.16 − 0.36 = 0.48;  m = 4: 1 − 0.0256 − 0.1296 = 0.8448
+    # F[2][4] = max(m = 0: 0.875 + 0,  m = 2: F[1][2] + 0.48 = 0.98,
+    #               m = 3: F[1][1] + … = −∞,  m = 4: F[1][0] + 0.8448 = 0.8448) = 0.98
+    # Back-pointers: prompt 1 takes 2, leaving b = 2 for prompt 0 → [2, 2].
+    m = allocate_roots_dp([0.5, 0.4], 4)
+    assert m.tolist() == [2, 2]
+    assert contrast([0.5, 0.4], m).sum() == pytest.approx(0.98)
+
+
+def test_dp_ties_go_to_the_largest_count_of_the_latest_prompt() -> None:
+    # v = [0.5, 0.5], M = 5. F[1] = [0, −∞, 0.5, 0.75, 0.875, 0.9375] (contrast(0.5, 5) = 1 − 2/32).
+    # F[2][5]: m = 0: 0.9375; m = 2: F[1][3] + 0.5 = 1.25; m = 3: F[1][2] + 0.75 = 1.25;
+    #          m = 5: 0 + 0.9375. The tie at 1.25 (exact in binary) goes to m = 3 → [2, 3].
+    assert allocate_roots_dp([0.5, 0.5], 5).tolist() == [2, 3]
+
+
 def _probabilities(n: int) -> st.SearchStrategy[list[float]]:
     grid = st.sampled_from([0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0])  # forces ties
     return st.lists(st.one_of(grid, st.floats(0.0, 1.0)), min_size=1, max_size=n)
 
 
+@settings(max_examples=200, deadline=None)
+@given(v=_probabilities(3), budget=st.integers(0, 8).filter(lambda b: b != 1))
+def test_dp_matches_brute_force(v: list[float], budget: int) -> None:
+    # Every split of the budget with no lone rollout, scored directly.
+    splits = [
+        m
+        for m in itertools.product(range(budget + 1), repeat=len(v))
+        if sum(m) == budget and 1 not in m
+    ]
+    best = max(float(contrast(v, np.asarray(m)).sum()) for m in splits)
+    assert contrast(v, allocate_roots_dp(v, budget)).sum() == pytest.approx(best, abs=1e-12)
+
+
 @settings(max_examples=2000, deadline=None)
 @given(v=_probabilities(7), budget=st.integers(0, 30).filter(lambda b: b != 1))
+@pytest.mark.slow
 def test_fast_solver_matches_dp(v: list[float], budget: int) -> None:
     fast = allocate_roots(v, budget)
     dp = allocate_roots_dp(v, budget)

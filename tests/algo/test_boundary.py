@@ -1,4 +1,5 @@
-"""The algo layer imports with numpy and the standard library only (DESIGN.md, layers)."""
+"""The algo layer imports with numpy and the standard library only (README.md, Layers;
+tests/test_layers.py checks every other layer)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Strategies: every name plans an equal budget, by the rule DESIGN.md gives it."""
+"""Strategies: every name plans an equal budget, by the rule the table in trace_core/algo/plan.py
+gives it."""
 
 from __future__ import annotations
 

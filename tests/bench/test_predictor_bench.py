@@ -88,6 +88,7 @@ def test_tree_paths_and_config_errors(workspace: Path) -> None:
         PredictorBenchConfig(files, value, heldout=1.0)
 
 
+@pytest.mark.slow
 def test_bench_predictor_command_writes_json(workspace: Path) -> None:
     out = workspace / "bench.json"
     result = CliRunner().invoke(

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trace_core.bench.store import sim_trees, tile
 from trace_core.store.schema import from_table, to_table
 
@@ -30,6 +32,7 @@ def test_tile_keeps_trees_distinct() -> None:
     assert len(from_table(big)) == 15
 
 
+@pytest.mark.cluster  # the bench starts a SeaweedFS server
 def test_bench_store_command(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("trace-rl")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "trace_core.cli"]

@@ -37,6 +37,7 @@ def start(task_id: str, suite: BfclSuite = SUITE) -> tuple[BfclEnv, Task]:
 
 
 # --- the ground truth -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_every_reference_replays_to_reward_one() -> None:
     failures = []
     for task in TASKS.values():

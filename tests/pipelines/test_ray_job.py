@@ -26,14 +26,9 @@ from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.server import SeaweedServer
+from trace_core.train.contract import PipelineConfig, PipelineParameters, StepCall
 from trace_core.train.rayjob import RayJobFailed, submit_step
-from trace_core.train.steps import (
-    PipelineConfig,
-    PipelineParameters,
-    StepCall,
-    load_step,
-    prep_step,
-)
+from trace_core.train.steps.start import load_step, prep_step
 
 pytestmark = [
     pytest.mark.cluster,

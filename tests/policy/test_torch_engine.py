@@ -56,6 +56,7 @@ def hf_logprobs(model, prompt: list[int], completion: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.slow
 def test_greedy_matches_hf_generate_for_ragged_prompts(kv_heads: int) -> None:
     model = MODEL if kv_heads == 2 else sharpened(kv_heads=1)
     prompts = prompts_of([3, 9, 1, 6, 14])
@@ -108,6 +109,7 @@ def test_sampled_logprobs_are_the_models_at_temperature_one() -> None:
 # -- sampling -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible() -> None:
     prompts = prompts_of([4, 8])
     params = SamplingParams(n=4, max_tokens=10)
@@ -125,6 +127,7 @@ def next_token_probs(model, prompt: list[int]) -> np.ndarray:
         return model(torch.tensor([prompt])).logits[0, -1].softmax(-1).numpy()
 
 
+@pytest.mark.slow
 def test_temperature_one_samples_follow_the_model() -> None:
     prompt = prompts_of([6], seed=4)[0]
     p = next_token_probs(MODEL, prompt)
@@ -161,6 +164,7 @@ def test_samples_share_their_prompts_prefill() -> None:
     assert engine.stats.generated_tokens == 3 * 5 * 4
 
 
+@pytest.mark.slow
 def test_prompts_sharing_an_uncached_prefix_prefill_it_once() -> None:
     # Trie of the prompts: 4 5 6 7 8 | 4 5 6 9 | 4 5 6 7 8 (again): 5 + 1 distinct tokens.
     engine = TorchEngine(MODEL)
@@ -173,6 +177,7 @@ def test_prompts_sharing_an_uncached_prefix_prefill_it_once() -> None:
     assert out[1][0].token_ids.tolist() == reference[0][0].token_ids.tolist()
 
 
+@pytest.mark.slow
 def test_next_turn_prefills_only_the_observation() -> None:
     engine = TorchEngine(MODEL)
     prompt = prompts_of([10])[0]
@@ -195,6 +200,7 @@ def test_next_turn_prefills_only_the_observation() -> None:
         np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_small_cache_evicts_and_stays_correct() -> None:
     engine = TorchEngine(MODEL, cache_tokens=48)
     reference = HFGenerateEngine(MODEL)
@@ -234,6 +240,7 @@ def check_cache(cache: PrefixCache) -> None:
     assert len(owned) == len(set(owned)) == cache.used <= cache.capacity
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_random_call_sequences_agree_with_hf(data: st.DataObject) -> None:

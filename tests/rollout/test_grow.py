@@ -141,6 +141,7 @@ def test_prefix_scores_are_stored_and_oracle_is_refused(suite: CalcSuite, fmt) -
         GrowConfig("oracle", Budget(4, 2), SamplingParams())
 
 
+@pytest.mark.slow
 def test_real_engine_grows_valid_trees(suite: CalcSuite, fmt: TurnFormat) -> None:
     model = create_policy(fmt.tokenizer, TinyPolicyConfig(), seed=0)
     trees = _grow(TorchEngine(model), fmt, suite, "trace", seed=1)

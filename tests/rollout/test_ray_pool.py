@@ -140,7 +140,9 @@ def ray_cluster() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ray_session(num_cpus=2):
+        # 3 logical CPUs (on 2 cores, maybe): the workers bench holds a 1-worker and a
+        # 2-worker pool at once, one CPU per worker.
+        with ray_session(num_cpus=3):
             yield
     finally:
         torch.set_num_threads(threads)
@@ -201,6 +203,7 @@ def assert_same_greedy_answers(
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
 
 
+@pytest.mark.cluster  # Ray (ray_cluster)
 def test_two_workers_answer_every_prompt_in_order_as_torch_engine_does(
     ray_cluster: None, checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -240,6 +243,7 @@ def test_two_workers_answer_every_prompt_in_order_as_torch_engine_does(
         assert killed not in pool.worker_pids() and pool.workers == 2
 
 
+@pytest.mark.cluster  # Ray (ray_cluster)
 def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
     ray_cluster: None, checkpoint: Path, fmt: TurnFormat
 ) -> None:
@@ -247,6 +251,8 @@ def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
         first = grow(pool, fmt)
         pool.update_weights(checkpoint)  # same weights, empty cache: the state of a new pool
         second = grow(pool, fmt)
+        # The pool counts every token its workers generated, and every one is in a tree.
+        assert pool.stats.generated_tokens == sum(t.generated_tokens for t in [*first, *second])
     check_trees_are_the_planned_ones(first)
     assert len(first) == len(second) > 1
     assert all(a.equals(b) for a, b in zip(first, second, strict=True))
@@ -265,6 +271,7 @@ class KillingPool(RayEnginePool):
             self.killed = [self.kill_worker_process(self.victim, signal.SIGKILL)]
 
 
+@pytest.mark.cluster  # Ray (ray_cluster)
 def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
     ray_cluster: None, checkpoint: Path, fmt: TurnFormat
 ) -> None:
@@ -277,6 +284,7 @@ def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
     check_trees_are_the_planned_ones(trees)
 
 
+@pytest.mark.cluster  # Ray (ray_cluster)
 def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
     ray_cluster: None, checkpoint: Path, fmt: TurnFormat
 ) -> None:
@@ -288,19 +296,28 @@ def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
     check_trees_are_the_planned_ones(trees)
 
 
+@pytest.mark.cluster  # Ray (ray_cluster)
 def test_workers_bench_times_every_engine_on_the_same_workload(
     ray_cluster: None, checkpoint: Path, tmp_path: Path
 ) -> None:
-    """A tiny ``bench workers`` (one Ray worker only: the module's Ray has 2 CPUs)."""
+    """A tiny ``bench workers`` with 1 and 2 Ray workers (3 of the module's logical CPUs)."""
     config = WorkersBenchConfig(
-        checkpoint, prompts=8, roots=4, continuations=2, max_tokens=6, repeats=1, workers=(1,)
+        checkpoint, prompts=8, roots=4, continuations=2, max_tokens=6, repeats=1, workers=(1, 2)
     )
     result = run_workers_bench(config)
-    assert [r.engine for r in result.runs] == ["in-process", "ray×1"]
+    local, one, two = result.runs
+    assert [r.engine for r in result.runs] == ["in-process", "ray×1", "ray×2"]
+    assert [r.workers for r in result.runs] == [0, 1, 2]
     for run in result.runs:
-        assert run.units == 8.0  # 4 × (1 + 2/2)
+        assert run.units == 8.0  # 4 × (1 + 2/2): the same workload on every engine
         assert run.generated_tokens > 0 and run.seconds > 0 and 0 < run.busy_share <= 1
-    assert result.ratio == 1.0
+        assert run.tokens_per_s == pytest.approx(run.generated_tokens / run.seconds)
+    # The ratio is ray×2 over ray×1, from those two runs (not the in-process one).
+    assert result.ratio == pytest.approx(two.tokens_per_s / one.tokens_per_s)
     result.write_json(tmp_path / "bench.json")
     data = json.loads((tmp_path / "bench.json").read_text())
     assert set(data) == {"config", "runs", "ratio", "load_average", "cpus"}
+    assert data["ratio"] == result.ratio
+    assert [r["generated_tokens"] for r in data["runs"]] == [
+        r.generated_tokens for r in (local, one, two)
+    ]

@@ -1,8 +1,8 @@
-"""Fixtures of the storage tests: a real SeaweedFS S3 server on 127.0.0.1, and small trees.
+"""Fixtures of the storage tests: SeaweedFS S3 stores on 127.0.0.1, and small trees.
 
-``seaweed`` is one server for the whole session (≈2 s to start, ≈3 s to stop); ``crashable``
-is a fresh one per test, for tests that kill and restart it. Both are stopped by pid (SIGTERM,
-then SIGKILL) when their scope ends, and the session checks that none is left running.
+``seaweed`` (tests/conftest.py) is one server for the whole session; ``crashable`` is a fresh
+one per test, for tests that kill and restart it. Both are stopped by pid (SIGTERM, then
+SIGKILL) when their scope ends, and the session checks that none is left running.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
 from trace_core.store.artifacts import RetryPolicy, S3Settings, S3Store
 from trace_core.store.server import SeaweedServer
 
-BUCKET = "trace"
+BUCKET = "trace"  # the bucket of tests/conftest.py's ``seaweed``, and of ``crashable``
 _started: list[SeaweedServer] = []
 
 
@@ -26,13 +26,6 @@ def _start(data_dir: Path) -> SeaweedServer:
     server = SeaweedServer.start(data_dir, buckets=(BUCKET,))
     _started.append(server)
     return server
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    server = _start(tmp_path_factory.mktemp("seaweedfs"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -48,17 +41,6 @@ def _no_server_left() -> Iterator[None]:
     yield
     alive = [s.pid for s in _started if s.running()]
     assert not alive, f"SeaweedFS servers still running after the tests: pids {alive}"
-
-
-@pytest.fixture
-def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """The session server's endpoint and credentials in the environment, as a Secret sets them."""
-    for name in ("AWS_ENDPOINT_URL_S3", "S3_ENDPOINT", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    env = seaweed.env()
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
 
 
 @pytest.fixture

@@ -106,6 +106,7 @@ def test_credentials_in_a_uri_are_refused_without_echoing_them() -> None:
 
 
 # --- S3 ----------------------------------------------------------------------------------------
+@pytest.mark.cluster  # a SeaweedFS server
 def test_s3_round_trip(bucket_store: S3Store, tmp_path: Path) -> None:
     store = bucket_store
     store.put_bytes("runs/a.json", b'{"a": 1}')
@@ -119,6 +120,7 @@ def test_s3_round_trip(bucket_store: S3Store, tmp_path: Path) -> None:
     assert [o.key for o in store.list_objects("")] == ["runs/b/c.txt"]
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_s3_multipart_upload_of_a_large_file(bucket_store: S3Store, tmp_path: Path) -> None:
     # 13 MiB: above minio's 5 MiB part size, so three parts in a multipart upload.
     data = os.urandom(13 << 20)
@@ -138,6 +140,7 @@ def test_s3_multipart_upload_of_a_large_file(bucket_store: S3Store, tmp_path: Pa
         assert f.read(1000) == data[7 << 20 : (7 << 20) + 1000]
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_missing_object_and_bucket_name_the_uri(seaweed: SeaweedServer, prefix: str) -> None:
     settings = S3Settings.from_env(seaweed.env())
     store = S3Store("trace", prefix, settings)
@@ -150,6 +153,7 @@ def test_missing_object_and_bucket_name_the_uri(seaweed: SeaweedServer, prefix: 
         nobucket.list_objects()
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_wrong_credentials_are_refused_without_leaking_them(
     seaweed: SeaweedServer, prefix: str, tmp_path: Path
 ) -> None:
@@ -200,6 +204,7 @@ def test_an_unreachable_server_is_retried_then_named(
     assert SECRET not in caplog.text and KEY_ID not in caplog.text
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_dataset_loaders_read_s3_through_the_store(
     s3_env: dict[str, str], bucket_store: S3Store
 ) -> None:
@@ -237,6 +242,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_the_server_listens_on_loopback_only_and_stops_by_pid(tmp_path: Path) -> None:
     server = SeaweedServer.start(tmp_path / "s3")
     try:

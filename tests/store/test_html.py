@@ -52,6 +52,7 @@ def test_html_is_self_contained(tree_factory: Callable[..., RolloutTree]) -> Non
     assert "a &lt;b&gt;title&lt;/b&gt;" in html and "answer[&lt;5&gt;]" in html  # escaped
 
 
+@pytest.mark.slow  # headless Chromium
 def test_chromium_renders_the_tree_view(
     chromium: str, tmp_path: Path, tree_factory: Callable[..., RolloutTree]
 ) -> None:

@@ -93,6 +93,7 @@ def trace_rl(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
+@pytest.mark.slow  # runs trace-rl
 def test_cli_on_a_local_folder(tmp_path: Path, tree_factory: Callable[..., RolloutTree]) -> None:
     trees = [tree_factory(i, strategy=s) for i, s in enumerate(["trace", "grpo", "trace"])]
     write_tree_set(LocalStore(tmp_path / "run"), "iter-0/trees", trees)
@@ -133,6 +134,7 @@ def test_cli_on_a_local_folder(tmp_path: Path, tree_factory: Callable[..., Rollo
         assert "Traceback" not in out.stdout + out.stderr
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_cli_on_s3(
     s3_env: dict[str, str], bucket_store: S3Store, tree_factory: Callable[..., RolloutTree]
 ) -> None:

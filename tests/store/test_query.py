@@ -127,6 +127,7 @@ def test_answers_match_a_plain_loop(tmp_path: Path, trees: list[RolloutTree]) ->
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
 def test_a_query_reads_only_the_columns_it_needs(
     where: str, tmp_path: Path, bucket_store: S3Store, trees: list[RolloutTree]
 ) -> None:

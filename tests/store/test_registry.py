@@ -46,6 +46,7 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
 def test_save_latest_download(where: str, tmp_path: Path, bucket_store: S3Store) -> None:
     store = LocalStore(tmp_path / "store") if where == "local" else bucket_store
     registry = CheckpointRegistry(store)
@@ -85,6 +86,7 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".resume")]
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_server_killed_mid_upload_keeps_the_previous_latest(
     crashable: SeaweedServer,
     store_on: StoreOn,
@@ -129,6 +131,7 @@ def test_server_killed_mid_upload_keeps_the_previous_latest(
     assert same_files(tmp_path / "resume2", v2)
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_an_upload_in_flight_retries_until_the_server_is_back(
     crashable: SeaweedServer, store_on: StoreOn, tmp_path: Path
 ) -> None:

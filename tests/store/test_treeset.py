@@ -43,6 +43,7 @@ class FailingManifestStore:
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
 def test_round_trip_in_parts(
     where: str, tmp_path: Path, bucket_store: S3Store, tree_factory: Callable[..., RolloutTree]
 ) -> None:
@@ -140,6 +141,7 @@ def test_open_trees_errors_name_what_is_wrong(
         open_trees(str(tmp_path / "other.parquet")).read()
 
 
+@pytest.mark.cluster  # a SeaweedFS server
 def test_open_trees_on_s3(
     s3_env: dict[str, str], bucket_store: S3Store, tree_factory: Callable[..., RolloutTree]
 ) -> None:

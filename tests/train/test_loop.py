@@ -13,11 +13,13 @@ import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
 
-from trace_core.policy.update import UpdateConfig
+from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.schema import read_trees
 from trace_core.train import loop
 from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
-from trace_core.train.loop import IterationRecord, TrainConfig, read_latest, read_log, train
+from trace_core.train.config import TrainConfig
+from trace_core.train.loop import read_latest, train
+from trace_core.train.record import IterationRecord, read_log
 
 
 @pytest.fixture(autouse=True, scope="module")

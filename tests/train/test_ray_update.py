@@ -16,7 +16,8 @@ from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
-from trace_core.policy.update import UpdateConfig, make_optimizer, update_policy
+from trace_core.policy.update import make_optimizer, update_policy
+from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.flat import rollout_flat
 from trace_core.store.schema import write_trees
 from trace_core.train.ray_update import update_on_ray

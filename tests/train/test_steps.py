@@ -14,22 +14,17 @@ import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
 
-from trace_core.policy.update import UpdateConfig
+from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.artifacts import open_store
 from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
-from trace_core.train.loop import TrainConfig, read_log, train
-from trace_core.train.steps import (
-    PipelineConfig,
-    PipelineParameters,
-    evaluate_step,
-    fit_predictor_step,
-    load_step,
-    prep_step,
-    report_step,
-    rollout_step,
-    update_step,
-)
+from trace_core.train.config import TrainConfig
+from trace_core.train.contract import PipelineConfig, PipelineParameters
+from trace_core.train.loop import train
+from trace_core.train.record import read_log
+from trace_core.train.steps.cycle import fit_predictor_step, rollout_step, update_step
+from trace_core.train.steps.finish import evaluate_step, report_step
+from trace_core.train.steps.start import load_step, prep_step
 
 SETTINGS = {
     "group": 2,
@@ -188,7 +183,7 @@ def test_update_step_on_ray_train_matches_the_in_process_one(init: Path, tmp_pat
 
 def test_cli_prep_writes_what_argo_reads(tmp_path: Path) -> None:
     """``trace-rl step prep --param ...``: the config, where to start, and the prompts."""
-    from trace_core.train.steps import PipelineConfig, execute_cli_step
+    from trace_core.train.dispatch import execute_cli_step
 
     outputs = {"prompts": str(tmp_path / "prompts"), "result": str(tmp_path / "result")}
     params = {"task": "calc", "iterations": "3", "budget": "16", "settings_json": "{}"}

@@ -267,7 +267,17 @@ def test_warmstart_report(tiny_run: Run) -> None:
     assert report.train_seconds >= 0
     # 200 demos drawn from 2000 train tasks cover all nine difficulties.
     assert list(report.demo_success) == CALC_LABELS
-    assert all(0.0 <= v <= 1.0 for v in report.demo_success.values())
+    # The demos' success is that of the very demos trained on: warmstart draws the 200 train
+    # tasks, then their slips, from one default_rng(seed); replayed here, the same rates.
+    rng = np.random.default_rng(0)
+    suite = CalcSuite(seed=0)
+    fmt = TurnFormat(build_word_tokenizer(suite.vocabulary()))
+    picked = [suite.tasks("train")[i] for i in rng.integers(0, 2000, size=200)]
+    assert report.demo_success == demonstration_sequences(suite, picked, fmt, rng)[2]
+    # Slips rise with difficulty: (1 − 0.02)² = 0.96 of the easiest demos succeed, (1 − 0.6)⁴
+    # = 0.03 of the hardest (measured on these 200: 30/31 and 2/20).
+    easiest, hardest = report.demo_success["ops=1,digits=1"], report.demo_success["ops=3,digits=3"]
+    assert easiest > 0.9 and hardest < 0.2
     # 9 eval tasks are one per difficulty, 2 samples each: every rate is 0, 1/2 or 1.
     assert list(report.success) == CALC_LABELS
     assert all(v in (0.0, 0.5, 1.0) for v in report.success.values())

@@ -19,17 +19,14 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urlparse
 
+from trace_core.store.uri import is_remote
+
 Format = Literal["json", "jsonl", "parquet"]
 
 _FORMATS: dict[str, Format] = {".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 
 
 _OBJECT_STORES = ("s3", "minio")
-
-
-def is_object_store(uri: str) -> bool:
-    """True for ``s3://`` and ``minio://`` URIs (read through ``trace_core.store``)."""
-    return "://" in uri and urlparse(uri).scheme.lower() in _OBJECT_STORES
 
 
 def local_path(uri: str) -> Path:
@@ -66,7 +63,7 @@ def open_source(uri: str) -> bytes:
     A missing object is a ``FileNotFoundError`` and missing credentials a ``PermissionError``
     (both ``trace_core.store.artifacts.StoreError``s naming the URI), as for local files.
     """
-    if is_object_store(uri):
+    if is_remote(uri):
         from trace_core.store.artifacts import read_uri
 
         return read_uri(uri)
@@ -78,7 +75,7 @@ def open_source(uri: str) -> bytes:
 
 def read_records(uri: str) -> list[object]:
     """The rows of a dataset file: a JSON list, JSON Lines, or a Parquet table as dicts."""
-    if not is_object_store(uri):
+    if not is_remote(uri):
         local_path(uri)  # an unsupported scheme is the first thing to say
     fmt = source_format(uri)
     data = open_source(uri)

@@ -18,6 +18,8 @@ import numpy as np
 from trace_core.envs.base import TaskSuite, replay
 
 SUITES = ("calc", "multihop", "bfcl", "deepscaler", "hotpotqa")
+SYNTHETIC = ("calc", "multihop")
+"""The suites with scripted demonstrations: the only ones the tiny policy warm-starts on."""
 
 
 def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:

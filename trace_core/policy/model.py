@@ -112,3 +112,12 @@ def load_checkpoint(
     torch.nn.Module.to(model, torch.device(device))  # in place, as for any module
     model.eval()
     return model, tokenizer
+
+
+def resolve_device(name: str = "auto") -> str:
+    """``auto`` is CUDA when this process has a GPU (a GPU pod, a Ray GPU actor), else the CPU.
+    Not yet validated on CUDA: the engine and the update are written device-agnostic and
+    exercised on CPU, where results are bit-exact run to run."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name

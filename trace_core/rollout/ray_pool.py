@@ -1,8 +1,9 @@
 """``RayEnginePool``: the ``Engine`` protocol over engine replicas running as Ray actors.
 
 The only module that imports Ray. Each worker is an actor that holds one policy replica,
-loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU) or a
-``VLLMEngine``. ``grow_trees`` and everything else see one engine::
+loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU), an
+``HFGenerateEngine`` or a ``VLLMEngine``. ``grow_trees`` and everything else see one engine
+(``rollout.engines.open_engine`` builds the pool from an ``EngineConfig``)::
 
     with RayEnginePool("build/policy/calc", workers=2) as engine:   # in-process Ray
         trees = grow_trees(engine, fmt, suite.make_env, pool, predictor, config)
@@ -67,7 +68,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from trace_core.policy.engine import Completion, Engine, EngineStats, SamplingParams
 
-EngineKind = Literal["torch", "vllm"]
+EngineKind = Literal["torch", "hf", "vllm"]
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 """Object store of an in-process Ray (Ray's default is 30% of RAM); prompts and completions
@@ -121,13 +122,22 @@ class SubBatchResult:
 class EngineWorker:
     """One policy replica. ``generate`` runs one at a time; ``pid`` answers while it runs."""
 
-    def __init__(self, checkpoint: str, device: str, threads: int, engine: EngineKind) -> None:
+    def __init__(
+        self,
+        checkpoint: str,
+        device: str,
+        threads: int,
+        engine: EngineKind,
+        tensor_parallel: int = 1,
+        memory_fraction: float = 0.9,
+    ) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
         self.device, self.kind = device, engine
+        self.tensor_parallel, self.memory_fraction = tensor_parallel, memory_fraction
         self.engine: Engine | None = None
         self.checkpoint = ""
         self.load(checkpoint)
@@ -138,7 +148,16 @@ class EngineWorker:
             from trace_core.policy.vllm_engine import VLLMEngine
 
             self.shutdown()
-            self.engine = VLLMEngine(checkpoint)
+            self.engine = VLLMEngine(
+                checkpoint,
+                gpu_memory_utilization=self.memory_fraction,
+                tensor_parallel_size=self.tensor_parallel,
+            )
+        elif self.kind == "hf":
+            from trace_core.policy.hf_engine import HFGenerateEngine
+            from trace_core.policy.model import load_checkpoint
+
+            self.engine = HFGenerateEngine(load_checkpoint(checkpoint, self.device)[0])
         else:
             from trace_core.policy.model import load_checkpoint
             from trace_core.policy.torch_engine import TorchEngine
@@ -330,6 +349,8 @@ class RayEnginePool:
         num_gpus_per_worker: float = 0,
         threads_per_worker: int = 1,
         engine: EngineKind = "torch",
+        tensor_parallel: int = 1,
+        memory_fraction: float = 0.9,
         max_restarts: int = 3,
         slack: float = 0.15,
         ready_timeout_s: float = 300.0,
@@ -343,8 +364,8 @@ class RayEnginePool:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         if num_gpus_per_worker < 0 or max_restarts < 0 or slack < 0:
             raise ValueError("num_gpus_per_worker, max_restarts and slack must be >= 0")
-        if engine not in ("torch", "vllm"):
-            raise ValueError(f"engine must be torch or vllm, got {engine!r}")
+        if engine not in ("torch", "hf", "vllm"):
+            raise ValueError(f"engine must be torch, hf or vllm, got {engine!r}")
         self.checkpoint = str(checkpoint)
         self.slack = slack
         self.stats = EngineStats()
@@ -364,7 +385,14 @@ class RayEnginePool:
             )
             device = "cuda" if num_gpus_per_worker > 0 else "cpu"
             self._actors = [
-                actor.remote(self.checkpoint, device, threads_per_worker, engine)
+                actor.remote(
+                    self.checkpoint,
+                    device,
+                    threads_per_worker,
+                    engine,
+                    tensor_parallel,
+                    memory_fraction,
+                )
                 for _ in range(workers)
             ]
             self._live = list(range(workers))

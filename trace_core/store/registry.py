@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,11 +31,11 @@ from pathlib import Path
 
 from trace_core.store.artifacts import ArtifactStore, ObjectNotFound, StoreError, file_sha256
 from trace_core.store.treeset import ManifestError, join_key
+from trace_core.store.uri import check_run_name
 
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
 KIND = "trace.checkpoint"
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -77,12 +76,7 @@ class CheckpointRegistry:
         self.prefix = prefix
 
     def _run_key(self, run: str, *rest: str) -> str:
-        if not _RUN_NAME.fullmatch(run):
-            raise ValueError(
-                f"run name {run!r}: use letters, digits, '.', '_' and '-' (at most 128), "
-                "starting with a letter or digit"
-            )
-        return join_key(self.prefix, run, *rest)
+        return join_key(self.prefix, check_run_name(run), *rest)
 
     def save(
         self,

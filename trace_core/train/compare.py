@@ -23,7 +23,6 @@ Reported per strategy, as mean ± std over seeds (the JSON has the shape of
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -34,8 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from trace_core.algo.plan import strategy as check_strategy
+from trace_core.train.config import TrainConfig
 from trace_core.train.evaluate import ALL
-from trace_core.train.loop import IterationRecord, TrainConfig, train
+from trace_core.train.loop import train
+from trace_core.train.record import IterationRecord
 from trace_core.train.warmstart import WarmstartConfig, warmstart
 
 DEFAULT_STRATEGIES = ("trace", "grpo", "pcl", "treepo")
@@ -268,11 +269,6 @@ def _config_json(config: CompareConfig) -> dict[str, object]:
         "init": str(config.init) if config.init else None,
         "run": run,
     }
-
-
-def write_json(result: CompareResult, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
 
 
 def plot_compare(result: CompareResult, path: Path) -> None:

@@ -2,9 +2,9 @@
 steps (``train.steps``): both draw, roll out, fit and update through these functions, so a
 pipeline run and ``trace-rl train`` with the same config sample and learn the same thing.
 
-    draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
-    trees = roll_out(engine, fmt, suite.make_env, [train_tasks[j] for j in draws.pool],
-                     predictor, config, i, draws, run_id="nightly")
+    draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)   # train.draws
+    trees = roll_out(policy_dir, train_tasks, suite.make_env, predictor, config, i, draws,
+                     run_id="nightly").trees
     fit = fit_predictor(predictor, trees, draws)
     stats = update(model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference)
 
@@ -16,9 +16,8 @@ process or on another machine, draws what the loop would have drawn.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,38 +26,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task, TaskSuite
-from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import UpdateStats, update_policy
 from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
-from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.rollout.grow import GrowConfig
+from trace_core.rollout.phase import RolloutResult, run_rollout
+from trace_core.train.config import TrainConfig
+from trace_core.train.draws import IterationDraws
 from trace_core.train.evaluate import EvalReport, evaluate_policy
 from trace_core.train.warmstart import WarmstartConfig
-
-if TYPE_CHECKING:
-    from trace_core.train.loop import TrainConfig
-
-
-@dataclass(frozen=True)
-class IterationDraws:
-    """What iteration i draws at random, in the order it draws it."""
-
-    pool: tuple[int, ...]
-    """Indices into the train tasks of this iteration's candidate prompts."""
-    grow_seed: int
-    fit_seed: int
-    update_seed: int
-
-
-def draw_iteration(seed: int, iteration: int, tasks: int, pool_size: int) -> IterationDraws:
-    """The draws of ``iteration`` over ``tasks`` train tasks (module docstring)."""
-    if tasks < 1:
-        raise ValueError("no train tasks to draw a prompt pool from")
-    rng = np.random.default_rng([seed, iteration])
-    pool = tuple(int(j) for j in rng.permutation(tasks)[:pool_size])
-    grow_seed, fit_seed, update_seed = (int(rng.integers(2**31)) for _ in range(3))
-    return IterationDraws(pool, grow_seed, fit_seed, update_seed)
 
 
 def warmstart_config(config: TrainConfig, output: Path) -> WarmstartConfig:
@@ -86,33 +64,32 @@ def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Va
 
 
 def roll_out(
-    engine: Engine,
-    fmt: TurnFormat,
-    make_env: Callable[[], Env],
+    checkpoint: Path,
     tasks: Sequence[Task],
+    make_env: Callable[[], Env],
     predictor: ValuePredictor,
     config: TrainConfig,
     iteration: int,
     draws: IterationDraws,
     run_id: str,
-) -> list[RolloutTree]:
-    """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``."""
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    address: str | None = None,
+) -> RolloutResult:
+    """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``,
+    with the policy at ``checkpoint`` (or already in memory) on ``config.engine``."""
+    grow = GrowConfig(
+        config.strategy,
+        Budget(config.budget, config.continuations, config.group),
+        SamplingParams(max_tokens=config.max_tokens),  # temperature 1, no top-p
+        seed=draws.grow_seed,
+        run_id=run_id,
+        iteration=iteration,
+        policy_version=iteration - 1,
+    )
     pool = [tasks[j] for j in draws.pool]
-    return grow_trees(
-        engine,
-        fmt,
-        make_env,
-        pool,
-        predictor,
-        GrowConfig(
-            config.strategy,
-            Budget(config.budget, config.continuations, config.group),
-            SamplingParams(max_tokens=config.max_tokens),  # temperature 1, no top-p
-            seed=draws.grow_seed,
-            run_id=run_id,
-            iteration=iteration,
-            policy_version=iteration - 1,
-        ),
+    return run_rollout(
+        checkpoint, pool, make_env, predictor, grow, config.engine, address, model, tokenizer
     )
 
 

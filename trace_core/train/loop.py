@@ -33,148 +33,28 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from trace_core.algo.metrics import measure
-from trace_core.algo.plan import Budget, strategy
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint, save_checkpoint
-from trace_core.policy.torch_engine import TorchEngine
-from trace_core.policy.update import (
-    UpdateConfig,
-    UpdateStats,
-    load_optimizer,
-    make_optimizer,
-    save_optimizer,
-)
+from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
 from trace_core.policy.value import ValuePredictor
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
+from trace_core.train.config import TrainConfig
+from trace_core.train.draws import draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
+from trace_core.train.record import LOG, IterationRecord, read_log
 from trace_core.train.warmstart import warmstart
 
 LATEST = "latest"
 PREDICTOR = "predictor"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    task: str = "calc"
-    """Task suite: calc, multihop, bfcl, deepscaler or hotpotqa."""
-    data: str | None = None
-    """Dataset path or URI of the loader tasks."""
-    output: Path = Path("build/train/calc-trace")
-    """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
-    init: Path | str | None = None
-    """Policy to start from (HF directory; in the pipeline also an s3:// URI); None warm-starts
-    the tiny policy (calc, multihop)."""
-    strategy: str = "trace"
-    """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
-    iterations: int = 12
-    budget: int = 128
-    """M: root rollouts per iteration of a tree strategy; every strategy spends M(1 + N/2) units."""
-    continuations: int = 2
-    """N: continuations per root."""
-    group: int = 8
-    """Group size of the fixed-group strategies (grpo, pcl)."""
-    prompts: int = 512
-    """Candidate prompts drawn from the train split each iteration."""
-    max_tokens: int = 48
-    """Generated tokens per turn at most."""
-    seed: int = 0
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    eval_tasks: int = 300
-    """Held-out tasks evaluated (the first ones of the eval split)."""
-    eval_k: int = 4
-    """Samples per task for mean@k."""
-    eval_every: int = 2
-    """Evaluate after every this many iterations (and before the first, and after the last)."""
-    warmstart_steps: int = 1000
-    """SFT steps of the warm start (when ``init`` is None)."""
-    predictor: str = "hashed"
-    """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
-    train_workers: int = 0
-    """Ray Train workers for the policy update (0: in this process)."""
-    ray_address: str | None = None
-    """Ray head for ``train_workers`` (default: Ray started in this process)."""
-
-    def __post_init__(self) -> None:
-        if strategy(self.strategy).uses_true_value:
-            raise ValueError(f"strategy {self.strategy!r} needs the true V: simulator only")
-        Budget(self.budget, self.continuations, self.group)  # validates
-        if self.iterations < 1 or self.prompts < 1 or self.eval_every < 1:
-            raise ValueError("iterations, prompts and eval_every must be >= 1")
-        if self.predictor not in ("hashed", "embedding"):
-            raise ValueError(f"predictor must be hashed or embedding, got {self.predictor!r}")
-        if self.train_workers < 0:
-            raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
-        if self.eval_tasks < 1 or self.eval_k < 0:
-            raise ValueError("eval_tasks must be >= 1 and eval_k >= 0")
-        if self.init is None and self.task not in ("calc", "multihop"):
-            raise ValueError(
-                f"task {self.task!r} has no built-in warm start: pass a policy with --init"
-            )
-
-    def to_json(self) -> dict[str, object]:
-        out = asdict(self)
-        out["output"] = str(self.output)
-        out["init"] = str(self.init) if self.init else None
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, object]) -> TrainConfig:
-        """The config ``to_json`` wrote; an unknown or mistyped field is named in the error."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a train config is a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown train config field(s): {', '.join(unknown)}")
-        values = dict(data)
-        defaults = cls()
-        for name, value in values.items():
-            default = getattr(defaults, name)
-            if isinstance(default, bool | int | float) and not _same_kind(value, default):
-                raise ValueError(
-                    f"train config field {name!r}: expected {type(default).__name__}, got {value!r}"
-                )
-        if "output" in values:
-            values["output"] = Path(str(values["output"]))
-        if isinstance(values.get("update"), dict):
-            update = values["update"]
-            extra = sorted(set(update) - {f.name for f in fields(UpdateConfig)})
-            if extra:
-                raise ValueError(f"unknown update config field(s): {', '.join(extra)}")
-            values["update"] = UpdateConfig(**update)
-        try:
-            return cls(**values)  # type: ignore[arg-type]
-        except TypeError as err:
-            raise ValueError(f"train config: {err}") from None
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """One line of ``log.jsonl``."""
-
-    iteration: int
-    """0 is the starting policy (evaluation only); training iterations count from 1."""
-    strategy: str
-    tokens: int
-    """Generated rollout tokens of this iteration."""
-    total_tokens: int
-    """Generated rollout tokens of every iteration up to this one."""
-    rollout: dict[str, float]
-    update: dict[str, float]
-    eval: dict[str, object] | None
-    seconds: dict[str, float]
-    predictor: dict[str, float] = field(default_factory=dict)
-    """The predictor fit: rows, replayed rows, weighted MSE before and after."""
 
 
 def train(
@@ -221,21 +101,14 @@ def train(
         _append_log(out, records[0], fresh=True)
     train_tasks = suite.tasks("train")
     for i in range(done + 1, config.iterations + 1):
-        draws = iteration.draw_iteration(config.seed, i, len(train_tasks), config.prompts)
+        draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
         seconds: dict[str, float] = {}
-        start = time.perf_counter()
-        trees = iteration.roll_out(
-            TorchEngine(model),
-            fmt,
-            suite.make_env,
-            train_tasks,
-            predictor,
-            config,
-            i,
-            draws,
-            run_id=out.name,
-        )
-        seconds["rollout"] = time.perf_counter() - start
+        rollout = iteration.roll_out(
+            policy_dir, train_tasks, suite.make_env, predictor, config, i, draws,
+            run_id=out.name, model=model, tokenizer=tokenizer, address=config.ray_address,
+        )  # fmt: skip
+        trees, metrics = rollout.trees, rollout.metrics
+        seconds["rollout"] = rollout.seconds
         start = time.perf_counter()
         fit = iteration.fit_predictor(predictor, trees, draws)
         seconds["predictor"] = time.perf_counter() - start
@@ -254,7 +127,6 @@ def train(
             start = time.perf_counter()
             report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
             seconds["eval"] = time.perf_counter() - start
-        metrics = measure(trees)
         record = IterationRecord(
             iteration=i,
             strategy=config.strategy,
@@ -293,25 +165,13 @@ def read_latest(out: Path) -> int:
     return int(text)
 
 
-def read_log(out: Path) -> list[IterationRecord]:
-    path = out / "log.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            records.append(IterationRecord(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError) as err:
-            raise ValueError(f"{path}, line {n}: not an iteration record ({err})") from None
-    return records
-
-
 def _check_config(out: Path, config: TrainConfig) -> None:
-    """Write config.json on a new run; on a resumed one, refuse a different config."""
+    """Write config.json on a new run; on a resumed one, refuse a different config (a field
+    the stored config predates counts as its default)."""
     path = out / "config.json"
     current = config.to_json()
     if path.exists() and read_latest(out):
-        stored = json.loads(path.read_text())
+        stored = {**TrainConfig().to_json(), **json.loads(path.read_text())}
         changed = sorted(
             k for k in current if k not in ("iterations", "output") and stored.get(k) != current[k]
         )
@@ -351,7 +211,7 @@ def _commit_iteration(
 
 def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None:
     """Rewrite the log up to this record's iteration (a crashed run may have left a later line)."""
-    path = out / "log.jsonl"
+    path = out / LOG
     kept = [] if fresh else [r for r in read_log(out) if r.iteration < record.iteration]
     lines = [json.dumps(asdict(r)) for r in [*kept, record]]
     _write_atomic(path, "\n".join(lines) + "\n")
@@ -436,12 +296,3 @@ def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _same_kind(value: object, default: bool | int | float) -> bool:
-    """JSON's number kinds against a field's: an int is a float, a bool is neither."""
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    if isinstance(default, int):
-        return isinstance(value, int)
-    return isinstance(value, int | float)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trace_core.policy.update import UpdateConfig, UpdateStats
+from trace_core.policy.update import UpdateStats
+from trace_core.policy.update_config import UpdateConfig
 
 OPTIMIZER = "optimizer.safetensors"
 STATS = "update.json"

@@ -24,12 +24,10 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from trace_core.store.sync import download_folder, upload_folder
-
-if TYPE_CHECKING:
-    from trace_core.train.steps import PipelineConfig, StepCall
+from trace_core.store.uri import is_remote
+from trace_core.train.contract import PipelineConfig, StepCall
 
 PASSED_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT", "AWS_REGION")
 """Settings the job inherits from the submitting step (never credentials)."""
@@ -60,15 +58,13 @@ def submit_step(
     """Run ``call`` as a Ray job at ``config.ray_address``; returns the job's id."""
     from ray.job_submission import JobSubmissionClient
 
-    from trace_core.train.steps import StepCall
-
     write = log or (lambda text: print(text, end="", flush=True, file=sys.stdout))
     job_id = f"trace-{config.run_id}-{call.step}-{call.iteration:04d}-{uuid.uuid4().hex[:8]}"
     staging = f"{config.store.rstrip('/')}/staging/{job_id}"
     inputs = {}
     for name, location in call.inputs.items():
         uri = call.input_uris.get(name, "")
-        if uri.startswith(("s3://", "minio://")):
+        if is_remote(uri):
             inputs[name] = uri
         else:
             inputs[name] = f"{staging}/in/{name}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from trace_core.train.loop import IterationRecord
+from trace_core.train.record import IterationRecord
 
 HEAD_COLUMNS = (
     "iteration",

@@ -26,6 +26,7 @@ import torch
 from trace_core.envs.base import DemoSuite, Task, replay
 from trace_core.envs.calc import CalcSuite
 from trace_core.envs.multihop import MultihopSuite
+from trace_core.envs.suites import SYNTHETIC
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
@@ -42,7 +43,7 @@ def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
             return CalcSuite(seed=seed)
         case "multihop":
             return MultihopSuite(seed=seed)
-    raise ValueError(f"warm start needs a synthetic task (calc, multihop), got {name!r}")
+    raise ValueError(f"warm start needs a synthetic task ({', '.join(SYNTHETIC)}), got {name!r}")
 
 
 @dataclass(frozen=True)

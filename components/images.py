@@ -1,4 +1,4 @@
-"""The project's pinned settings the pipeline reads: the container images.
+"""The container images the components (and the Argo workflows) run in.
 
     image("TRACE_IMAGE")        # ghcr.io/trace-rl/trace:0.1.0, the CPU steps' base image
     image("TRACE_GPU_IMAGE")    # the rollout and update steps' base image

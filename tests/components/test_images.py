@@ -1,4 +1,4 @@
-"""``pipelines.settings``: image references come from images/images.env and nowhere else."""
+"""``components.images``: image references come from images/images.env and nowhere else."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import settings
+from components import images as settings
 
 
 def test_reads_the_images_file() -> None:

@@ -1,0 +1,68 @@
+"""``TrainConfig``: one JSON through every step, nested configs included, errors naming fields;
+and ``trace-rl train`` flags built from its fields (``trace_core.cli.options``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+
+from trace_core.cli import app
+from trace_core.cli.options import field_docs
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.rollout.engine_config import EngineConfig
+from trace_core.train.config import TrainConfig
+from trace_core.train.contract import PipelineParameters
+
+
+def test_json_round_trip_keeps_the_nested_configs() -> None:
+    config = TrainConfig(
+        budget=16, update=UpdateConfig(lr=3e-5), engine=EngineConfig("vllm", workers=4)
+    )
+    assert TrainConfig.from_json(config.to_json()) == config
+    assert config.to_json()["engine"]["workers"] == 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"engine": {"workers": "2"}}, "engine config field 'workers': expected int"),
+        ({"engine": {"gpus": 1}}, "unknown engine config field"),
+        ({"update": {"lr": True}}, "update config field 'lr': expected float"),
+        ({"budgett": 1}, "unknown train config field"),
+        ({"engine": {"engine": "tgi"}}, "engine must be one of"),
+    ],
+)
+def test_from_json_names_the_field(body: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_json(body)
+
+
+def test_the_pipeline_carries_the_engine_settings() -> None:
+    params = PipelineParameters(settings_json='{"engine": {"workers": 2, "gpus_per_worker": 1}}')
+    assert params.config().train.engine == EngineConfig(workers=2, gpus_per_worker=1)
+
+
+def test_train_flags_are_the_config_fields_with_their_docstrings() -> None:
+    command = get_command(app).commands["train"]  # type: ignore[attr-defined]
+    flags = {p.name: p for p in command.params}
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("update", "engine")]
+    nested = [f.name for kind in (UpdateConfig, EngineConfig) for f in dataclasses.fields(kind)]
+    assert set(flags) == {*fields, *nested, "threads"}
+    assert flags["lr"].default == UpdateConfig().lr and flags["budget"].default == 128
+    assert flags["output"].default == Path("build/train/calc-trace")
+    assert flags["workers"].help == field_docs(EngineConfig)["workers"]
+    assert flags["eval_k"].help == "Samples per task for mean@k."
+
+
+def test_a_refused_flag_is_one_error_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--budget", "1", "--output", str(out)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error:") and "budget" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists()  # refused before anything was written

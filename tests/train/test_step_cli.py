@@ -1,0 +1,430 @@
+"""``trace-rl step`` run end to end as the Argo containers run it: one process per step, the
+real command line (``BIN/trace-rl step STEP --config-json C --iteration I --input NAME=URI ...
+--output NAME=URI ...``; prep takes ``--param NAME=VALUE``), chained as the workflow chains them
+(pipelines/argo.py), with every step's files checked, not only its exit code::
+
+    prep ─► warmstart ─► evaluate (start) ∥ rollout 1 ─► fit-predictor 1 ∥ update 1
+         ─► evaluate (final, registers the run's checkpoint) ─► report
+         ─► prep again (now: load after iteration 1) ─► load (the registered checkpoint)
+
+once on local folders and once with every folder (and the checkpoint store) an s3:// prefix on
+the session's SeaweedFS server (tests/conftest.py); steps that run side by side in the workflow
+run side by side here. A tiny run: M=4 roots, N=2 continuations, 1 iteration, 20 SFT steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trace_core.envs.prompts import read_prompts
+from trace_core.envs.suites import make_suite
+from trace_core.store.artifacts import file_sha256, open_store
+from trace_core.store.registry import CheckpointRegistry
+from trace_core.store.schema import read_trees
+from trace_core.store.sync import download_folder
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+RUN = "cli-chain"
+BUDGET, CONTINUATIONS, EVAL_TASKS = 4, 2, 8
+SETTINGS = {
+    "warmstart_steps": 20,
+    "prompts": 16,
+    "eval_tasks": EVAL_TASKS,
+    "eval_k": 1,
+    "max_tokens": 16,
+    # A 20-step warm start earns (almost) no reward, so every advantage is 0: keep the flat
+    # paths and decay the weights, so that the update takes optimizer steps that change them.
+    "update": {"lr": 1e-2, "minibatch": 4, "skip_flat_paths": False, "weight_decay": 0.1},
+}
+STEP_TIMEOUT = 600
+# One torch thread per step (unless the caller sets it): on a small shared machine, and with
+# two steps side by side, torch's default of a thread per core makes each step several times
+# slower. What the steps compute does not depend on it.
+STEP_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+# --- running steps as the containers do ------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One ``trace-rl step`` command line, built as pipelines/argo.py builds a container's."""
+
+    step: str
+    config: str = ""
+    iteration: int = 0
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        args = [str(BIN / "trace-rl"), "step", self.step]
+        if self.step != "prep":
+            args += ["--config-json", self.config]
+        args += ["--iteration", str(self.iteration)]
+        for name, value in self.params.items():
+            args += ["--param", f"{name}={value}"]
+        for flag, folders in (("--input", self.inputs), ("--output", self.outputs)):
+            for name, uri in folders.items():
+                args += [flag, f"{name}={uri}"]
+        return args
+
+
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    output: str
+    """stdout and stderr together."""
+
+
+def run_steps(cwd: Path, logs: Path, *steps: Step) -> list[Done]:
+    """Run ``steps`` side by side (as the workflow's DAG does), each in its own process; wait
+    for all. Output goes to ``logs/STEP-ITERATION-N.log`` (and into ``Done``)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**STEP_ENV, **os.environ}
+    running = []
+    for s in steps:
+        log = logs / f"{s.step}-{s.iteration}-{len(list(logs.iterdir()))}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                s.argv(), cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+        running.append((process, log))
+    done = []
+    for process, log in running:
+        try:
+            process.wait(timeout=STEP_TIMEOUT)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        done.append(Done(process.returncode, log.read_text(errors="replace")))
+    return done
+
+
+def ok(cwd: Path, logs: Path, *steps: Step) -> None:
+    """``run_steps``, and each must have exited 0 with its ``STEP I: wrote ...`` line."""
+    for s, result in zip(steps, run_steps(cwd, logs, *steps), strict=True):
+        assert result.returncode == 0, f"{' '.join(s.argv())}\n{result.output[-6000:]}"
+        assert f"{s.step} {s.iteration}: wrote" in result.output, result.output[-3000:]
+
+
+# --- folders: local paths or s3:// prefixes --------------------------------------------------
+@dataclass(frozen=True)
+class Folders:
+    """The run's folders below ``root`` (a local path or s3://bucket/prefix), laid out as the
+    workflow's staging area; ``local`` copies a folder here to look at its files."""
+
+    root: str
+    scratch: Path
+
+    def __getitem__(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def named(self, *same: str, **renamed: str) -> dict[str, str]:
+        """Step folder names → URIs: ``named("prompts", policy="start/policy")``."""
+        return {**{n: self[n] for n in same}, **{n: self[p] for n, p in renamed.items()}}
+
+    @property
+    def remote(self) -> bool:
+        return self.root.startswith("s3://")
+
+    def keys(self, name: str) -> set[str]:
+        """What the folder holds, as the store lists it (relative keys)."""
+        return {o.key for o in open_store(self[name]).list_objects("")}
+
+    def local(self, name: str) -> Path:
+        if not self.remote:
+            return Path(self[name])
+        target = Path(tempfile.mkdtemp(prefix=name.replace("/", "-") + "-", dir=self.scratch))
+        download_folder(self[name], target)
+        return target
+
+
+def sha(folder: Path, name: str) -> str:
+    return file_sha256(folder / name)
+
+
+def read_json(path: Path) -> dict[str, object]:
+    body = json.loads(path.read_text())
+    assert isinstance(body, dict), path
+    return body
+
+
+def log_lines(policy: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (policy / "log.jsonl").read_text().splitlines() if line]
+
+
+def check_eval(result: Path, iteration: int) -> dict[str, object]:
+    report = read_json(result / "eval.json")
+    assert (report["tasks"], report["k"], report["iteration"]) == (EVAL_TASKS, 1, iteration)
+    for name in ("pass1", "mean_k"):
+        scores = report[name]
+        assert isinstance(scores, dict) and "all" in scores, report
+        assert all(0.0 <= float(v) <= 1.0 for v in scores.values()), report
+    assert isinstance(report["tokens"], int) and report["tokens"] > 0
+    return report
+
+
+# --- the chain -------------------------------------------------------------------------------
+def chain(f: Folders, store: str, cwd: Path) -> None:
+    """The whole workflow on ``f``'s folders, checking what each step promised."""
+    logs = f.scratch / "logs"
+    params = {
+        "task": "calc",
+        "strategy": "trace",
+        "budget": str(BUDGET),
+        "continuations": str(CONTINUATIONS),
+        "iterations": "1",
+        "seed": "0",
+        "run_name": RUN,
+        "store_uri": store,
+        "settings_json": json.dumps(SETTINGS),
+    }
+
+    # prep: the config every later step gets, where the policy starts, and the prompts.
+    ok(cwd, logs, Step("prep", params=params, outputs=f.named("prompts", result="prep")))
+    assert f.keys("prep") == {"config.json", "start", "start_iteration"}
+    assert f.keys("prompts") == {"train.parquet", "eval.parquet"}
+    prep = f.local("prep")
+    config_json = (prep / "config.json").read_text()
+    config = json.loads(config_json)
+    assert (config["run_name"], config["store"], config["ray_address"]) == (RUN, store, "")
+    train = config["train"]
+    assert (train["task"], train["budget"], train["continuations"]) == ("calc", BUDGET, 2)
+    assert (train["iterations"], train["eval_tasks"], train["warmstart_steps"]) == (1, 8, 20)
+    assert train["update"]["weight_decay"] == 0.1
+    assert (prep / "start").read_text() == "warmstart"
+    assert (prep / "start_iteration").read_text() == "0"
+    prompts = f.local("prompts")
+    suite = make_suite("calc", None, 0)
+    task, train_tasks = read_prompts(str(prompts / "train.parquet"))
+    eval_task, eval_tasks = read_prompts(str(prompts / "eval.parquet"))
+    assert (task, eval_task) == ("calc", "calc")
+    assert [t.id for t in train_tasks] == [t.id for t in suite.tasks("train")]
+    assert [t.id for t in eval_tasks] == [t.id for t in suite.tasks("eval")[:EVAL_TASKS]]
+
+    def step(
+        name: str,
+        iteration: int = 0,
+        inputs: Mapping[str, str] | None = None,
+        outputs: Mapping[str, str] | None = None,
+    ) -> Step:
+        return Step(name, config_json, iteration, inputs or {}, outputs or {})
+
+    # warmstart: the SFT'd tiny policy and the fresh predictor.
+    start = {"policy": f["start/policy"], "predictor": f["start/predictor"]}
+    ok(cwd, logs, step("warmstart", outputs=start))
+    policy_files = {"config.json", "model.safetensors", "tokenizer.json", "metrics.json"}
+    assert policy_files <= f.keys("start/policy")
+    assert {"value.json", "value.safetensors"} <= f.keys("start/predictor")
+    policy0, predictor0 = f.local("start/policy"), f.local("start/predictor")
+    warm = read_json(policy0 / "metrics.json")
+    assert warm["warmstart_steps"] == 20.0 and 0.0 <= float(warm["warmstart_success"]) <= 1.0
+    weights0 = load_file(str(policy0 / "model.safetensors"))
+    predictor0_sha = sha(predictor0, "value.safetensors")
+
+    # evaluate (start) beside rollout 1, as the workflow runs them.
+    trees, eval_start = f["iter-1/trees"], f.named(result="eval-start")
+    ok(
+        cwd,
+        logs,
+        step("evaluate", inputs=f.named("prompts", policy="start/policy"), outputs=eval_start),
+        step("rollout", 1, inputs={**f.named("prompts"), **start}, outputs={"trees": trees}),
+    )
+    assert f.keys("eval-start") == {"eval.json"}
+    start_eval = check_eval(f.local("eval-start"), iteration=0)
+    assert "checkpoint" not in start_eval  # the start's evaluation registers nothing
+    assert {"trees.parquet", "draws.json", "metrics.json"} <= f.keys("iter-1/trees")
+    trees1 = f.local("iter-1/trees")
+    grown = read_trees(trees1 / "trees.parquet")
+    assert grown and {t.info.iteration for t in grown} == {1}
+    assert {t.info.run_id for t in grown} == {RUN}
+    assert {t.info.prompt_id for t in grown} <= {t.id for t in train_tasks}
+    assert sum(t.units for t in grown) == BUDGET * (1 + CONTINUATIONS / 2)
+    rolled = read_json(trees1 / "metrics.json")
+    assert rolled["units"] == BUDGET * (1 + CONTINUATIONS / 2)
+    assert rolled["tokens"] == sum(t.generated_tokens for t in grown)
+    assert read_json(trees1 / "draws.json")["iteration"] == 1
+
+    # fit-predictor 1 beside update 1.
+    ok(
+        cwd,
+        logs,
+        step("fit-predictor", 1, {"trees": trees, **start}, f.named(predictor="iter-1/predictor")),
+        step(
+            "update",
+            1,
+            {"trees": trees, **f.named(policy="start/policy", reference="start/policy")},
+            f.named(policy="iter-1/policy"),
+        ),
+    )
+    predictor1 = f.local("iter-1/predictor")
+    assert {"value.json", "value.safetensors", "metrics.json"} <= f.keys("iter-1/predictor")
+    assert sha(predictor1, "value.safetensors") != predictor0_sha  # the fit changed it
+    assert read_json(predictor1 / "metrics.json")["iteration"] == 1.0
+    assert sha(f.local("start/predictor"), "value.safetensors") == predictor0_sha  # input kept
+    assert policy_files | {"optimizer.safetensors", "log.jsonl"} <= f.keys("iter-1/policy")
+    policy1 = f.local("iter-1/policy")
+    weights1 = load_file(str(policy1 / "model.safetensors"))
+    assert weights1.keys() == weights0.keys()
+    assert any(not torch.equal(weights0[k], weights1[k]) for k in weights0), (
+        "update changed nothing"
+    )
+    updated = read_json(policy1 / "metrics.json")
+    assert updated["iteration"] == 1.0 and updated["paths"] > 0 and updated["steps"] >= 1
+    (record,) = log_lines(policy1)
+    assert (record["iteration"], record["strategy"]) == (1, "trace")
+    assert record["tokens"] == rolled["tokens"]
+
+    # evaluate (final, with the predictor): registers policy-1 and predictor-1 under RUN.
+    final = f.named("prompts", policy="iter-1/policy", predictor="iter-1/predictor")
+    ok(cwd, logs, step("evaluate", inputs=final, outputs=f.named(result="eval-final")))
+    final_eval = check_eval(f.local("eval-final"), iteration=1)
+    registry = CheckpointRegistry(open_store(store))
+    checkpoint = registry.latest(RUN)
+    assert checkpoint is not None and checkpoint.iteration == 1
+    assert final_eval["checkpoint"] == registry.store.uri(checkpoint.key)
+    registered = {c.path: c.sha256 for c in checkpoint.files}
+    assert registered["policy/model.safetensors"] == sha(policy1, "model.safetensors")
+    assert registered["predictor/value.safetensors"] == sha(predictor1, "value.safetensors")
+
+    # report: the HTML tree view and the Markdown summary of the run.
+    inputs = f.named(
+        trees="iter-1/trees",
+        policy="iter-1/policy",
+        start_eval="eval-start",
+        final_eval="eval-final",
+    )
+    ok(cwd, logs, step("report", inputs=inputs, outputs=f.named("report")))
+    assert f.keys("report") == {"report.html", "summary.md"}
+    report = f.local("report")
+    html = (report / "report.html").read_text()
+    assert html.count('<section class="tree"') >= 1 and f"{RUN}: iteration 1" in html
+    summary = (report / "summary.md").read_text()
+    assert summary.startswith(f"# TRACE run {RUN}\n")
+    assert f"| start | {start_eval['pass1']['all']:.3f} |" in summary  # type: ignore[index]
+    assert f"| final | {final_eval['pass1']['all']:.3f} |" in summary  # type: ignore[index]
+    assert "\n| 1 |" in summary  # the iteration's line
+
+    # The next workflow of this run name: prep says load after iteration 1, load resumes.
+    again = f.named(prompts="run-2/prompts", result="run-2/prep")
+    ok(cwd, logs, Step("prep", params=params, outputs=again))
+    prep2 = f.local("run-2/prep")
+    assert (prep2 / "start").read_text() == "load"
+    assert (prep2 / "start_iteration").read_text() == "1"
+    resume = {"policy": f["run-2/start/policy"], "predictor": f["run-2/start/predictor"]}
+    ok(cwd, logs, step("load", outputs=resume))
+    loaded, loaded_predictor = f.local("run-2/start/policy"), f.local("run-2/start/predictor")
+    assert sha(loaded, "model.safetensors") == registered["policy/model.safetensors"]
+    assert sha(loaded, "model.safetensors") == sha(policy1, "model.safetensors")
+    assert sha(loaded, "optimizer.safetensors") == sha(policy1, "optimizer.safetensors")
+    assert sha(loaded_predictor, "value.safetensors") == sha(predictor1, "value.safetensors")
+    assert read_json(loaded / "metrics.json")["resumed_iteration"] == 1.0
+    assert [r["iteration"] for r in log_lines(loaded)] == [1]  # the log travels with it
+
+
+def test_steps_chained_on_local_folders(tmp_path: Path) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    folders = Folders(str(tmp_path / "staging"), tmp_path)
+    chain(folders, str(tmp_path / "store"), cwd)
+    assert not any(cwd.iterdir()), "a step wrote into its working directory"
+
+
+@pytest.mark.cluster
+def test_steps_chained_on_s3_folders(
+    s3_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Every folder and the checkpoint store an s3:// prefix: nothing goes through local disk
+    but each step's own scratch space."""
+    root = f"s3://trace/step-cli-{os.getpid()}-{request.node.name}"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    folders = Folders(f"{root}/staging", tmp_path / "fetched")
+    folders.scratch.mkdir()
+    chain(folders, f"{root}/store", cwd)
+    assert not any(cwd.iterdir()), "a step wrote into its working directory"
+    keys = {o.key for o in open_store(root).list_objects("")}
+    assert {
+        "staging/prompts/train.parquet",
+        "staging/iter-1/trees/trees.parquet",
+        "staging/iter-1/policy/model.safetensors",
+        "staging/report/summary.md",
+        f"store/checkpoints/{RUN}/latest.json",
+    } <= keys
+
+
+# --- what the workflow passes, and bad input -------------------------------------------------
+def test_prep_takes_every_workflow_parameter_at_its_default(tmp_path: Path) -> None:
+    """The Argo prep container passes ``--param NAME={{workflow.parameters.NAME}}`` for every
+    workflow parameter (pipelines/argo.py ``PARAMETERS``): several default to the empty string
+    (dataset_uri, base_model_uri, ray_address, run_name), which prep must take as unset."""
+    from pipelines.argo import PARAMETERS
+
+    params = {**PARAMETERS, "budget": str(BUDGET), "settings_json": json.dumps(SETTINGS)}
+    params["iterations"] = "1"
+    assert [k for k, v in params.items() if v == ""], "no empty default left to check"
+    outputs = {"prompts": str(tmp_path / "prompts"), "result": str(tmp_path / "prep")}
+    prep = Step("prep", params=params, outputs=outputs)
+    (result,) = run_steps(tmp_path, tmp_path / "logs", prep)
+    assert result.returncode == 0, result.output
+    assert (tmp_path / "prep" / "start").read_text() == "warmstart"
+    config = json.loads((tmp_path / "prep" / "config.json").read_text())
+    assert (config["run_name"], config["ray_address"], config["train"]["init"]) == ("", "", None)
+
+
+def one_error_line(result: Done) -> str:
+    """The failure as the CLI reports a bad input: exit 2 and nothing but one ``error:`` line
+    (which the console wraps at 160 columns: returned joined)."""
+    assert result.returncode == 2, result.output[-4000:]
+    assert "Traceback" not in result.output, result.output[-4000:]
+    lines = [line.strip() for line in result.output.splitlines() if line.strip()]
+    assert lines and lines[0].startswith("error: "), result.output[-4000:]
+    assert sum("error:" in line for line in lines) == 1, result.output[-4000:]
+    return " ".join(lines)
+
+
+CONFIG = '{"train": {}}'  # every TrainConfig default: the bad input is what fails
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown-step",
+        "missing-input-folder",
+        pytest.param("missing-s3-input", marks=pytest.mark.cluster),
+    ],
+)
+def test_bad_input_is_one_error_line(
+    case: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if case == "unknown-step":
+        bad = Step("grow", CONFIG, 1, {"prompts": str(tmp_path)}, {"trees": str(tmp_path / "t")})
+        line = one_error_line(run_steps(tmp_path, tmp_path / "logs", bad)[0])
+        assert "'grow'" in line and "rollout" in line  # names it and the steps there are
+        return
+    if case == "missing-input-folder":
+        missing = str(tmp_path / "no-such")
+    else:
+        request.getfixturevalue("s3_env")
+        missing = f"s3://trace/step-cli-{os.getpid()}-nothing-here"
+    inputs = {name: f"{missing}/{name}" for name in ("trees", "policy", "predictor")}
+    predictor = tmp_path / "predictor-out"
+    bad = Step("fit-predictor", CONFIG, 1, inputs, {"predictor": str(predictor)})
+    line = one_error_line(run_steps(tmp_path, tmp_path / "logs", bad)[0])
+    assert any(uri in line for uri in inputs.values()), line  # names the folder
+    missing_words = ("no such", "not found", "missing", "does not exist", "nothing")
+    assert any(word in line.lower() for word in missing_words), line  # and says it is missing
+    assert not predictor.exists() or not any(predictor.iterdir())  # nothing half-written

@@ -1,0 +1,27 @@
+"""``trace-rl``: the command line. Thin: parse flags, build a config, call one function, print.
+Each command group lives in its own module; this one lists every command, in one place.
+
+    trace-rl --help
+    trace-rl bench allocation --json out.json
+"""
+
+from __future__ import annotations
+
+import typer
+
+from trace_core.cli import bench, pipeline, tasks, training, trees
+
+app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
+app.add_typer(bench.app, name="bench")
+app.add_typer(tasks.task_app, name="task")
+app.add_typer(training.predictor_app, name="predictor")
+app.add_typer(trees.app, name="inspect")
+app.add_typer(pipeline.app, name="pipeline")
+app.command("warmstart")(tasks.warmstart_command)
+app.command("rollout-demo")(tasks.rollout_demo)
+app.command("prep")(tasks.prep_command)
+app.command("rollout")(tasks.rollout_command)
+app.command("train")(training.train_command)
+app.command("compare")(training.compare_command)
+app.command("run-local")(pipeline.run_local_command)
+app.command("step")(pipeline.step_command)

@@ -1,0 +1,425 @@
+"""``trace-rl bench ...``: every benchmark prints ratios against a baseline run in the same
+command, and writes its figures with ``--json``.
+
+    trace-rl bench allocation --prompts 2048 --budget 1024 --continuations 2 --json out.json
+    trace-rl bench allocator-speed --json speed.json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from trace_core.algo.plan import STRATEGIES
+from trace_core.bench.allocation import (
+    METRICS,
+    AllocationBenchConfig,
+    AllocationBenchResult,
+    run_allocation_bench,
+)
+from trace_core.bench.allocator_speed import (
+    DEFAULT_SIZES,
+    DP_MAX_PROMPTS,
+    LARGE_SIZE,
+    SpeedRow,
+    rows_to_json,
+)
+from trace_core.bench.allocator_speed import run_allocator_speed as _run_speed
+from trace_core.cli.output import console, expected_errors, fail, progress, write_json
+from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
+
+app = typer.Typer(help="Benchmarks that print ratios against a baseline run alongside.")
+
+
+@app.command("allocation")
+def bench_allocation(
+    prompts: Annotated[int, typer.Option(help="B: candidate prompts per iteration.")] = 2048,
+    budget: Annotated[int, typer.Option(help="M: root rollouts of a tree strategy.")] = 1024,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    difficulty: Annotated[str, typer.Option(help="Prompt success probability, beta:a,b.")] = (
+        "beta:0.4,0.4"
+    ),
+    turns: Annotated[str, typer.Option(help="Turns per episode, lo,hi.")] = "2,6",
+    seeds: Annotated[int, typer.Option(help="Independent repetitions.")] = 3,
+    iterations: Annotated[int, typer.Option(help="Iterations per seed (1st is warm-up).")] = 4,
+    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to run.")] = ",".join(
+        STRATEGIES
+    ),
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG bar chart here.")] = None,
+) -> None:
+    """Every strategy at an equal rollout budget on the simulator (mean ± std over seeds)."""
+    with expected_errors():
+        config = AllocationBenchConfig(
+            prompts=prompts,
+            budget=budget,
+            continuations=continuations,
+            group=group,
+            sim=SimConfig(difficulty=parse_beta(difficulty), turns=parse_range(turns, "turns")),
+            seeds=seeds,
+            iterations=iterations,
+            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        )
+    with progress() as bar:
+        task = bar.add_task("simulating", total=seeds * iterations * len(config.strategies))
+        result = run_allocation_bench(
+            config, progress=lambda name: bar.update(task, advance=1, description=name)
+        )
+    console.print(_allocation_table(result))
+    write_json(json_path, result.to_json())
+    if plot:
+        _plot_allocation(result, plot)
+        console.print(f"wrote {plot}")
+
+
+def _allocation_table(result: AllocationBenchResult) -> Table:
+    c = result.config
+    table = Table(
+        title=(
+            f"Equal budget: B={c.prompts} prompts, M={c.budget} roots × N={c.continuations}"
+            f" → {c.budget * (1 + c.continuations / 2):g} units; {c.seeds} seeds × "
+            f"{c.iterations} iterations"
+        )
+    )
+    heads = ["prompt eff.", "anchor eff.", "mixed/100u", "contrast pairs", "units", "tokens"]
+    table.add_column("strategy")
+    for head in heads:
+        table.add_column(head, justify="right")
+    ratios = [b for b in ("grpo", "oracle") if b in result.strategies]
+    for base in ratios:
+        table.add_column(f"mixed/100u ÷ {base}", justify="right")
+    for name, metrics in result.strategies.items():
+        cells = []
+        for metric in METRICS:
+            s = metrics[metric]
+            fmt = ".3f" if "ratio" in metric else (".2f" if "per_100" in metric else ",.0f")
+            cells.append(f"{s.mean:{fmt}} ± {s.std:{fmt}}")
+        for base in ratios:
+            denominator = result.strategies[base]["mixed_per_100_units"].mean
+            mine = metrics["mixed_per_100_units"].mean
+            cells.append(f"{mine / denominator:.2f}×" if denominator else "—")
+        table.add_row(name, *cells)
+    return table
+
+
+def _plot_allocation(result: AllocationBenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result.strategies)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, label in (
+        (axes[0], "mixed_per_100_units", "mixed groups per 100 rollout units"),
+        (axes[1], "prompt_effective_ratio", "prompt effective ratio"),
+    ):
+        means = [result.strategies[n][metric].mean for n in names]
+        stds = [result.strategies[n][metric].std for n in names]
+        ax.bar(names, means, yerr=stds, color="#4c72b0", capsize=3)
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@app.command("allocator-speed")
+def bench_allocator_speed(
+    sizes: Annotated[str, typer.Option(help="Pool sizes B (M = 4B), comma-separated.")] = ",".join(
+        map(str, DEFAULT_SIZES)
+    ),
+    large: Annotated[int, typer.Option(help="Fast solver alone at this B (0: skip).")] = (
+        LARGE_SIZE
+    ),
+    dp_max_prompts: Annotated[
+        int, typer.Option(help="Largest B the O(B·M²) DP is run at; larger ones are estimated.")
+    ] = DP_MAX_PROMPTS,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The paper's DP against the exact fast solver: seconds and DP/fast ratio."""
+    try:
+        size_list = tuple(int(s) for s in sizes.split(",") if s.strip())
+    except ValueError:
+        raise fail(f"--sizes must be comma-separated integers, got {sizes!r}") from None
+    with console.status("timing solvers") as status, expected_errors():
+        rows = _run_speed(
+            size_list, large or None, dp_max_prompts, progress=lambda msg: status.update(msg)
+        )
+    console.print(_speed_table(rows))
+    write_json(json_path, rows_to_json(rows))
+
+
+def _speed_table(rows: list[SpeedRow]) -> Table:
+    table = Table(title="Stage-1 root allocation: paper's DP vs exact fast solver (M = 4B)")
+    for head in ("B", "M", "fast s", "DP s", "DP / fast", "objective gap"):
+        table.add_column(head, justify="right")
+    for r in rows:
+        if r.dp_seconds is not None:
+            dp, ratio = f"{r.dp_seconds:.3f}", f"{r.speedup:,.0f}×"
+        elif r.dp_estimated_seconds is not None:
+            dp, ratio = f"~{r.dp_estimated_seconds:,.3g} (est., not run)", "—"
+        else:
+            dp, ratio = "not run", "—"
+        gap = "—" if r.objective_gap is None else f"{r.objective_gap:.1e}"
+        table.add_row(f"{r.prompts:,}", f"{r.budget:,}", f"{r.fast_seconds:.4f}", dp, ratio, gap)
+    return table
+
+
+@app.command("engine")
+def bench_engine(
+    batch: Annotated[int, typer.Option(help="Prompts decoded together.")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Python with vLLM to time it too (default: .venv-vllm/bin/python if it exists)."
+        ),
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy; prefill on a tree."""
+    from trace_core.bench.engine import run_engine_bench
+
+    default_vllm = Path(".venv-vllm/bin/python")
+    if vllm_python is None and default_vllm.is_file():
+        vllm_python = default_vllm
+    if vllm_python is None:
+        console.print("vLLM: not timed (no .venv-vllm here: make test-vllm creates it)")
+    with console.status("timing engines" + (" (vLLM starts in ≈20-40 s)" if vllm_python else "")):
+        result = run_engine_bench(
+            batch=batch, new_tokens=new_tokens, threads=threads or None, vllm_python=vllm_python
+        )
+    table = Table(title=f"Tiny policy, batch {batch} × {new_tokens} new tokens")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key, value in result.items():
+        table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}")
+    console.print(table)
+    write_json(json_path, result)
+
+
+@app.command("contrast")
+def bench_contrast(
+    checkpoint: Annotated[Path, typer.Option(help="Warm-started policy directory.")] = Path(
+        "build/policy/calc"
+    ),
+    task: Annotated[str, typer.Option(help="Task suite.")] = "calc",
+    prompts: Annotated[int, typer.Option(help="Candidate prompts per pool.")] = 512,
+    budget: Annotated[int, typer.Option(help="M: root rollouts of a tree strategy.")] = 128,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    iterations: Annotated[int, typer.Option(help="Iterations (1st is warm-up).")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of pools and sampling.")] = 0,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Every strategy at equal budget with the real policy, engine and task."""
+    import torch
+
+    from trace_core.bench.contrast import ContrastBenchConfig, run_contrast_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    if not (checkpoint / "config.json").exists():
+        raise fail(f"no policy at {checkpoint}: run `trace-rl warmstart --output {checkpoint}`")
+    with expected_errors():
+        config = ContrastBenchConfig(
+            checkpoint, task, prompts, budget, continuations, group, iterations, seed
+        )
+    with progress() as bar:
+        job = bar.add_task("rolling out", total=iterations * len(config.strategies))
+        result = run_contrast_bench(
+            config, progress=lambda name: bar.update(job, advance=1, description=name)
+        )
+    table = Table(
+        title=f"{task}, equal budget: M={budget} roots × N={continuations} → "
+        f"{budget * (1 + continuations / 2):g} units; real policy and env "
+        "(paper, math: prompt effective ratio 26.8% GRPO → 60.6% TRACE)"
+    )
+    table.add_column("strategy")
+    for head in ("prompt eff.", "anchor eff.", "mixed/100u", "÷ grpo", "tokens", "tokens/s"):
+        table.add_column(head, justify="right")
+    base = result.strategies.get("grpo", {}).get("mixed_per_100_units")
+    for name, m in result.strategies.items():
+        ratio = m["mixed_per_100_units"].mean / base.mean if base and base.mean else float("nan")
+        table.add_row(
+            name,
+            f"{m['prompt_effective_ratio'].mean:.3f}",
+            f"{m['anchor_effective_ratio'].mean:.3f}",
+            f"{m['mixed_per_100_units'].mean:.2f} ± {m['mixed_per_100_units'].std:.2f}",
+            f"{ratio:.2f}×",
+            f"{m['tokens'].mean:,.0f}",
+            f"{m['tokens_per_s'].mean:,.0f}",
+        )
+    console.print(table)
+    write_json(json_path, result.to_json())
+
+
+@app.command("workers")
+def bench_workers(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    prompts: Annotated[int, typer.Option(help="Candidate prompts in the pool.")] = 256,
+    budget: Annotated[int, typer.Option(help="M: root rollouts.")] = 256,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    repeats: Annotated[int, typer.Option(help="Timed runs per engine; the best counts.")] = 3,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), and the ratio."""
+    from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+
+    with expected_errors():
+        config = WorkersBenchConfig(
+            checkpoint,
+            prompts=prompts,
+            roots=budget,
+            continuations=continuations,
+            max_tokens=max_tokens,
+            repeats=repeats,
+        )
+    with console.status("timing rollouts") as status:
+        result = run_workers_bench(config, progress=lambda msg: status.update(msg))
+    table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")
+    heads = ("engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved")
+    for head in heads:
+        table.add_column(head, justify="right")
+    for r in result.runs:
+        table.add_row(
+            r.engine,
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.generated_tokens:,}",
+            f"{r.seconds:.2f}",
+            f"{r.engine_calls}",
+            f"{r.busy_share:.2f}",
+            f"{r.imbalance_share:.2f}",
+            f"{r.affinity_moved}",
+        )
+    console.print(table)
+    console.print(
+        f"ray×{config.workers[-1]} / ray×{config.workers[0]}: {result.ratio:.2f}×; "
+        f"load average {result.load_average[0]:.1f} → {result.load_average[1]:.1f} "
+        f"on {result.cpus} CPUs"
+    )
+    write_json(json_path, result.to_json())
+
+
+@app.command("predictor")
+def bench_predictor(
+    trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
+    featurizer: Annotated[str, typer.Option(help="hashed, embedding or both.")] = "hashed",
+    checkpoint: Annotated[
+        Path, typer.Option(help="Policy directory whose tokenizer wrote the trees.")
+    ] = Path("build/policy/calc"),
+    heldout: Annotated[float, typer.Option(help="Share of prompt ids held out.")] = 0.25,
+    hidden: Annotated[int, typer.Option(help="MLP hidden width (0: logistic).")] = 64,
+    epochs: Annotated[int, typer.Option(help="Passes over the training rows.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the split, weights and batches.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Held-out Brier score and AUC of the predictor, roots and unseen prefixes, vs a constant."""
+    from trace_core.bench.predictor import (
+        PredictorBenchConfig,
+        load_policy_tokenizer,
+        run_predictor_bench,
+        tree_paths,
+        value_config,
+    )
+
+    names = ("hashed", "embedding") if featurizer == "both" else (featurizer,)
+    with expected_errors():
+        tokenizer = load_policy_tokenizer(checkpoint)
+        value = value_config(tokenizer, names[0], hidden, epochs)
+        config = PredictorBenchConfig(tree_paths(trees), value, names, heldout, seed)
+    with console.status("fitting") as status, expected_errors():
+        result = run_predictor_bench(
+            config, tokenizer, progress=lambda name: status.update(f"fitting {name}")
+        )
+    table = Table(
+        title=f"Success predictor on {result.heldout_trees} held-out trees "
+        f"({result.train_trees} train, {result.prompts} prompts; pairs = node × descendant leaf)"
+    )
+    heads = ("nodes", "pairs", "success", "Brier", "Brier const", "skill", "AUC", "fit s")
+    table.add_column("predictor")
+    table.add_column("nodes of")
+    for head in heads:
+        table.add_column(head, justify="right")
+    for name, run in result.runs.items():
+        for label, s in (("roots", run.report.roots), ("unseen prefixes", run.report.prefixes)):
+            table.add_row(
+                name,
+                label,
+                f"{s.nodes:,}",
+                f"{s.pairs:,}",
+                f"{s.success_rate:.3f}",
+                f"{s.brier:.4f}",
+                f"{s.brier_constant:.4f}",
+                f"{s.brier_skill:+.3f}",
+                f"{s.auc:.3f}",
+                f"{run.fit_seconds:.1f}",
+            )
+    console.print(table)
+    write_json(json_path, result.to_json())
+
+
+@app.command("store")
+def bench_store(
+    trees: Annotated[int, typer.Option(help="N: simulator trees in both formats.")] = 1000,
+    query_nodes: Annotated[int, typer.Option(help="Nodes the query filters (0: skip).")] = (
+        1_000_000
+    ),
+    repeats: Annotated[int, typer.Option(help="Timed reads and queries; the best counts.")] = 5,
+    s3: Annotated[
+        str, typer.Option(help="auto (SeaweedFS on 127.0.0.1), none, or s3://bucket/prefix.")
+    ] = "auto",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Parquet vs JSON Lines (bytes, seconds, ratios) locally and on S3; a query over 1M nodes."""
+    from trace_core.bench.store import StoreBenchConfig, run_store_bench
+
+    with expected_errors():
+        config = StoreBenchConfig(trees=trees, query_nodes=query_nodes, repeats=repeats, s3=s3)
+    with expected_errors(RuntimeError), console.status("benchmarking storage") as status:
+        result = run_store_bench(config, progress=lambda m: status.update(m))
+    table = Table(title=f"{result.trees:,} simulator trees, {result.nodes:,} nodes")
+    heads = (
+        "where",
+        "data",
+        "Parquet MB",
+        "JSONL MB",
+        "size ×",
+        "Parquet read s",
+        "JSONL read s",
+        "read ×",
+        "Parquet write s",
+        "JSONL write s",
+    )
+    for head in heads:
+        table.add_column(head, justify="right")
+    for r in result.formats:
+        table.add_row(
+            r.where,
+            r.data,
+            f"{r.parquet_bytes / 1e6:.2f}",
+            f"{r.jsonl_bytes / 1e6:.2f}",
+            f"{r.size_ratio:.1f}×",
+            f"{r.parquet_read_seconds:.3f}",
+            f"{r.jsonl_read_seconds:.3f}",
+            f"{r.read_speedup:.1f}×",
+            f"{r.parquet_write_seconds:.3f}",
+            f"{r.jsonl_write_seconds:.3f}",
+        )
+    console.print(table)
+    for q in result.queries:
+        console.print(
+            f"query ({q.where}): {q.nodes:,} nodes ({q.file_bytes / 1e6:.0f} MB file) → "
+            f"{q.rows:,} rows in {q.seconds:.3f} s"
+        )
+    for note in result.notes:
+        console.print(note)
+    write_json(json_path, result.to_json())

@@ -1,0 +1,263 @@
+"""Tasks, warm start and rollouts: ``trace-rl task check``, ``warmstart``, ``rollout-demo``,
+``prep`` (a task's prompts as Parquet) and ``rollout`` (one budgeted rollout phase).
+
+    trace-rl task check calc
+    trace-rl warmstart --task calc --output build/policy/calc
+    trace-rl rollout --checkpoint build/policy/calc --strategy trace --budget 64 --workers 2
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from trace_core.cli.options import config_options
+from trace_core.cli.output import console, expected_errors, fail, progress, write_json
+from trace_core.rollout.engine_config import EngineConfig
+
+task_app = typer.Typer(help="Task suites: calc, multihop, bfcl, deepscaler, hotpotqa.")
+
+
+@task_app.command("check")
+def task_check(
+    task: Annotated[str, typer.Argument(help="calc, multihop, bfcl, deepscaler or hotpotqa.")],
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (deepscaler, hotpotqa).")] = (
+        None
+    ),
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Replay every task's reference solution through its env; 1.0 is expected."""
+    from trace_core.envs.suites import check_references, make_suite
+
+    with expected_errors():
+        suite = make_suite(task, data)
+        with console.status(f"replaying {task} references"):
+            report = check_references(suite)
+    table = Table(title=f"{task}: {report.tasks} reference episodes")
+    table.add_column("difficulty")
+    table.add_column("mean reward", justify="right")
+    for label, value in report.by_difficulty.items():
+        table.add_row(label, f"{value:.3f}")
+    table.add_row("all", f"{report.mean_reward:.3f}")
+    console.print(table)
+    if report.without_reference:
+        console.print(f"{report.without_reference} tasks have no reference and were not replayed")
+    if report.failed:
+        console.print(f"[red]not solved by their reference:[/red] {', '.join(report.failed)}")
+    write_json(json_path, report.to_json())
+
+
+def warmstart_command(
+    task: Annotated[str, typer.Option(help="Synthetic task: calc or multihop.")] = "calc",
+    output: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path(
+        "build/policy/calc"
+    ),
+    steps: Annotated[int, typer.Option(help="SFT optimizer steps.")] = 1000,
+    demos: Annotated[int, typer.Option(help="Demonstration episodes.")] = 6000,
+    seed: Annotated[int, typer.Option(help="Seed of tasks, demos, weights, sampling.")] = 0,
+    eval_tasks: Annotated[int, typer.Option(help="Eval tasks in the success report.")] = 200,
+    eval_samples: Annotated[int, typer.Option(help="Sampled episodes per eval task.")] = 4,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+) -> None:
+    """SFT of the tiny policy on scripted demos; prints eval success per difficulty."""
+    from dataclasses import asdict
+
+    from trace_core.policy.sft import SFTConfig
+    from trace_core.train.warmstart import WarmstartConfig, set_threads, warmstart
+
+    set_threads(threads)
+    with expected_errors():
+        config = WarmstartConfig(
+            task=task,
+            output=output,
+            seed=seed,
+            demos=demos,
+            sft=SFTConfig(steps=steps, seed=seed),
+            eval_tasks=eval_tasks,
+            eval_samples=eval_samples,
+        )
+    with progress() as bar:
+        job = bar.add_task("warm start (SFT)", total=steps)
+        report = warmstart(
+            config,
+            progress=lambda step, loss: bar.update(
+                job, completed=step + 1, description=f"warm start (SFT) loss {loss:.3f}"
+            ),
+        )
+    table = Table(
+        title=f"{task} warm start: {report.steps} steps in {report.train_seconds:.0f} s, "
+        f"final loss {report.final_loss:.3f} → {report.checkpoint}"
+    )
+    for head in ("difficulty", "demo success", "policy success (eval)"):
+        table.add_column(head, justify="right")
+    for label, value in report.success.items():
+        table.add_row(label, f"{report.demo_success.get(label, float('nan')):.2f}", f"{value:.2f}")
+    console.print(table)
+    write_json(json_path, asdict(report))
+
+
+def rollout_demo(
+    task: Annotated[str, typer.Option(help="Synthetic task: calc or multihop.")] = "calc",
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Policy directory; warm-started here if missing.")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Eval tasks to roll out.")] = 3,
+    samples: Annotated[int, typer.Option(help="Episodes per task.")] = 2,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Sample a few flat multi-turn rollouts with the tiny policy and print them."""
+    from trace_core.policy.engine import SamplingParams
+    from trace_core.policy.format import TurnFormat
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.torch_engine import TorchEngine
+    from trace_core.rollout.flat import rollout_flat
+    from trace_core.train.warmstart import WarmstartConfig, synthetic_suite, warmstart
+
+    path = checkpoint or Path(f"build/policy/{task}")
+    with expected_errors():
+        suite = synthetic_suite(task)
+    if not (path / "config.json").exists():
+        console.print(f"no policy at {path}: warm-starting one first")
+        with console.status("warm start"):
+            warmstart(WarmstartConfig(task=task, output=path))
+    model, tokenizer = load_checkpoint(path)
+    fmt = TurnFormat(tokenizer)
+    tasks = suite.tasks("eval")[:prompts]
+    trees = rollout_flat(
+        TorchEngine(model), fmt, suite.make_env, tasks, SamplingParams(n=samples), seed
+    )
+    for task_, tree in zip(tasks, trees, strict=True):
+        console.rule(f"{task_.id} ({task_.difficulty}) — answer {task_.answer}")
+        console.print(f"[bold]prompt:[/bold] {task_.prompt}")
+        for first in tree.children()[0]:
+            node = int(first)
+            while True:
+                console.print(f"  [cyan]agent:[/cyan] {tree.text[node]}")
+                console.print(f"  [magenta]env:[/magenta]   {tree.observation[node]}")
+                kids = tree.children()[node]
+                if not len(kids):
+                    console.print(f"  [bold]reward {tree.reward[node]:.0f}[/bold]")
+                    break
+                node = int(kids[0])
+
+
+def prep_command(
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    split: Annotated[str, typer.Option(help="train or eval.")] = "train",
+    limit: Annotated[int, typer.Option(help="Keep the first N tasks (0: all).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic generators.")] = 0,
+    output: Annotated[Path, typer.Option(help="Prompt Parquet to write.")] = Path(
+        "build/prompts/calc-train.parquet"
+    ),
+) -> None:
+    """Data prep: a task's prompts (one split) as a Parquet file for `trace-rl rollout`."""
+    from trace_core.envs.prompts import write_prompts
+    from trace_core.envs.suites import make_suite
+
+    if split not in ("train", "eval"):
+        raise fail(f"--split must be train or eval, got {split!r}")
+    with expected_errors():
+        tasks = make_suite(task, data, seed).tasks(split)  # type: ignore[arg-type]
+        tasks = tasks[:limit] if limit else tasks
+        write_prompts(output, task, tasks)
+    console.print(f"wrote {len(tasks)} {task} {split} prompts to {output}")
+
+
+@config_options(EngineConfig)
+def rollout_command(
+    config: EngineConfig,
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
+        "calc"
+    ),
+    data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
+    prompt_file: Annotated[
+        str | None,
+        typer.Option(help="Prompt Parquet (from `trace-rl prep`, path or s3://): the pool."),
+    ] = None,
+    predictor_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--predictor",
+            help="Success predictor folder (`trace-rl predictor fit`, or a training "
+            "iteration's predictor/); default: a constant 0.5.",
+        ),
+    ] = None,
+    strategy: Annotated[str, typer.Option(help="Allocation strategy.")] = "trace",
+    budget: Annotated[int, typer.Option(help="M: root rollouts (tree strategies).")] = 64,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    group: Annotated[int, typer.Option(help="Group size of fixed-group strategies.")] = 8,
+    prompts: Annotated[int, typer.Option(help="Candidate prompts in the pool.")] = 256,
+    split: Annotated[str, typer.Option(help="Which split the pool is drawn from.")] = "train",
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Seed of the pool, plan and sampling.")] = 0,
+    output: Annotated[Path, typer.Option(help="Parquet file of the trees.")] = Path(
+        "build/rollout/trees.parquet"
+    ),
+    metrics: Annotated[Path, typer.Option(help="Metrics JSON.")] = Path(
+        "build/rollout/metrics.json"
+    ),
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="Ray head (host:port) for --workers; default: Ray started in this process.",
+        ),
+    ] = None,
+) -> None:
+    """One rollout phase: grow budgeted trees with the policy; write Parquet and metrics."""
+    import numpy as np
+
+    from trace_core.algo.plan import Budget
+    from trace_core.envs.prompts import read_prompts
+    from trace_core.envs.suites import make_suite
+    from trace_core.policy.engine import SamplingParams
+    from trace_core.rollout.grow import GrowConfig
+    from trace_core.rollout.phase import run_rollout
+    from trace_core.store.schema import write_trees
+
+    if split not in ("train", "eval"):
+        raise fail(f"--split must be train or eval, got {split!r}")
+    with expected_errors():
+        file_tasks = None
+        if prompt_file:
+            task, file_tasks = read_prompts(prompt_file)
+        suite = make_suite(task, data, seed)
+        grow = GrowConfig(
+            strategy,
+            Budget(budget, continuations, group),
+            SamplingParams(max_tokens=max_tokens, temperature=temperature),
+            seed=seed,
+        )
+    tasks = file_tasks or suite.tasks("train" if split == "train" else "eval")
+    rng = np.random.default_rng(seed)
+    pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
+    where = f"{config.workers} Ray engine workers" if config.workers else "the engine"
+    with expected_errors(RuntimeError, ConnectionError), progress() as bar:
+        job = bar.add_task(f"rollout units ({where})", total=grow.budget.units)
+        result = run_rollout(
+            checkpoint, pool, suite.make_env, predictor_dir, grow, config, ray_address,
+            progress=lambda spent: bar.update(job, completed=spent),
+        )  # fmt: skip
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_trees(output, result.trees)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(
+        json.dumps({"strategy": strategy, **result.metrics.as_dict()}, indent=2) + "\n"
+    )
+    m = result.metrics
+    console.print(
+        f"{len(result.trees)} trees, {m.units:g} units, {m.tokens:,} tokens; "
+        f"prompt effective ratio {m.prompt_effective_ratio:.3f}, "
+        f"mixed groups per 100 units {m.mixed_per_100_units:.2f}"
+    )
+    console.print(f"wrote {output} and {metrics}")

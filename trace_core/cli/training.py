@@ -1,0 +1,179 @@
+"""Training: ``trace-rl train`` (one run, resumable), ``trace-rl compare`` (every strategy from
+one start), ``trace-rl predictor fit``. Their flags are ``TrainConfig``'s fields (and its
+``update`` and ``engine`` configs'), declared once there.
+
+    trace-rl train --task calc --strategy trace --iterations 12 --output build/train/calc-trace
+    trace-rl compare --task calc --seeds 3 --iterations 10 --json build/compare.json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from trace_core.cli.options import config_options
+from trace_core.cli.output import console, expected_errors, progress, write_json
+from trace_core.train.config import TrainConfig
+
+predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it on stored trees.")
+
+
+@config_options(TrainConfig, types={"init": Path | None})
+def train_command(
+    config: TrainConfig,
+    threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+) -> None:
+    """Warm start, then K iterations of rollout → fit predictor → update policy → evaluate."""
+    from trace_core.train.loop import plot_run, train
+    from trace_core.train.warmstart import set_threads
+
+    set_threads(threads)
+    output, task, strategy, eval_k = config.output, config.task, config.strategy, config.eval_k
+    with expected_errors(), progress() as bar:
+        job = bar.add_task("training", total=config.iterations)
+
+        def report(message: str) -> None:
+            console.print(message)
+            if message.startswith("iteration "):
+                bar.update(job, completed=int(message.split()[1].split("/")[0]))
+
+        records = train(config, progress=report)
+    plot_run(records, output / "curves.png")
+    first, last = records[0].eval, next(r.eval for r in reversed(records) if r.eval)
+    assert first is not None and last is not None
+    table = Table(title=f"{task} · {strategy}: held-out success before and after")
+    for head in ("", "pass@1", f"mean@{eval_k}", "generated tokens"):
+        table.add_column(head, justify="right")
+    table.add_row("start", f"{first['pass1']['all']:.3f}", _mean_k(first), "0")  # type: ignore[index]
+    table.add_row(
+        f"iteration {records[-1].iteration}",
+        f"{last['pass1']['all']:.3f}",  # type: ignore[index]
+        _mean_k(last),
+        f"{records[-1].total_tokens:,}",
+    )
+    console.print(table)
+    console.print(f"wrote {output}/log.jsonl and {output}/curves.png")
+
+
+def _mean_k(report: dict[str, object]) -> str:
+    values = report["mean_k"]
+    return f"{values['all']:.3f}" if values else "-"  # type: ignore[index]
+
+
+COMPARE_SKIP = {
+    *("data", "output", "init", "strategy", "seed", "train_workers", "engine", "ray_address"),
+}
+"""Fields a comparison sets itself: every run starts from one policy, with its own seed and
+strategy, in a folder of its own, in one process each."""
+
+
+@config_options(TrainConfig, skip=COMPARE_SKIP)
+def compare_command(
+    run: TrainConfig,
+    output: Annotated[Path, typer.Option(help="Folder of every run (resumable).")] = Path(
+        "build/compare"
+    ),
+    init: Annotated[
+        Path | None, typer.Option(help="Starting policy (HF dir); default: one warm start.")
+    ] = None,
+    strategies: Annotated[
+        str, typer.Option(help="Comma-separated strategies.")
+    ] = "trace,grpo,pcl,treepo",
+    seeds: Annotated[int, typer.Option(help="Seeds per strategy.")] = 3,
+    parallel: Annotated[int, typer.Option(help="Runs at once (one process each).")] = 2,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Plot PNG.")] = Path("build/compare.png"),
+) -> None:
+    """Every strategy from the same warm start, seeds and budget: table, plot, JSON."""
+    from trace_core.train.compare import (
+        METRICS as COMPARE_METRICS,
+    )
+    from trace_core.train.compare import (
+        CompareConfig,
+        plot_compare,
+        run_compare,
+    )
+
+    with expected_errors():
+        config = CompareConfig(
+            task=run.task,
+            output=output,
+            init=init,
+            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+            seeds=seeds,
+            parallel=parallel,
+            run=run,
+        )
+    with console.status("training every strategy") as status:
+        result = run_compare(config, progress=lambda m: status.update(m))
+    table = Table(
+        title=f"{run.task}: {seeds} seeds × {run.iterations} iterations, M={run.budget} "
+        f"N={run.continuations}"
+    )
+    table.add_column("strategy")
+    for metric in COMPARE_METRICS:
+        table.add_column(metric.replace("_", " "), justify="right")
+    for name, row in result.strategies.items():
+        table.add_row(
+            name,
+            *(
+                f"{row[m]['mean']:.3f} ± {row[m]['std']:.3f}"
+                if m in row and m != "tokens"
+                else (f"{row[m]['mean']:,.0f}" if m in row else "-")
+                for m in COMPARE_METRICS
+            ),
+        )
+    console.print(table)
+    write_json(json_path, result.to_json())
+    if plot:
+        plot_compare(result, plot)
+        console.print(f"wrote {plot}")
+
+
+@predictor_app.command("fit")
+def predictor_fit(
+    trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
+    output: Annotated[Path, typer.Option(help="Predictor directory to write.")],
+    featurizer: Annotated[str, typer.Option(help="hashed or embedding.")] = "hashed",
+    checkpoint: Annotated[
+        Path, typer.Option(help="Policy directory whose tokenizer wrote the trees.")
+    ] = Path("build/policy/calc"),
+    resume: Annotated[
+        Path | None, typer.Option(help="Continue from this saved predictor (and its replay).")
+    ] = None,
+    hidden: Annotated[int, typer.Option(help="MLP hidden width (0: logistic).")] = 64,
+    epochs: Annotated[int, typer.Option(help="Passes over the training rows.")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and batches.")] = 0,
+) -> None:
+    """Fit the predictor on stored trees and save it (value.safetensors + value.json)."""
+    import torch
+
+    from trace_core.bench.predictor import (
+        load_policy_tokenizer,
+        load_trees,
+        tree_paths,
+        value_config,
+    )
+    from trace_core.policy.value import ValuePredictor
+
+    with expected_errors():
+        tokenizer = load_policy_tokenizer(checkpoint)
+        paths = tree_paths(trees)
+        if resume:
+            predictor = ValuePredictor.load(resume, tokenizer=tokenizer)
+        else:
+            predictor = ValuePredictor(
+                value_config(tokenizer, featurizer, hidden, epochs),
+                generator=torch.Generator().manual_seed(seed),
+                tokenizer=tokenizer,
+            )
+    with console.status(f"fitting on {len(paths)} files"):
+        fit = predictor.fit(load_trees(paths), torch.Generator().manual_seed(seed + 1))
+    predictor.save(output)
+    console.print(
+        f"{fit.rows:,} rows (+{fit.replayed_rows:,} replayed), weighted MSE "
+        f"{fit.loss_before:.4f} → {fit.loss_after:.4f} in {fit.seconds:.1f} s; wrote {output}"
+    )

@@ -1,0 +1,51 @@
+"""Which engine samples the rollouts, and how many of them: a config value, importable without
+torch, so it travels in the training config through every pipeline step (``train.config``)
+and the KFP UI can set it (``settings_json``: ``{"engine": {"engine": "vllm", "workers": 4,
+"gpus_per_worker": 1}}``). ``rollout.engines.open_engine`` turns it into an ``Engine``.
+
+    EngineConfig()                                        # one TorchEngine in this process
+    EngineConfig(workers=2)                               # two TorchEngine Ray actors
+    EngineConfig("vllm", workers=4, gpus_per_worker=1)    # vLLM on four GPU actors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINES = ("torch", "hf", "vllm")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine: str = "torch"
+    """torch (our decode loop with a prefix cache), hf (Hugging Face generate, the baseline) or
+    vllm (needs the vllm extra; GPU image)."""
+    workers: int = 0
+    """Ray engine actors (0: one engine in this process)."""
+    gpus_per_worker: float = 0.0
+    """GPUs each Ray engine actor asks for (0: CPU actors)."""
+    threads_per_worker: int = 1
+    """Torch threads of each Ray engine actor (its CPU request)."""
+    tensor_parallel: int = 1
+    """vLLM tensor-parallel size (GPUs one vLLM engine spans)."""
+    memory_fraction: float = 0.9
+    """vLLM's gpu_memory_utilization: the share of a GPU its weights and KV cache may take."""
+    device: str = "auto"
+    """In-process engines: auto (CUDA when this process has a GPU), cpu or cuda."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        if self.gpus_per_worker and not self.workers:
+            raise ValueError("gpus_per_worker needs workers >= 1 (it sizes Ray engine actors)")
+        if self.threads_per_worker < 1 or self.tensor_parallel < 1:
+            raise ValueError("threads_per_worker and tensor_parallel must be >= 1")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

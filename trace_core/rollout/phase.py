@@ -1,0 +1,82 @@
+"""One rollout phase, the single path every caller takes: ``trace-rl rollout``, the training
+loop (``train.loop``) and the pipeline's rollout step (``train.steps.cycle``).
+
+    result = run_rollout(
+        "build/policy/calc", pool, suite.make_env, predictor=Path("predictor/"),
+        grow=GrowConfig("trace", Budget(64, 2), SamplingParams(max_tokens=48)),
+        engine=EngineConfig(workers=2),
+    )
+    result.trees, result.metrics.prompt_effective_ratio, result.seconds
+
+Prompts, a policy checkpoint, a predictor and engine settings in; budgeted rollout trees
+(``rollout.grow``) and their metrics out. The engine comes from ``rollout.engines``, so an
+in-process ``TorchEngine`` and a Ray pool of vLLM actors are one config value apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from trace_core.algo.metrics import BatchMetrics, measure
+from trace_core.algo.tree import RolloutTree
+from trace_core.envs.base import Env, Task
+from trace_core.policy.format import TurnFormat
+from trace_core.rollout.engine_config import EngineConfig
+from trace_core.rollout.engines import open_engine
+from trace_core.rollout.grow import GrowConfig, grow_trees
+from trace_core.rollout.predictor import ConstantPredictor, Predictor
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    trees: list[RolloutTree]
+    metrics: BatchMetrics
+    seconds: float
+    """Wall time of the phase, engine start-up included."""
+
+
+def run_rollout(
+    checkpoint: str | Path,
+    pool: Sequence[Task],
+    make_env: Callable[[], Env],
+    predictor: Predictor | Path | None,
+    grow: GrowConfig,
+    engine: EngineConfig,
+    address: str | None = None,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> RolloutResult:
+    """Grow one tree per rolled-out prompt of ``pool`` with the policy at ``checkpoint``.
+
+    ``predictor``: a predictor, a saved ``ValuePredictor`` folder, or None for a constant 0.5.
+    ``model``/``tokenizer``: the same policy already in memory (the loop's), so an in-process
+    engine need not read it back. ``address``: the Ray head of an engine pool.
+    ``progress`` is called with the rollout units spent so far.
+    """
+    start = time.perf_counter()
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    scorer = load_predictor(predictor, tokenizer)
+    with open_engine(engine, checkpoint, model, address) as sampler:
+        trees = grow_trees(
+            sampler, TurnFormat(tokenizer), make_env, pool, scorer, grow, progress=progress
+        )
+    return RolloutResult(trees, measure(trees), time.perf_counter() - start)
+
+
+def load_predictor(
+    predictor: Predictor | Path | None, tokenizer: PreTrainedTokenizerBase
+) -> Predictor:
+    """A saved ``ValuePredictor`` folder loaded with the policy's tokenizer; None: 0.5."""
+    if predictor is None:
+        return ConstantPredictor()
+    if isinstance(predictor, Path):
+        from trace_core.policy.value import ValuePredictor
+
+        return ValuePredictor.load(predictor, tokenizer)
+    return predictor

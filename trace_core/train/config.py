@@ -1,0 +1,136 @@
+"""The training run's settings: one frozen dataclass, validated on construction, serialised to
+the JSON that ``trace-rl train`` keeps beside a run and every pipeline step receives.
+
+    config = TrainConfig(task="calc", strategy="trace", budget=64, engine=EngineConfig(workers=2))
+    TrainConfig.from_json(config.to_json()) == config
+
+Importable without torch: the pipeline definitions and the KFP components carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from trace_core.algo.plan import Budget, strategy
+from trace_core.envs.suites import SYNTHETIC
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.rollout.engine_config import EngineConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str = "calc"
+    """Task suite: calc, multihop, bfcl, deepscaler or hotpotqa."""
+    data: str | None = None
+    """Dataset path or URI of the loader tasks."""
+    output: Path = Path("build/train/calc-trace")
+    """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
+    init: Path | str | None = None
+    """Policy to start from (HF directory; in the pipeline also an s3:// URI); None warm-starts
+    the tiny policy (calc, multihop)."""
+    strategy: str = "trace"
+    """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
+    iterations: int = 12
+    """K: rollout → fit predictor → update iterations."""
+    budget: int = 128
+    """M: root rollouts per iteration of a tree strategy; every strategy spends M(1 + N/2) units."""
+    continuations: int = 2
+    """N: continuations per root."""
+    group: int = 8
+    """Group size of the fixed-group strategies (grpo, pcl)."""
+    prompts: int = 512
+    """Candidate prompts drawn from the train split each iteration."""
+    max_tokens: int = 48
+    """Generated tokens per turn at most."""
+    seed: int = 0
+    """Seed of pools, plans, sampling and updates."""
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    eval_tasks: int = 300
+    """Held-out tasks evaluated (the first ones of the eval split)."""
+    eval_k: int = 4
+    """Samples per task for mean@k."""
+    eval_every: int = 2
+    """Evaluate after every this many iterations (and before the first, and after the last)."""
+    warmstart_steps: int = 1000
+    """SFT steps of the warm start (when ``init`` is None)."""
+    predictor: str = "hashed"
+    """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
+    train_workers: int = 0
+    """Ray Train workers for the policy update (0: in this process)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine: kind, Ray engine workers and their GPUs (``rollout.engine_config``)."""
+    ray_address: str | None = None
+    """Ray head (host:port) of ``train_workers`` and engine workers (default: Ray started in
+    this process)."""
+
+    def __post_init__(self) -> None:
+        if strategy(self.strategy).uses_true_value:
+            raise ValueError(f"strategy {self.strategy!r} needs the true V: simulator only")
+        try:
+            Budget(self.budget, self.continuations, self.group)
+        except ValueError as err:
+            raise ValueError(
+                f"budget {self.budget}, continuations {self.continuations}, group {self.group}: "
+                f"{err}"
+            ) from None
+        if self.iterations < 1 or self.prompts < 1 or self.eval_every < 1:
+            raise ValueError("iterations, prompts and eval_every must be >= 1")
+        if self.predictor not in ("hashed", "embedding"):
+            raise ValueError(f"predictor must be hashed or embedding, got {self.predictor!r}")
+        if self.train_workers < 0:
+            raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
+        if self.eval_tasks < 1 or self.eval_k < 0:
+            raise ValueError("eval_tasks must be >= 1 and eval_k >= 0")
+        if self.init is None and self.task not in SYNTHETIC:
+            raise ValueError(
+                f"task {self.task!r} has no built-in warm start: pass a policy with --init "
+                f"(warm starts exist for {', '.join(SYNTHETIC)})"
+            )
+
+    def to_json(self) -> dict[str, object]:
+        out = asdict(self)
+        out["output"] = str(self.output)
+        out["init"] = str(self.init) if self.init else None
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> TrainConfig:
+        """The config ``to_json`` wrote; an unknown or mistyped field is named in the error."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a train config is a JSON object, got {type(data).__name__}")
+        values = _checked(cls, "train", data)
+        if "output" in values:
+            values["output"] = Path(str(values["output"]))
+        for name, kind in (("update", UpdateConfig), ("engine", EngineConfig)):
+            if isinstance(values.get(name), dict):
+                values[name] = kind(**_checked(kind, name, values[name]))  # type: ignore[arg-type]
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except TypeError as err:
+            raise ValueError(f"train config: {err}") from None
+
+
+def _checked(kind: type, name: str, values: dict[str, object]) -> dict[str, object]:
+    """``values`` if every key is a field of ``kind`` and every number has the field's kind;
+    else a ValueError naming the ``name`` config's field."""
+    extra = sorted(set(values) - {f.name for f in fields(kind)})
+    if extra:
+        raise ValueError(f"unknown {name} config field(s): {', '.join(extra)}")
+    defaults = kind()
+    for key, value in values.items():
+        default = getattr(defaults, key)
+        if isinstance(default, bool | int | float) and not _same_kind(value, default):
+            raise ValueError(
+                f"{name} config field {key!r}: expected {type(default).__name__}, got {value!r}"
+            )
+    return dict(values)
+
+
+def _same_kind(value: object, default: bool | int | float) -> bool:
+    """JSON's number kinds against a field's: an int is a float, a bool is neither."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, int):
+        return isinstance(value, int)
+    return isinstance(value, int | float)

@@ -1,0 +1,282 @@
+"""The pipeline's contract, importable without torch: the run parameters a user sets, the one
+config JSON every step receives, and each step's input and output folders with the files in
+them. The KFP pipeline (``pipelines/trace_training.py``), the Argo workflows
+(``pipelines/argo.py``), the components and ``trace-rl step`` all read it from here.
+
+    params = PipelineParameters(task="calc", iterations=2, settings_json='{"budget": 16}')
+    config = params.config()                              # validated; prep writes its JSON
+    PipelineConfig.from_json(config.to_json()) == config
+    StepCall("rollout", 1, {"prompts": ..., "policy": ..., "predictor": ...}, {"trees": ...})
+
+Folders (the KFP artifacts; local paths or s3:// prefixes):
+    prompts/    train.parquet, eval.parquet (``envs.prompts``; eval holds the first eval_tasks)
+    policy/     HF checkpoint + optimizer.safetensors (after the first update) + log.jsonl (one
+                ``IterationRecord`` per iteration so far, so the log travels with the policy)
+    predictor/  a saved ``ValuePredictor`` (before the first fit: the run's fresh one)
+    trees/      trees.parquet, draws.json (the iteration's random draws, ``train.draws``)
+    result/     prep: config.json, start, start_iteration; evaluate: eval.json
+Each step also writes ``metrics.json`` (flat name → number) into its first output folder; that
+file is how a step run as a Ray job reports back (``train.dispatch.run_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trace_core.envs.suites import SYNTHETIC
+from trace_core.store.uri import check_run_name, is_remote
+from trace_core.train.config import TrainConfig
+from trace_core.train.draws import IterationDraws
+
+PROMPTS_TRAIN = "train.parquet"
+PROMPTS_EVAL = "eval.parquet"
+TREES = "trees.parquet"
+METRICS = "metrics.json"
+DRAWS = "draws.json"
+OPTIMIZER = "optimizer.safetensors"
+EVAL_FILE = "eval.json"
+CONFIG_FILE = "config.json"
+
+STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "prep": ((), ("prompts", "result")),
+    "warmstart": ((), ("policy", "predictor")),
+    "load": ((), ("policy", "predictor")),
+    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
+    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
+    "update": (("trees", "policy", "reference"), ("policy",)),
+    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
+    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
+}
+"""Input and output folders of each step (what ``trace-rl step`` and the Argo containers pass)."""
+OPTIONAL_INPUTS = {"evaluate": ("predictor",)}
+RAY_STEPS = ("rollout", "update")
+"""Steps that run as a Ray job when the pipeline has a Ray dashboard address."""
+STARTS = ("warmstart", "load")
+
+
+def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
+    """The step exists and gets exactly its folders (evaluate's predictor is optional)."""
+    if step not in STEP_FOLDERS:
+        raise ValueError(f"step {step!r}: choose one of {', '.join(STEP_FOLDERS)}")
+    wanted_in, wanted_out = STEP_FOLDERS[step]
+    optional = set(OPTIONAL_INPUTS.get(step, ()))
+    missing = sorted((set(wanted_in) - set(inputs) - optional) | (set(wanted_out) - set(outputs)))
+    extra = sorted((set(inputs) - set(wanted_in)) | (set(outputs) - set(wanted_out)))
+    if missing or extra:
+        raise ValueError(
+            f"step {step}: missing folder(s) {missing or '-'}, unknown {extra or '-'}; "
+            f"it takes inputs {', '.join(wanted_in) or '-'} and outputs {', '.join(wanted_out)}"
+        )
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One Ray-runnable step with its folders: local paths, or URIs (fetched by the step)."""
+
+    step: str
+    iteration: int = 0
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    outputs: Mapping[str, str] = field(default_factory=dict)
+    input_uris: Mapping[str, str] = field(default_factory=dict)
+    """Where inputs already are in object storage (KFP artifact URIs): a Ray job reads them
+    there instead of from an upload."""
+
+    def __post_init__(self) -> None:
+        if self.step not in RAY_STEPS:
+            raise ValueError(f"step {self.step!r}: only {', '.join(RAY_STEPS)} run this way")
+        check_step_folders(self.step, self.inputs, self.outputs)
+
+
+# --- the one config every step receives ------------------------------------------------------
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What travels through the pipeline as one JSON string (``to_json`` / ``from_json``)."""
+
+    train: TrainConfig
+    """The training settings, the same ones ``trace-rl train`` takes; ``train.init`` is the
+    base model (HF directory or s3:// URI), None to warm-start a synthetic task's policy."""
+    run_name: str = ""
+    """Name of the run in the checkpoint registry: a run with a name resumes from the latest
+    checkpoint under it and registers its final policy there. Empty: no registry."""
+    store: str = ""
+    """Artifact store root (a path or s3://bucket/prefix): ``checkpoints/`` of named runs and
+    ``staging/`` for steps run as Ray jobs."""
+    ray_address: str = ""
+    """Empty: every step runs in its own process (Ray, where used, in-process). A Ray dashboard
+    address http://HEAD:8265: rollout and update are submitted there as Ray jobs."""
+
+    def __post_init__(self) -> None:
+        if self.run_name:
+            check_run_name(self.run_name, "run_name")
+        if self.run_name and not self.store:
+            raise ValueError(f"run_name {self.run_name!r} needs store_uri (where checkpoints go)")
+        if self.ray_address:
+            if not re.fullmatch(r"https?://[^/\s]+/?", self.ray_address):
+                raise ValueError(
+                    f"ray_address {self.ray_address!r}: expected the Ray dashboard address "
+                    "http://HEAD:8265 (Ray job submission), or empty for in-process Ray"
+                )
+            if not is_remote(self.store):
+                raise ValueError(
+                    "ray_address needs store_uri to be an s3:// prefix: steps run as Ray jobs "
+                    f"exchange their inputs and outputs there (got {self.store!r})"
+                )
+
+    def to_json(self) -> str:
+        body = {
+            "train": self.train.to_json(),
+            "run_name": self.run_name,
+            "store": self.store,
+            "ray_address": self.ray_address,
+        }
+        return json.dumps(body, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PipelineConfig:
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config_json is not JSON: {err}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
+            raise ValueError("config_json: expected an object with a 'train' object")
+        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_address"})
+        if unknown:
+            raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")
+        return cls(
+            train=TrainConfig.from_json(body["train"]),
+            run_name=str(body.get("run_name", "")),
+            store=str(body.get("store", "")),
+            ray_address=str(body.get("ray_address", "")),
+        )
+
+    @property
+    def run_id(self) -> str:
+        """The ``run_id`` of the trees this run grows."""
+        return self.run_name or "pipeline"
+
+
+# --- the run parameters: declared once, here -------------------------------------------------
+@dataclass(frozen=True)
+class PipelineParameters:
+    """The pipeline's run parameters, as a user sets them in the KFP UI; prep turns them into
+    the ``PipelineConfig``. The KFP pipeline's signature, the prep component's, the Argo
+    workflow parameters and ``trace-rl run-local``'s flags are checked against (or built from)
+    these fields (tests/pipelines/test_parameters.py)."""
+
+    task: str = "calc"
+    """calc, multihop, bfcl, deepscaler or hotpotqa."""
+    dataset_uri: str = ""
+    """Dataset path or URI of the loader tasks (deepscaler, hotpotqa)."""
+    base_model_uri: str = ""
+    """Starting policy: an HF directory or s3:// prefix; empty warm-starts calc/multihop."""
+    strategy: str = "trace"
+    """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
+    budget: int = 128
+    """M: root rollouts per iteration of a tree strategy."""
+    continuations: int = 2
+    """N: continuations per root."""
+    iterations: int = 4
+    """K: training iterations (unrolled when the pipeline is built)."""
+    seed: int = 0
+    """Seed of pools, plans, sampling and updates."""
+    ray_address: str = ""
+    """Ray dashboard http://HEAD:8265: rollout and update run there as Ray jobs."""
+    run_name: str = ""
+    """Checkpoint registry name: resume from its latest checkpoint, register the final one."""
+    store_uri: str = ""
+    """Registry and staging root (a path or s3://bucket/prefix)."""
+    settings_json: str = "{}"
+    """Any other TrainConfig field, as a JSON object (e.g. {"prompts": 256})."""
+
+    def config(self) -> PipelineConfig:
+        try:
+            settings = json.loads(self.settings_json or "{}")
+        except json.JSONDecodeError as err:
+            raise ValueError(f"settings_json is not JSON: {err}") from None
+        if not isinstance(settings, dict):
+            raise ValueError("settings_json must be a JSON object of TrainConfig fields")
+        own = {"task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed"}
+        clash = sorted(own & set(settings))
+        if clash:
+            raise ValueError(
+                f"settings_json sets {', '.join(clash)}: use the pipeline parameter(s) instead"
+            )
+        if "output" in settings or "ray_address" in settings:
+            raise ValueError("settings_json may not set output or ray_address")
+        if not self.base_model_uri and self.task not in SYNTHETIC:
+            raise ValueError(
+                f"task {self.task!r} has no built-in warm start: set base_model_uri "
+                f"(warm starts exist for {', '.join(SYNTHETIC)})"
+            )
+        train = TrainConfig.from_json(
+            {
+                **settings,
+                "task": self.task,
+                "data": self.dataset_uri or None,
+                "init": self.base_model_uri or None,
+                "strategy": self.strategy,
+                "budget": self.budget,
+                "continuations": self.continuations,
+                "iterations": self.iterations,
+                "seed": self.seed,
+                "output": "pipeline",
+            }
+        )
+        return PipelineConfig(train, self.run_name, self.store_uri, self.ray_address)
+
+
+def parse_parameters(params: Mapping[str, str]) -> PipelineParameters:
+    """Run parameters from NAME=VALUE strings (the UI's, Argo's), converted to the fields' types."""
+    fields = {f.name: f for f in dataclasses.fields(PipelineParameters)}
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        raise ValueError(f"--param {', '.join(unknown)}: the pipeline has no such parameter")
+    values: dict[str, object] = {}
+    for name, text in params.items():
+        if fields[name].type in ("int", int):
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ValueError(f"--param {name}={text!r}: expected an integer") from None
+        else:
+            values[name] = text
+    return PipelineParameters(**values)  # type: ignore[arg-type]
+
+
+# --- small files inside the folders ----------------------------------------------------------
+def write_metrics(folder: Path, metrics: Mapping[str, float]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / METRICS).write_text(json.dumps(dict(metrics), indent=2) + "\n")
+
+
+def read_metrics(folder: Path) -> dict[str, float]:
+    return {k: float(v) for k, v in json.loads((folder / METRICS).read_text()).items()}
+
+
+def write_draws(trees_dir: Path, iteration: int, draws: IterationDraws) -> None:
+    body = {"iteration": iteration, **dataclasses.asdict(draws)}
+    (trees_dir / DRAWS).write_text(json.dumps(body) + "\n")
+
+
+def read_draws(trees_dir: Path, iteration: int) -> IterationDraws:
+    """The draws the rollout made (``draws.json`` beside the trees): fit and update take their
+    seeds from there, so they need neither the prompts nor the generator's position."""
+    path = trees_dir / DRAWS
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; these trees were not written by rollout_step")
+    body = json.loads(path.read_text())
+    draws = IterationDraws(
+        pool=tuple(body["pool"]),
+        grow_seed=int(body["grow_seed"]),
+        fit_seed=int(body["fit_seed"]),
+        update_seed=int(body["update_seed"]),
+    )
+    trees_iteration = int(body.get("iteration", iteration))
+    if trees_iteration != iteration:
+        raise ValueError(f"{path}: trees of iteration {trees_iteration}, expected {iteration}")
+    return draws

@@ -1,0 +1,139 @@
+"""Running a step: here, as a Ray job, or from the command line (``trace-rl step``).
+
+    run_step(StepCall("rollout", 3, inputs, outputs), config)   # a KFP component's call
+    execute_cli_step("fit-predictor", 3, {"trees": "s3://b/t", ...}, {"predictor": ...}, cfg)
+
+A step's folders may be local paths or s3:// prefixes: remote inputs are downloaded into a
+scratch folder first, remote outputs written there and uploaded once the step has succeeded.
+The steps themselves are ``train.steps``; their folders and config are ``train.contract``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from trace_core.store.uri import is_remote
+from trace_core.train.contract import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    RAY_STEPS,
+    PipelineConfig,
+    StepCall,
+    check_step_folders,
+    parse_parameters,
+    read_metrics,
+)
+from trace_core.train.steps.cycle import fit_predictor_step, rollout_step, update_step
+from trace_core.train.steps.finish import evaluate_step, report_step
+from trace_core.train.steps.start import load_step, prep_step, warmstart_step
+
+
+def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
+    """Run ``call`` here, or as a Ray job when the config has a Ray dashboard address; either
+    way its outputs end up in the local output folders and its metrics are returned."""
+    if config.ray_address:
+        from trace_core.train.rayjob import submit_step
+
+        submit_step(call, config)
+    else:
+        execute_step(call, config)
+    return read_metrics(Path(next(iter(call.outputs.values()))))
+
+
+def execute_step(call: StepCall, config: PipelineConfig) -> None:
+    """Run ``call`` in this process; s3:// folders are fetched first and published after."""
+    with _staged(call.step, call.inputs, call.outputs) as (local, out):
+        match call.step:
+            case "rollout":
+                rollout_step(
+                    config, call.iteration, local["prompts"], local["policy"],
+                    local["predictor"], out["trees"],
+                )  # fmt: skip
+            case "update":
+                update_step(
+                    config, call.iteration, local["trees"], local["policy"],
+                    local["reference"], out["policy"],
+                )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _staged(
+    step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]
+) -> Iterator[tuple[dict[str, Path], dict[str, Path]]]:
+    """Local folders for a step's folders: s3:// inputs are downloaded into a scratch folder;
+    s3:// outputs are written there and uploaded once the step has succeeded."""
+    from trace_core.store.sync import download_folder, upload_folder
+
+    with tempfile.TemporaryDirectory(prefix=f"trace-{step}-") as scratch:
+        local: dict[str, Path] = {}
+        for name, uri in inputs.items():
+            local[name] = Path(scratch, "in", name) if is_remote(uri) else Path(uri)
+            if is_remote(uri):
+                download_folder(uri, local[name])
+            elif not local[name].is_dir():
+                raise FileNotFoundError(f"step {step}: input {name}={uri}: no such folder")
+        out = {
+            name: Path(scratch, "out", name) if is_remote(uri) else Path(uri)
+            for name, uri in outputs.items()
+        }
+        yield local, out
+        for name, uri in outputs.items():
+            if is_remote(uri):
+                upload_folder(out[name], uri)
+
+
+def execute_cli_step(
+    step: str,
+    iteration: int,
+    inputs: Mapping[str, str],
+    outputs: Mapping[str, str],
+    config_json: str = "",
+    params: Mapping[str, str] | None = None,
+) -> None:
+    """Run any step on folders or s3:// prefixes. ``prep`` takes the run parameters
+    (``params``, as the UI gives them: strings) and writes ``config.json``, ``start`` and
+    ``start_iteration`` into its ``result`` folder; every other step takes the config JSON."""
+    check_step_folders(step, inputs, outputs)
+    if step in RAY_STEPS:
+        execute_step(
+            StepCall(step, iteration, inputs, outputs), PipelineConfig.from_json(config_json)
+        )
+        return
+    with _staged(step, inputs, outputs) as (local, out):
+        for folder in out.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        if step == "prep":
+            result = prep_step(parse_parameters(params or {}), out["prompts"])
+            (out["result"] / CONFIG_FILE).write_text(result.config_json)
+            (out["result"] / "start").write_text(result.start)
+            (out["result"] / "start_iteration").write_text(str(result.start_iteration))
+        else:
+            config = PipelineConfig.from_json(config_json)
+            match step:
+                case "warmstart":
+                    warmstart_step(config, out["policy"], out["predictor"])
+                case "load":
+                    load_step(config, out["policy"], out["predictor"])
+                case "fit-predictor":
+                    fit_predictor_step(
+                        config, iteration, local["trees"], local["policy"],
+                        local["predictor"], out["predictor"],
+                    )  # fmt: skip
+                case "evaluate":
+                    report = evaluate_step(
+                        config, local["prompts"], local["policy"], local.get("predictor")
+                    )
+                    (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+                case "report":
+                    start, final = (
+                        json.loads((local[name] / EVAL_FILE).read_text())
+                        for name in ("start_eval", "final_eval")
+                    )
+                    report_step(
+                        config, local["trees"], local["policy"], start, final,
+                        out["report"] / "report.html", out["report"] / "summary.md",
+                    )  # fmt: skip

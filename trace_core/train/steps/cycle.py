@@ -1,0 +1,171 @@
+"""The steps of one training iteration: rollout (grow the trees), then fit-predictor and update
+(both read the trees; they run side by side in the pipeline).
+
+    rollout_step(config, 1, Path("prompts"), Path("policy-0"), Path("predictor-0"), Path("trees-1"))
+    fit_predictor_step(config, 1, Path("trees-1"), Path("policy-0"), Path("predictor-0"), ...)
+    update_step(config, 1, Path("trees-1"), Path("policy-0"), Path("policy-0"), Path("policy-1"))
+
+Each draws through ``train.iteration`` exactly as ``train.loop`` does, so a pipeline run from a
+given starting policy samples and learns what ``trace-rl train`` does from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from trace_core.envs.base import TaskSuite
+from trace_core.train.contract import (
+    OPTIMIZER,
+    PROMPTS_TRAIN,
+    TREES,
+    PipelineConfig,
+    read_draws,
+    write_draws,
+    write_metrics,
+)
+from trace_core.train.record import LOG, IterationRecord, read_log
+
+
+def rollout_step(
+    config: PipelineConfig,
+    iteration: int,
+    prompts_dir: Path,
+    policy_dir: Path,
+    predictor_dir: Path,
+    trees_dir: Path,
+    suite: TaskSuite | None = None,
+) -> dict[str, float]:
+    """Grow iteration ``iteration``'s trees with the policy; ``trees_dir/trees.parquet``."""
+    from trace_core.envs.prompts import read_prompts
+    from trace_core.envs.suites import make_suite
+    from trace_core.policy.value import ValuePredictor
+    from trace_core.store.schema import write_trees
+    from trace_core.train.draws import draw_iteration
+    from trace_core.train.iteration import roll_out
+
+    train = config.train
+    task, tasks = read_prompts(str(prompts_dir / PROMPTS_TRAIN))
+    suite = suite or make_suite(task, train.data, train.seed)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    predictor = ValuePredictor.load(predictor_dir, tokenizer)
+    draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
+    result = roll_out(
+        policy_dir, tasks, suite.make_env, predictor, train, iteration, draws,
+        run_id=config.run_id, tokenizer=tokenizer, address=worker_address(config),
+    )  # fmt: skip
+    trees_dir.mkdir(parents=True, exist_ok=True)
+    write_trees(trees_dir / TREES, result.trees)
+    write_draws(trees_dir, iteration, draws)
+    metrics = {
+        "iteration": float(iteration),
+        **result.metrics.as_dict(),
+        "seconds": result.seconds,
+    }
+    write_metrics(trees_dir, metrics)
+    return metrics
+
+
+def fit_predictor_step(
+    config: PipelineConfig,
+    iteration: int,
+    trees_dir: Path,
+    policy_dir: Path,
+    predictor_dir: Path,
+    predictor_out: Path,
+) -> dict[str, float]:
+    """Refit the predictor on this iteration's trees (and its replay of earlier ones)."""
+    from trace_core.policy.value import ValuePredictor
+    from trace_core.store.schema import read_trees
+    from trace_core.train.iteration import fit_predictor
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    predictor = ValuePredictor.load(predictor_dir, tokenizer)
+    trees = read_trees(trees_dir / TREES)
+    draws = read_draws(trees_dir, iteration)
+    fit = fit_predictor(predictor, trees, draws)
+    predictor.save(predictor_out)
+    metrics = {"iteration": float(iteration), **{k: float(v) for k, v in asdict(fit).items()}}
+    write_metrics(predictor_out, metrics)
+    return metrics
+
+
+def update_step(
+    config: PipelineConfig,
+    iteration: int,
+    trees_dir: Path,
+    policy_dir: Path,
+    reference_dir: Path,
+    policy_out: Path,
+) -> dict[str, float]:
+    """One policy update on this iteration's trees; the policy, its optimizer state and the
+    log with this iteration's line go to ``policy_out``."""
+    from trace_core.algo.metrics import measure
+    from trace_core.policy.model import load_checkpoint, resolve_device, save_checkpoint
+    from trace_core.policy.update import load_optimizer, make_optimizer, save_optimizer
+    from trace_core.store.schema import read_trees
+    from trace_core.train.iteration import update
+
+    train = config.train
+    start = time.perf_counter()
+    trees = read_trees(trees_dir / TREES)
+    draws = read_draws(trees_dir, iteration)
+    optimizer_path = policy_dir / OPTIMIZER
+    if train.train_workers:
+        from trace_core.train.ray_update import update_on_ray
+
+        stats = update_on_ray(
+            policy_dir,
+            trees_dir / TREES,
+            policy_out,
+            train.update,
+            draws.update_seed,
+            train.train_workers,
+            optimizer_path=optimizer_path if optimizer_path.exists() else None,
+            reference_dir=reference_dir,
+            address=worker_address(config),
+        )
+        (policy_out / "update.json").unlink(missing_ok=True)  # the stats go to metrics.json
+    else:
+        model, tokenizer = load_checkpoint(policy_dir, device=resolve_device())
+        optimizer = make_optimizer(model, train.update)
+        if optimizer_path.exists():
+            load_optimizer(optimizer, optimizer_path)
+        reference = None
+        if train.update.kl_coef > 0:
+            reference = load_checkpoint(reference_dir, device=resolve_device())[0]
+        stats = update(model, optimizer, trees, train, draws, tokenizer.pad_token_id, reference)
+        save_checkpoint(model, tokenizer, policy_out)
+        save_optimizer(optimizer, policy_out / OPTIMIZER)
+    rollout = measure(trees)
+    history = read_log(policy_dir)
+    total = history[-1].total_tokens if history else 0
+    record = IterationRecord(
+        iteration=iteration,
+        strategy=train.strategy,
+        tokens=rollout.tokens,
+        total_tokens=total + rollout.tokens,
+        rollout=rollout.as_dict(),
+        update=stats.as_dict(),
+        eval=None,
+        seconds={"update": time.perf_counter() - start},
+    )
+    lines = [json.dumps(asdict(r)) for r in [*history, record]]
+    (policy_out / LOG).write_text("\n".join(lines) + "\n")
+    metrics = {"iteration": float(iteration), **stats.as_dict()}
+    write_metrics(policy_out, metrics)
+    return metrics
+
+
+def worker_address(config: PipelineConfig) -> str | None:
+    """Where Ray Train and engine workers go: a step of a run with a Ray dashboard address runs in
+    the Ray job it was sent as, so its workers join that job's cluster (Ray sets RAY_ADDRESS
+    for a job's driver); otherwise the train config's head, or Ray in this process."""
+    if config.ray_address and os.environ.get("RAY_ADDRESS"):
+        return "auto"
+    return config.train.ray_address

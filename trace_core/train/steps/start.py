@@ -1,0 +1,138 @@
+"""The steps that start a run: prep (parameters → config, prompts, where the policy starts),
+then warmstart (the synthetic tasks' tiny policy from scratch) or load (a base model, or the
+run's latest registered checkpoint to resume from).
+
+    prep = prep_step(PipelineParameters(task="calc", iterations=2), Path("prompts"))
+    config = PipelineConfig.from_json(prep.config_json)
+    warmstart_step(config, Path("policy-0"), Path("predictor-0"))   # prep.start == "warmstart"
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trace_core.envs.base import TaskSuite
+from trace_core.envs.suites import SYNTHETIC
+from trace_core.store.uri import is_remote
+from trace_core.train.contract import (
+    PROMPTS_EVAL,
+    PROMPTS_TRAIN,
+    PipelineConfig,
+    PipelineParameters,
+    write_metrics,
+)
+
+if TYPE_CHECKING:
+    from trace_core.store.registry import CheckpointRegistry
+
+
+@dataclass(frozen=True)
+class PrepResult:
+    config_json: str
+    start: str
+    """warmstart (a synthetic task's tiny policy from scratch) or load (base model or resume)."""
+    start_iteration: int
+    """Iterations already done: the registry checkpoint's when resuming, else 0."""
+    prompts: int
+    eval_prompts: int
+
+
+def prep_step(
+    params: PipelineParameters, prompts_dir: Path, suite: TaskSuite | None = None
+) -> PrepResult:
+    """Validate the parameters into the run's config, write its prompts, decide the start."""
+    from trace_core.envs.prompts import write_prompts
+    from trace_core.envs.suites import make_suite
+
+    config = params.config()
+    train = config.train
+    suite = suite or make_suite(train.task, train.data, train.seed)
+    train_tasks = suite.tasks("train")
+    eval_tasks = suite.tasks("eval")[: train.eval_tasks]
+    write_prompts(prompts_dir / PROMPTS_TRAIN, train.task, train_tasks)
+    write_prompts(prompts_dir / PROMPTS_EVAL, train.task, eval_tasks)
+    start, done = ("load" if train.init else "warmstart"), 0
+    if config.run_name:
+        checkpoint = open_registry(config).latest(config.run_name)
+        if checkpoint is not None:
+            start, done = "load", checkpoint.iteration
+    return PrepResult(config.to_json(), start, done, len(train_tasks), len(eval_tasks))
+
+
+def warmstart_step(
+    config: PipelineConfig, policy_dir: Path, predictor_dir: Path
+) -> dict[str, float]:
+    """SFT of the synthetic task's tiny policy; the fresh predictor beside it."""
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.train.iteration import new_predictor, warmstart_config
+    from trace_core.train.warmstart import warmstart
+
+    if config.train.task not in SYNTHETIC:
+        raise ValueError(
+            f"task {config.train.task!r} has no warm start: set base_model_uri "
+            f"(warm starts exist for {', '.join(SYNTHETIC)})"
+        )
+    report = warmstart(warmstart_config(config.train, policy_dir))
+    _, tokenizer = load_checkpoint(policy_dir)
+    new_predictor(config.train, tokenizer).save(predictor_dir)
+    success = list(report.success.values())
+    metrics = {
+        "warmstart_steps": float(report.steps),
+        "warmstart_final_loss": report.final_loss,
+        "warmstart_seconds": report.train_seconds,
+        "warmstart_success": sum(success) / len(success) if success else 0.0,
+    }
+    write_metrics(policy_dir, metrics)
+    return metrics
+
+
+def load_step(config: PipelineConfig, policy_dir: Path, predictor_dir: Path) -> dict[str, float]:
+    """The starting policy and predictor: the run's latest registry checkpoint when it has
+    one (resume), else the base model (``train.init``) and a fresh predictor."""
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.store.sync import download_folder
+    from trace_core.train.iteration import new_predictor
+
+    checkpoint = open_registry(config).latest(config.run_name) if config.run_name else None
+    if checkpoint is not None:
+        staging = policy_dir.parent / f".resume-{uuid.uuid4().hex[:8]}"
+        open_registry(config).download(checkpoint, staging)
+        _move(staging / "policy", policy_dir)
+        _move(staging / "predictor", predictor_dir)
+        shutil.rmtree(staging)
+        metrics = {"resumed_iteration": float(checkpoint.iteration)}
+    elif config.train.init:
+        source = str(config.train.init)
+        if is_remote(source):
+            download_folder(source, policy_dir)
+        else:
+            shutil.copytree(source.removeprefix("file://"), policy_dir, dirs_exist_ok=True)
+        _, tokenizer = load_checkpoint(policy_dir)
+        new_predictor(config.train, tokenizer).save(predictor_dir)
+        metrics = {"resumed_iteration": 0.0}
+    else:
+        raise ValueError("nothing to load: no base_model_uri and no checkpoint of run_name")
+    write_metrics(policy_dir, metrics)
+    return metrics
+
+
+def open_registry(config: PipelineConfig) -> CheckpointRegistry:
+    """The checkpoint registry below the run's store."""
+    from trace_core.store.artifacts import open_store
+    from trace_core.store.registry import CheckpointRegistry
+
+    return CheckpointRegistry(open_store(config.store))
+
+
+def _move(source: Path, target: Path) -> None:
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: the checkpoint has no {source.name}/ folder")
+    if target.exists():
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(source, target)
