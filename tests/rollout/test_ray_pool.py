@@ -321,3 +321,10 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     assert [r["generated_tokens"] for r in data["runs"]] == [
         r.generated_tokens for r in (local, one, two)
     ]
+
+
+def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="two or more worker counts"):
+        WorkersBenchConfig(tmp_path, workers=(1,))
+    with pytest.raises(ValueError, match="two or more worker counts"):
+        WorkersBenchConfig(tmp_path, workers=(2, 2))

@@ -65,8 +65,11 @@ class WorkersBenchConfig:
     def __post_init__(self) -> None:
         if min(self.prompts, self.max_tokens, self.repeats) < 1:
             raise ValueError("prompts, max_tokens and repeats must be >= 1")
-        if not self.workers or min(self.workers) < 1:
-            raise ValueError(f"workers must be worker counts >= 1, got {self.workers}")
+        if len(set(self.workers)) < 2 or min(self.workers) < 1:
+            raise ValueError(
+                f"workers must be two or more worker counts >= 1 (the ratio compares the most "
+                f"with the fewest), got {self.workers}"
+            )
         Budget(self.roots, self.continuations)  # validates roots and continuations
 
 

@@ -1,0 +1,46 @@
+"""Training improves the policy: on calc, from the default warm start, K TRACE iterations raise
+held-out mean@k above the starting policy's. The one test in ``make test`` that checks the
+learning itself, not its plumbing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trace_core.train.config import TrainConfig
+from trace_core.train.loop import train
+
+
+@pytest.mark.slow  # ≈ 2.5 min of warm start and ≈ 1.5 min of RL on 2 idle cores
+def test_trace_iterations_raise_held_out_mean_at_k(tmp_path: Path) -> None:
+    """Warm start (1,000 SFT steps, seed 0), then 8 iterations of M = 128 roots × N = 2 over
+    pools of 512 prompts, mean@4 on the first 90 eval tasks before and after.
+
+    Measured from this warm start with RL seeds 0–3 (``train(TrainConfig(init=<warm start>,
+    seed=s, ...))``), mean@4 start → after 8 iterations:
+        seed 0: 0.436 → 0.550 (+0.114)    seed 1: 0.336 → 0.472 (+0.136)
+        seed 2: 0.375 → 0.492 (+0.117)    seed 3: 0.372 → 0.467 (+0.094)
+    mean gain +0.115, spread 0.094–0.136 (sd ≈ 0.017). The asserted margin, +0.05, is under
+    half the smallest gain seen. Greedy pass@1 is not asserted: it fell on 3 of the 4 seeds
+    (0.811 → 0.822, 0.833 → 0.733, 0.833 → 0.789, 0.756 → 0.700) while mean@4 rose.
+    Cheaper warm starts (≤ 800 steps, smaller policies or task subsets) gave gains between
+    −0.044 and +0.031: too close to zero to test.
+    """
+    config = TrainConfig(
+        output=tmp_path / "run",
+        warmstart_steps=1000,
+        budget=128,
+        prompts=512,
+        iterations=8,
+        eval_tasks=90,
+        eval_k=4,
+        eval_every=8,
+        seed=0,
+    )
+    records = train(config)
+    start, final = records[0].eval, records[-1].eval
+    assert start is not None and final is not None
+    assert (records[0].iteration, records[-1].iteration) == (0, 8)
+    gain = final["mean_k"]["all"] - start["mean_k"]["all"]  # type: ignore[index]
+    assert gain >= 0.05, (start["mean_k"], final["mean_k"])
