@@ -64,25 +64,19 @@ def _leaves(cls: type, skip: Collection[str]) -> list[tuple[str | None, dataclas
     return out
 
 
-def _default(cls: type, parent: str | None, f: dataclasses.Field[Any]) -> object:
-    owner = typing.get_type_hints(cls)[parent] if parent else cls
-    return getattr(owner(), f.name) if parent else getattr(cls(), f.name)
-
-
 def config_options(
     cls: type[C],
     skip: Collection[str] = (),
     defaults: Mapping[str, object] | None = None,
     types: Mapping[str, object] | None = None,
-    fixed: Mapping[str, object] | None = None,
 ) -> Callable[[F], F]:
     """Give the decorated command one flag per field of ``cls`` and call it with ``config``.
 
-    ``skip``: fields that are not flags (their default, or ``fixed``, is used); ``defaults``:
-    a flag's default where the command's differs from the config's; ``types``: a flag's type
-    where the field's is not one typer parses (``Path | str | None``); ``fixed``: values the
-    command sets itself."""
+    ``skip``: fields that are not flags (their defaults are used); ``defaults``: a flag's
+    default where the command's differs from the config's; ``types``: a flag's type where the
+    field's is not one typer parses (``Path | str | None``)."""
     hints = typing.get_type_hints(cls)
+    base = cls()  # every flag's default is the default config's value
     leaves = _leaves(cls, skip)
     names = [f.name for _, f in leaves]
     clash = sorted({n for n in names if names.count(n) > 1})
@@ -96,7 +90,8 @@ def config_options(
         for parent, f in leaves:
             owner = hints[parent] if parent else cls
             kind = (types or {}).get(f.name, typing.get_type_hints(owner)[f.name])
-            default = (defaults or {}).get(f.name, _default(cls, parent, f))
+            value = getattr(getattr(base, parent), f.name) if parent else getattr(base, f.name)
+            default = (defaults or {}).get(f.name, value)
             help_text = field_docs(owner).get(f.name, "")
             params.append(
                 inspect.Parameter(
@@ -109,7 +104,7 @@ def config_options(
 
         @functools.wraps(command)
         def run(**values: Any) -> None:
-            config: dict[str, Any] = dict(fixed or {})
+            config: dict[str, Any] = {}
             nested: dict[str, dict[str, Any]] = {}
             for parent, f in leaves:
                 target = nested.setdefault(parent, {}) if parent else config

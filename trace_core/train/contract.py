@@ -56,7 +56,6 @@ STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 OPTIONAL_INPUTS = {"evaluate": ("predictor",)}
 RAY_STEPS = ("rollout", "update")
 """Steps that run as a Ray job when the pipeline has a Ray dashboard address."""
-STARTS = ("warmstart", "load")
 
 
 def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:
