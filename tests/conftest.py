@@ -15,6 +15,10 @@ session still alive afterwards is killed by pid, and the fixture checks none is 
         with start_ray_head(dashboard=True, env={"AWS_ENDPOINT_URL": ...}) as head:
             ... head.address (GCS, for ray.init / --ray-address), head.dashboard_url (jobs)
 
+``make test`` runs the suite on every core (``pytest -n auto --dist loadfile
+--no-loadscope-reorder``): a file's tests stay in one worker, sharing its module fixtures, and
+files go out in the order collected, where the few tests marked ``long`` come first.
+
 Also a real SeaweedFS S3 server on 127.0.0.1 (``seaweed``, bucket ``trace``, one per session)
 and ``s3_env``, its endpoint and credentials in the environment, for the storage tests and the
 steps run on s3:// folders (tests/train/test_step_cli.py).
@@ -64,6 +68,12 @@ def register_helper(name: str, path: Path) -> None:
 
 for _name, _file in HELPERS.items():
     register_helper(_name, Path(__file__).parent / _file)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` first (otherwise in the order collected): under ``pytest -n``,
+    the worker that draws one runs it while the others share the rest."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @dataclass(frozen=True)

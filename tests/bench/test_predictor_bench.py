@@ -131,7 +131,11 @@ def test_predictor_fit_command_saves_and_resumes(workspace: Path) -> None:
     failed = CliRunner().invoke(
         app, ["predictor", "fit", "--trees", trees, "--output", str(out), *missing]
     )
-    assert failed.exit_code == 2 and "no tokenizer" in failed.output
+    assert (
+        failed.exit_code == 2
+        and "--checkpoint " in failed.output
+        and "no-policy does not exist" in failed.output
+    )
     first = CliRunner().invoke(
         app, ["predictor", "fit", "--trees", trees, "--output", str(out), *args]
     )

@@ -6,12 +6,15 @@ the whole file takes a few seconds, most of it the 799 reference replays.
 
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trace_core.envs import bfcl
 from trace_core.envs.base import MAX_OBSERVATION_CHARS, Step, Task, replay
 from trace_core.envs.bfcl import (
     CATEGORIES,
@@ -310,6 +313,79 @@ def test_arbitrary_text_never_raises(text: str) -> None:
 )
 def test_read_action(text: str, expected: tuple[str, str] | None) -> None:
     assert read_action(text) == expected
+
+
+_HEAD = re.compile(r"(?<![A-Za-z0-9_])(call|answer)\[")
+
+
+def reference_read_action(text: str) -> tuple[str, str] | None:
+    """The definition: for each of the last 16 heads, the bracket depth after every character of
+    its body (an answer's must never go below 0 and end at 0)."""
+    stripped = text.rstrip()
+    heads = list(_HEAD.finditer(stripped)) if stripped.endswith("]") else []
+    for head in heads[-16:]:
+        kind, body = head.group(1), stripped[head.end() : -1]
+        depths = list(accumulate({"[": 1, "]": -1}.get(char, 0) for char in body))
+        if kind == "answer" and min(depths, default=0) >= 0 and not (depths and depths[-1]):
+            return kind, body
+        try:
+            if kind == "call" and parse_calls(body):
+                return kind, body
+        except ValueError:
+            continue
+    calls = [head for head in heads if head.group(1) == "call"]
+    return ("call", stripped[calls[-1].end() : -1]) if calls else None
+
+
+ACTION_CHUNKS = ["call[", "answer[", "recall[", "ls()", "f(a=1)", ", ", "'", "[", "]", " ", "x"]
+
+
+@given(st.lists(st.sampled_from(ACTION_CHUNKS), max_size=25).map("".join))
+@settings(max_examples=500, deadline=None)
+def test_read_action_equals_the_reference(text: str) -> None:
+    assert read_action(text) == reference_read_action(text)
+
+
+K = 200_000  # heads or brackets: each text below is about a megabyte
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # no body parses, so the last call's body comes back, to explain
+        ("call[" * K + "]" * K, ("call", "]" * (K - 1))),
+        ("answer[" * K + "]" * K, None),  # only the first head balances, and it is not tried
+        ("call[ls()] " * K + "answer[done]", ("answer", "done")),
+        ("call[" + "[" * K + "]" * (K + 1), ("call", "[" * K + "]" * K)),
+        (
+            "call[echo(content='" + "x" * (5 * K) + "')]",
+            ("call", "echo(content='" + "x" * (5 * K) + "')"),
+        ),
+        ("answer[" + "]" * (5 * K), None),
+    ],
+    ids=[
+        "nested calls",
+        "nested answers",
+        "many heads",
+        "deep brackets",
+        "long string",
+        "unbalanced",
+    ],
+)
+def test_megabyte_texts_are_read_right(text: str, expected: tuple[str, str] | None) -> None:
+    assert read_action(text) == expected
+
+
+def test_at_most_16_heads_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[int] = []
+
+    def counting_parse_calls(text: str) -> list[bfcl.Call]:
+        parsed.append(len(text))
+        return parse_calls(text)
+
+    monkeypatch.setattr(bfcl, "parse_calls", counting_parse_calls)
+    assert read_action("call[" * K + "]") == ("call", "")
+    assert len(parsed) == 16 and max(parsed) <= 15 * len("call[")
 
 
 def test_parse_calls_keeps_positional_and_keyword_literals() -> None:

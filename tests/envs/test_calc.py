@@ -165,6 +165,16 @@ def test_tool_results_and_errors_are_observations(action: str, observation: str)
     assert step == type(step)(observation, done=False, reward=0.0)
 
 
+def test_a_turn_over_the_limit_is_refused_and_counts_as_a_turn() -> None:
+    env = CalcEnv(max_turns=2, max_action_chars=12)
+    env.reset(make_task())
+    refused = env.step("I think. answer[57]")  # 19 characters: not read, so no answer
+    assert refused == type(refused)("error: action longer than 12 characters", False, 0.0)
+    assert env.step("calc[50+7]") == type(refused)(TURN_LIMIT, True, 0.0)  # 10: read
+    with pytest.raises(ValueError, match="max_action_chars must be >= 1"):
+        CalcEnv(max_action_chars=0)
+
+
 def test_a_huge_answer_scores_zero_without_raising() -> None:
     env = CalcEnv()
     env.reset(make_task())

@@ -7,6 +7,7 @@ and random expression trees evaluate to what a Fraction-arithmetic walk of the s
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -104,6 +105,20 @@ def test_nesting_bound_is_20() -> None:
 
 def test_long_runs_of_unary_minus_do_not_recurse() -> None:
     assert evaluate("-" * 199 + "1") == -1
+
+
+@pytest.mark.parametrize(
+    ("expr", "message"),
+    [
+        ("(" * 500_000 + "1" + ")" * 500_000, "expression too long"),  # refused before reading
+        ("-" * 1_000_000 + "1", "expression too long"),
+        ("(" * 99 + "1" + ")" * 99, "too deeply nested at 21"),  # within 200 chars: depth bound
+        ("(" * 199, "too deeply nested at 21"),
+    ],
+)
+def test_deep_and_long_inputs_are_calc_errors_not_crashes(expr: str, message: str) -> None:
+    with pytest.raises(CalcError, match=re.escape(message)):
+        evaluate(expr)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from trace_core.envs.base import replay
-from trace_core.envs.deepscaler import DeepScaleRSuite, check_math, load_deepscaler
+from trace_core.envs.deepscaler import (
+    MAX_ANSWER_CHARS,
+    DeepScaleRSuite,
+    check_math,
+    load_deepscaler,
+)
 
 ROWS = [
     {"problem": "What is $1/2$ as a fraction?", "answer": "\\frac{1}{2}", "solution": "It is."},
@@ -72,6 +78,20 @@ def test_deepscaler_suite_replays_and_checks_with_math_verify(tmp_path: Path) ->
 )
 def test_check_math(given_: str, gold: str, correct: bool) -> None:
     assert check_math(given_, gold) is correct
+
+
+def test_an_answer_over_the_bound_is_wrong_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # math-verify's time grows faster than the length: 60,000 characters took about 40 s
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # importing it would raise
+    long = "1" * (MAX_ANSWER_CHARS + 1)
+    assert check_math(long, long) is False
+
+
+def test_a_gold_answer_over_the_bound_has_no_reference(tmp_path: Path) -> None:
+    fits, over = "1" * MAX_ANSWER_CHARS, "1" * (MAX_ANSWER_CHARS + 1)
+    rows = [{"problem": "p", "answer": fits}, {"problem": "q", "answer": over}]
+    tasks = load_deepscaler(write(tmp_path / "d.json", rows))
+    assert [t.reference for t in tasks] == [(f"answer[{fits}]",), ()]
 
 
 def test_deepscaler_bad_rows_are_named(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trace_core.envs.base import Step, Task, replay
-from trace_core.envs.hotpotqa import HotpotQASuite, load_hotpotqa
+from trace_core.envs.hotpotqa import MAX_ACTION_CHARS, HotpotQASuite, load_hotpotqa
 
 HOTPOT = [
     {
@@ -61,6 +61,15 @@ def test_hotpotqa_answer_that_cannot_be_an_action_has_no_reference(tmp_path: Pat
     (task,) = load_hotpotqa(write_json(tmp_path / "d.json", [row])).tasks
     assert task.reference == ()
     assert task.answer == "[1, 2)"
+
+
+def test_hotpotqa_turns_over_the_limit_are_left_out_of_the_reference(tmp_path: Path) -> None:
+    title, answer = "T" * MAX_ACTION_CHARS, "A" * MAX_ACTION_CHARS  # each turn 8 over
+    row = {**HOTPOT[1], "supporting_facts": [[title, 0], ["Shirley Temple", 0]]}
+    (task,) = load_hotpotqa(write_json(tmp_path / "d.json", [row])).tasks
+    assert task.reference == ("search[Shirley Temple]", "answer[Chief of Protocol]")
+    (task,) = load_hotpotqa(write_json(tmp_path / "d.json", [{**row, "answer": answer}])).tasks
+    assert task.reference == ()
 
 
 def test_hotpotqa_suite_searches_each_tasks_own_passages(tmp_path: Path) -> None:

@@ -132,6 +132,17 @@ def test_answer_reward_is_normalised_exact_match(answer: str, reward: float) -> 
     assert env.step(f"answer[{answer}]") == Step("done", True, reward)
 
 
+def test_a_turn_over_the_limit_is_refused_and_the_episode_goes_on() -> None:
+    index = SearchIndex(WORLD.passages())
+    env = MultihopEnv(lambda task: index, max_action_chars=14)
+    env.reset(TASK)
+    refused = "error: action longer than 14 characters"
+    assert env.step("so: answer[vesta]") == Step(refused, False, 0.0)  # 17 characters
+    assert env.step("answer[vesta]") == Step("done", True, 1.0)
+    with pytest.raises(ValueError, match="max_action_chars must be >= 1"):
+        MultihopEnv(lambda task: index, max_action_chars=0)
+
+
 def test_turn_limit_and_step_after_done() -> None:
     env = small_env(max_turns=2)
     with pytest.raises(ValueError, match="before reset"):

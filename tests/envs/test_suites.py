@@ -6,10 +6,13 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from trace_core.envs.base import Split, Task
+from trace_core.envs import bfcl, calc, deepscaler, hotpotqa, multihop
+from trace_core.envs.base import Split, Step, Task, TaskSuite
 from trace_core.envs.calc import CalcEnv, CalcSuite
+from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.suites import SUITES, CheckReport, check_references, make_suite
 
 CALC_LABELS = [f"ops={o},digits={d}" for o in (1, 2, 3) for d in (1, 2, 3)]
@@ -143,3 +146,86 @@ def test_report_json_keys() -> None:
         "by_difficulty": {"a": 1.0, "b": 0.5},
         "failed": ["x"],
     }
+
+
+# --- the turn length limit -----------------------------------------------------------------------
+
+LIMITS = {
+    "calc": calc.MAX_ACTION_CHARS,
+    "multihop": multihop.MAX_ACTION_CHARS,
+    "bfcl": bfcl.MAX_ACTION_CHARS,
+    "deepscaler": deepscaler.MAX_ACTION_CHARS,
+    "hotpotqa": hotpotqa.MAX_ACTION_CHARS,
+}
+TOOLS = {
+    "calc": "calc",
+    "multihop": "search",
+    "bfcl": "call",
+    "deepscaler": "calc",
+    "hotpotqa": "search",
+}
+HOTPOT_ROW = {
+    "_id": "q1",
+    "question": "Where was Ann Lee born?",
+    "answer": "Kara",
+    "supporting_facts": [["Ann Lee", 0]],
+    "context": [["Ann Lee", ["Ann Lee was born in Kara."]], ["Kara", ["Kara is a city."]]],
+}
+
+
+def small_suite(name: str, tmp_path: Path) -> TaskSuite:
+    """The suite called ``name``; the loader suites read a one-row file."""
+    rows = {
+        "deepscaler": [{"problem": "What is 6 times 7?", "answer": "42"}],
+        "hotpotqa": [HOTPOT_ROW],
+    }
+    if name not in rows:
+        return make_suite(name)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(rows[name]))
+    return make_suite(name, str(path))
+
+
+def hostile_turns(size: int, tool: str) -> list[str]:
+    """Turns of at most ``size`` characters in the shapes that cost a careless reader most:
+    nested heads, deep brackets, an unbalanced tail, a long thought before a call."""
+    heads = size // (len(tool) + 2)
+    return [
+        f"{tool}[" * heads + "]" * heads,
+        "[" * (size // 2) + "]" * (size // 2),
+        f"{tool}[" + "]" * (size - len(tool) - 1),
+        "word " * (size // 5 - 4) + f"{tool}[1]",
+    ]
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_every_reference_turn_fits_its_suites_limit(name: str, tmp_path: Path) -> None:
+    suite = small_suite(name, tmp_path)
+    tasks = suite.tasks("train") + suite.tasks("eval")
+    turns = [turn for task in tasks for turn in task.reference]
+    if isinstance(suite, CalcSuite | MultihopSuite):  # demonstrations that slip at every step
+        rng = np.random.default_rng(0)
+        turns += [turn for task in tasks[::10] for turn in suite.demonstration(task, rng, 1.0)]
+    assert turns and max(map(len, turns)) <= LIMITS[name]
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_over_long_turns_are_refused_and_the_episode_goes_on(name: str, tmp_path: Path) -> None:
+    suite = small_suite(name, tmp_path)
+    limit, tool = LIMITS[name], TOOLS[name]
+    task = (suite.tasks("eval") or suite.tasks("train"))[0]
+    env = suite.make_env()
+    refused = Step(f"error: action longer than {limit} characters", False, 0.0)
+    # a megabyte, and one character over: refused unread, then the reference still scores 1
+    for turn in [*hostile_turns(1_000_000, tool), "x" * (limit + 1)]:
+        env.reset(task)
+        assert env.step(turn) == refused
+        for reference_turn in task.reference:
+            step = env.step(reference_turn)
+        assert (step.done, step.reward) == (True, 1.0)
+    # up to the limit, turns are read (the last shape is a tool call after a long thought)
+    for turn in hostile_turns(limit, tool):
+        assert len(turn) <= limit
+        env.reset(task)
+        step = env.step(turn)
+        assert step.observation != refused.observation and not step.done

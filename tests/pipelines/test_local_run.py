@@ -32,6 +32,7 @@ def metrics_of(task_dir: Path, name: str = "metrics") -> dict[str, float]:
     return artifact["metadata"]
 
 
+@pytest.mark.long  # ≈ 2.5 min: every step a KFP subprocess
 def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
     settings = json.dumps(TINY)
     params = PipelineParameters(iterations=2, budget=8, run_name="ci", settings_json=settings)

@@ -147,10 +147,28 @@ def test_missing_object_and_bucket_name_the_uri(seaweed: SeaweedServer, prefix: 
     with pytest.raises(ObjectNotFound, match=f"s3://trace/{prefix}/nope.json: no such object"):
         store.get_bytes("nope.json")
     nobucket = S3Store("no-such-bucket", "x", settings)
-    with pytest.raises(ObjectNotFound, match="s3://no-such-bucket/x/k: bucket 'no-such-bucket'"):
+    with pytest.raises(ObjectNotFound, match=r"s3://no-such-bucket/x/k: bucket 'no-such-bucket'"):
         nobucket.get_bytes("k")
     with pytest.raises(ObjectNotFound, match="bucket 'no-such-bucket' does not exist"):
         nobucket.list_objects()
+
+
+@pytest.mark.cluster  # a SeaweedFS server
+def test_writing_to_a_missing_bucket_creates_nothing(
+    seaweed: SeaweedServer, tmp_path: Path
+) -> None:
+    settings = S3Settings.from_env(seaweed.env())
+    store = S3Store("no-such-bucket", "run", settings)
+    src = tmp_path / "f"
+    src.write_bytes(b"1")
+    for write in (lambda: store.put_bytes("a.json", b"{}"), lambda: store.put_file("b", src)):
+        with pytest.raises(
+            ObjectNotFound,
+            match=r"s3://no-such-bucket/run/.*bucket 'no-such-bucket' does not exist",
+        ):
+            write()
+    # The server would have made the bucket on the first PUT; the store asked first.
+    assert "no-such-bucket" not in [b.name for b in store.client.list_buckets()]
 
 
 @pytest.mark.cluster  # a SeaweedFS server

@@ -10,11 +10,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+from click.testing import Result
 from rich.console import Console
+from typer.testing import CliRunner
 
 from trace_core.algo.metrics import measure
-from trace_core.algo.tree import RolloutTree
+from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
 from trace_core.bench.store import sim_trees
 from trace_core.store.artifacts import LocalStore, S3Store
 from trace_core.store.inspect import (
@@ -152,3 +155,100 @@ def test_cli_on_s3(
     out = trace_rl("inspect", "summary", uri, env={**s3_env, "AWS_SECRET_ACCESS_KEY": secret})
     assert out.returncode == 2 and f"{uri}: access denied" in out.stdout, out.stdout + out.stderr
     assert secret not in out.stdout + out.stderr
+
+
+# --- the CLI in process ------------------------------------------------------------------------
+MARKUP = ("[/x]", "[bold]", "search[bo lin born]")
+
+
+def markup_tree() -> RolloutTree:
+    """A tree whose run, strategy and turns read as Rich markup if printed as markup."""
+    info = TreeInfo("run-[b]", 0, "p[/x]", 0, "trace[bold]", 1)
+    b = TreeBuilder(info, prompt_tokens=np.arange(3, dtype=np.int32), prompt_text="[/x] prompt")
+    n1 = b.add_turn(0, [5], [6], [-0.5], text="search[bo lin born]", observation="[bold]found")
+    n2 = b.add_turn(n1, [7], [], [-0.5], text="answer[/x]")
+    b.set_reward(n2, 1)
+    return b.build()
+
+
+@pytest.fixture
+def cli() -> Callable[..., Result]:
+    from trace_core.cli import app
+
+    runner = CliRunner()
+    return lambda *args: runner.invoke(app, ["inspect", *args], catch_exceptions=False)
+
+
+def test_cli_prints_text_never_markup(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    write_tree_set(LocalStore(tmp_path), "t", [markup_tree()])
+    folder = str(tmp_path)
+
+    out = cli(
+        "query", folder, 'SELECT text AS "[bold]head", observation FROM nodes ORDER BY node_id'
+    )
+    assert out.exit_code == 0, out.output
+    for literal in (
+        "[bold]head",
+        "[/x] prompt",
+        "search[bo lin born]",
+        "[bold]found",
+        "answer[/x]",
+    ):
+        assert literal in out.output
+
+    out = cli("show", folder, "0")
+    assert out.exit_code == 0, out.output
+    assert "prompt p[/x] · run run-[b] · iteration 0 · trace[bold]" in out.output
+    assert "#1 search[bo lin born] → [bold]found" in out.output and "#2 answer[/x]" in out.output
+
+    out = cli("summary", folder)
+    assert out.exit_code == 0, out.output
+    assert "runs run-[b];" in out.output and "trace[bold]" in out.output
+
+
+def test_cli_query_refuses_what_is_not_one_query(
+    tmp_path: Path, cli: Callable[..., Result]
+) -> None:
+    write_tree_set(LocalStore(tmp_path), "t", [markup_tree()])
+    (part,) = (tmp_path / "t").glob("*.parquet")
+    before = part.read_bytes()
+    for sql, message in [
+        (f"COPY nodes TO '{part}'", "error: only one SELECT query is allowed, got COPY"),
+        ("SELECT * FROM read_csv('/etc/passwd')", "refused: it reaches past the view nodes"),
+    ]:
+        out = cli("query", str(tmp_path), sql)
+        assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
+    assert part.read_bytes() == before
+
+
+def test_cli_query_output(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    write_tree_set(LocalStore(tmp_path / "run"), "t", [markup_tree()])
+    folder = str(tmp_path / "run")
+    (part,) = (tmp_path / "run" / "t").glob("*.parquet")
+    before = part.read_bytes()
+
+    # Written whole: the rows, and nothing else beside them.
+    result = tmp_path / "out" / "leaves.csv"
+    out = cli("query", folder, "SELECT node_id, text FROM nodes WHERE is_leaf", "-o", str(result))
+    assert out.exit_code == 0, out.output
+    assert result.read_text().splitlines() == ['"node_id","text"', '2,"answer[/x]"']
+    assert os.listdir(result.parent) == ["leaves.csv"]
+
+    # A failed write leaves the file that was there, and no partial file.
+    out = cli("query", folder, "SELECT gen_token_ids FROM nodes", "-o", str(result))
+    assert out.exit_code == 2 and "CSV has no list columns" in out.output, out.output
+    assert result.read_text().splitlines()[1] == '2,"answer[/x]"'
+    assert os.listdir(result.parent) == ["leaves.csv"]
+
+    # The trees themselves are never the output.
+    out = cli("query", folder, "SELECT 1 AS one", "-o", str(part))
+    said = " ".join(out.output.split())
+    assert out.exit_code == 2 and f"--output {part} is a trees file of {folder}" in said, said
+    assert part.read_bytes() == before
+    out = cli("query", folder, "SELECT 1", "-o", str(tmp_path / "rows.json"))
+    assert out.exit_code == 2 and "name a .parquet or .csv file" in out.output, out.output
+
+    out = cli("query", folder, "SELECT * FROM nodes", "--max-rows", "-1")
+    assert out.exit_code == 2 and "--max-rows" in out.output, out.output
+    out = cli("query", folder, "SELECT * FROM nodes", "--max-rows", "0")
+    assert out.exit_code == 0 and "3 rows" in out.output and "[/x]" not in out.output

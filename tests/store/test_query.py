@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.bench.store import sim_trees
-from trace_core.store.artifacts import LocalStore, S3Store
-from trace_core.store.query import QueryError, run_query
+from trace_core.store.artifacts import LocalStore, S3Store, file_sha256
+from trace_core.store.query import SETTINGS, QueryError, run_query
+from trace_core.store.schema import TREE_SCHEMA
 from trace_core.store.treeset import TreeSource, open_trees, write_tree_set
 
 
@@ -169,4 +171,128 @@ def test_bad_sql_names_the_source(tmp_path: Path, trees: list[RolloutTree]) -> N
     source = open_trees(str(tmp_path / "t"))
     with pytest.raises(QueryError, match=rf"query over {tmp_path}/t failed: .*nope"):
         run_query(source, "SELECT nope FROM nodes")
-    assert run_query(source, "SET threads = 1").num_rows == 0  # no result set: an empty table
+    with pytest.raises(QueryError, match="cannot parse the query: Parser Error"):
+        run_query(source, "SELEC 1")
+
+
+def test_ordinary_queries_still_work(tmp_path: Path, trees: list[RolloutTree]) -> None:
+    write_tree_set(LocalStore(tmp_path), "t", trees[:20])
+    source = open_trees(str(tmp_path))
+    leaves = sum(int(t.leaf_mask.sum()) for t in trees[:20])
+    one = run_query(source, "SELECT count(*) AS n FROM nodes WHERE is_leaf;")
+    assert one.column("n").to_pylist() == [leaves]
+    sql = """
+        WITH per_tree AS (
+            SELECT max(depth) AS deepest FROM nodes GROUP BY run_id, iteration, tree_id
+        )
+        SELECT count(*) AS trees, max(deepest) AS deepest FROM per_tree
+    """
+    got = run_query(source, sql).to_pylist()
+    assert got == [{"trees": 20, "deepest": max(int(t.depth.max()) for t in trees[:20])}]
+    assert run_query(source, "FROM nodes SELECT text LIMIT 2").num_rows == 2
+    assert run_query(source, "VALUES (1, 'a')").num_rows == 1
+    described = run_query(source, "DESCRIBE nodes").column("column_name").to_pylist()
+    assert described == [f.name for f in TREE_SCHEMA]
+    assert run_query(source, "SUMMARIZE SELECT reward FROM nodes").num_rows == 1
+
+
+# --- a query reads the view and nothing else ---------------------------------------------------
+# (SQL, what the error says); {d} is the test's folder, which holds the trees (t/), a Parquet
+# file that is not part of them and a text file. Statements other than one query are refused
+# by DuckDB's parser before anything runs; the queries among them, by the connection's settings.
+ONE_QUERY = r"only one SELECT query is allowed, got "
+OUTSIDE = (
+    r"query over .* refused: it reaches past the view nodes \(Permission Error: .*\); read only"
+)
+HOSTILE = [
+    ("COPY (SELECT * FROM nodes) TO '{d}/out.csv'", ONE_QUERY + r"COPY .*; write rows with --out"),
+    ("COPY nodes TO '{d}/t/{part}' (FORMAT parquet)", ONE_QUERY + "COPY"),
+    ("EXPORT DATABASE '{d}/exported'", ONE_QUERY + "EXPORT"),
+    ("SELECT * FROM read_csv('/etc/passwd')", OUTSIDE),
+    ("SELECT * FROM read_text('{d}/secret.txt')", OUTSIDE),
+    ("SELECT * FROM read_blob('{d}/secret.txt')", OUTSIDE),
+    ("SELECT * FROM read_parquet('{d}/other.parquet')", OUTSIDE),
+    ("SELECT * FROM '{d}/other.parquet'", OUTSIDE),
+    ("SELECT * FROM nodes WHERE tree_id IN (SELECT x FROM 'other.parquet')", OUTSIDE),
+    ("WITH o AS (FROM read_parquet('{d}/t/*.parquet')) SELECT count(*) FROM o", OUTSIDE),
+    ("SELECT * FROM glob('/*')", OUTSIDE),
+    ("SELECT * FROM read_csv('https://example.com/x.csv')", OUTSIDE),
+    ("SELECT * FROM 's3://trace/x.parquet'", OUTSIDE),
+    ("SELECT * FROM duckdb_extensions()", OUTSIDE),  # reads ~/.duckdb/extensions
+    ("SELECT * FROM sqlite_scan('{d}/x.db', 't')", r"failed: Catalog Error: .*sqlite_scan"),
+    ("SELECT * FROM enable_logging()", r"failed: .*configuration has been locked"),
+    ("SELECT * FROM secret_table", r"failed: Catalog Error: .*secret_table does not exist"),
+    ("ATTACH '{d}/new.db' AS new", ONE_QUERY + r"ATTACH \(ATTACH '/.*\); e\.g\. SELECT"),
+    ("INSTALL httpfs", ONE_QUERY + r"LOAD \(INSTALL httpfs\)"),
+    ("LOAD httpfs", ONE_QUERY + r"LOAD \(LOAD httpfs\)"),
+    ("SET threads = 1", ONE_QUERY + r"SET \(SET threads = 1\)"),
+    ("RESET enable_external_access", ONE_QUERY + "SET"),
+    ("PRAGMA version", ONE_QUERY + "PRAGMA"),
+    ("CALL pragma_version()", ONE_QUERY + "CALL"),
+    ("CREATE TABLE t AS SELECT * FROM nodes", ONE_QUERY + "CREATE"),
+    ("DROP VIEW nodes", ONE_QUERY + "DROP"),
+    ("PIVOT nodes ON strategy", ONE_QUERY + "MULTI"),  # PIVOT first creates a type
+    ("EXPLAIN SELECT 1", ONE_QUERY + "EXPLAIN"),
+    ("SELECT 1; COPY nodes TO '{d}/out.csv'", ONE_QUERY + "2 statements"),
+    ("SELECT 1; SELECT 2", ONE_QUERY + "2 statements"),
+    ("", ONE_QUERY + "none"),
+    ("-- nothing but a comment", ONE_QUERY + "none"),
+]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file below ``folder`` with its SHA-256."""
+    return {
+        str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture
+def walled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tree_factory: Callable[..., RolloutTree]
+) -> tuple[TreeSource, Path]:
+    """The trees under tmp_path/t, beside files a query must not reach; tmp_path is the cwd."""
+    write_tree_set(LocalStore(tmp_path), "t", [tree_factory(i) for i in range(3)])
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "other.parquet")
+    (tmp_path / "secret.txt").write_text("secret\n")
+    monkeypatch.chdir(tmp_path)
+    return open_trees(str(tmp_path / "t")), tmp_path
+
+
+@pytest.mark.parametrize(("sql", "message"), HOSTILE, ids=[sql[:40] for sql, _ in HOSTILE])
+def test_a_query_reaches_nothing_but_the_view(
+    sql: str, message: str, walled: tuple[TreeSource, Path]
+) -> None:
+    source, folder = walled
+    before = snapshot(folder)
+    (part,) = (k.rsplit("/", 1)[-1] for k in source.keys)
+    # What "FROM secret_table" would find if DuckDB's replacement scan looked past its caller.
+    secret_table = pa.table({"secret": ["in a local variable"]})  # noqa: F841
+    with pytest.raises(QueryError, match=message):
+        run_query(source, sql.format(d=folder, part=part))
+    assert snapshot(folder) == before  # nothing written, the trees file included
+    assert run_query(source, "SELECT count(*) AS n FROM nodes").column("n").to_pylist() == [24]
+
+
+def test_duckdb_own_allowed_paths_are_closed_too(walled: tuple[TreeSource, Path]) -> None:
+    # With external access off DuckDB still allows its spill folder (./.tmp/) and the in-memory
+    # database's file names (./:memory:, ./:memory:.wal): temp_directory='' and the disabled
+    # LocalFileSystem close them.
+    source, folder = walled
+    (folder / ".tmp").mkdir()
+    (folder / ".tmp" / "spilled.csv").write_text("a\n1\n")
+    (folder / ":memory:").write_text("a\n1\n")
+    (folder / ":memory:.wal").write_text("a\n1\n")
+    for path in (".tmp/spilled.csv", ":memory:", f"{folder}/:memory:.wal"):
+        with pytest.raises(QueryError, match="refused: it reaches past the view nodes"):
+            run_query(source, f"SELECT * FROM read_csv('{path}')")
+
+
+def test_the_connection_settings_are_in_force(walled: tuple[TreeSource, Path]) -> None:
+    source, _ = walled
+    settings = run_query(source, "SELECT name, value FROM duckdb_settings()").to_pylist()
+    values = {row["name"]: row["value"] for row in settings}
+    want = {name: str(value).lower() for name, value in SETTINGS.items()}
+    assert {name: values[name] for name in want} == want
+    assert values["lock_configuration"] == "true"
+    assert values["allowed_directories"] == "[]"

@@ -86,6 +86,37 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".resume")]
 
 
+def test_a_damaged_latest_falls_back_and_a_lost_pointer_is_refused(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    registry = CheckpointRegistry(store)
+    first = registry.save("nightly", 1, checkpoint_dir(tmp_path / "v1", 1, big=100))
+    second = registry.save("nightly", 2, checkpoint_dir(tmp_path / "v2", 2, big=100))
+    # A file of the newest checkpoint is cut short: the one before it is used, and said so.
+    (tmp_path / "store" / second.key / "model.safetensors").write_bytes(b"cut")
+    said: list[str] = []
+    latest = registry.latest("nightly", say=said.append)
+    assert latest is not None and latest.key == first.key
+    assert said == [
+        f"{store.uri(second.key)} is incomplete ({store.uri(second.key)}/model.safetensors has "
+        f"3 bytes, not 100); using {first.key.rsplit('/', 1)[-1]}, the newest complete checkpoint"
+    ]
+    # Without latest.json, a new run under the same name is refused: it would register over it.
+    (tmp_path / "store/checkpoints/nightly/latest.json").unlink()
+    with pytest.raises(
+        ValueError, match=r"latest\.json is missing, but run 'nightly' holds 2 saved"
+    ):
+        registry.latest("nightly")
+    (tmp_path / "store/checkpoints/nightly/latest.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"not valid JSON.*checkpoints are kept"):
+        registry.latest("nightly")
+    # A save that crashed before its manifest blocks nothing.
+    (tmp_path / "store/checkpoints/fresh/iter-000001-abc/model.safetensors").parent.mkdir(
+        parents=True
+    )
+    (tmp_path / "store/checkpoints/fresh/iter-000001-abc/model.safetensors").write_bytes(b"1")
+    assert registry.latest("fresh") is None
+
+
 @pytest.mark.cluster  # a SeaweedFS server
 def test_server_killed_mid_upload_keeps_the_previous_latest(
     crashable: SeaweedServer,

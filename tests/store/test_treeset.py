@@ -6,12 +6,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.bench.store import sim_trees
 from trace_core.store.artifacts import ArtifactStore, LocalStore, ObjectNotFound, S3Store
-from trace_core.store.schema import SchemaError, write_trees
+from trace_core.store.schema import SchemaError, to_table, write_trees
 from trace_core.store.treeset import (
     MANIFEST,
     ManifestError,
@@ -133,12 +136,46 @@ def test_open_trees_errors_name_what_is_wrong(
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(OSError, match=r"bad\.parquet"):
         open_trees(str(tmp_path / "bad.parquet")).read()
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
     with pytest.raises(SchemaError, match=r"other\.parquet: schema metadata has no"):
         open_trees(str(tmp_path / "other.parquet")).read()
+
+
+def test_every_file_of_a_folder_is_checked(
+    tmp_path: Path, tree_factory: Callable[..., RolloutTree]
+) -> None:
+    # Without the check a foreign file's rows would come back as nulls (pyarrow takes the
+    # first file's schema for all); only the footers are read to find it.
+    good = to_table([tree_factory(0)])
+    wrong_type = good.set_column(
+        good.schema.get_field_index("reward"), "reward", pc.cast(good["reward"], pa.string())
+    )
+    bad = {
+        "foreign.parquet": (pa.table({"x": [1, 2]}), r"schema metadata has no 'trace\.schema"),
+        "no-reward.parquet": (good.drop_columns(["reward"]), r"column 'reward' is missing"),
+        "string-reward.parquet": (
+            wrong_type,
+            r"column 'reward' has type string, expected double",
+        ),
+    }
+    for name, (table, message) in bad.items():
+        folder = tmp_path / name.removesuffix(".parquet")
+        folder.mkdir()
+        write_trees(folder / "a.parquet", [tree_factory(0)])
+        pq.write_table(table, folder / name)
+        with pytest.raises(SchemaError, match=rf"^{folder}/{name}: {message}.*; every file under "):
+            open_trees(str(folder)).read(["node_id"])
+
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    write_trees(folder / "a.parquet", [tree_factory(0)])
+    whole = (folder / "a.parquet").read_bytes()
+    for name, data in (("b-truncated.parquet", whole[: len(whole) // 2]), ("c.parquet", b"text")):
+        (folder / name).write_bytes(data)
+        with pytest.raises(OSError, match=rf"^{folder}/{name}: .*Parquet"):
+            open_trees(str(folder)).dataset()
+        (folder / name).unlink()
+    assert open_trees(str(folder)).read(["node_id"]).num_rows == 8
 
 
 @pytest.mark.cluster  # a SeaweedFS server

@@ -50,7 +50,7 @@ def test_train_flags_are_the_config_fields_with_their_docstrings() -> None:
     flags = {p.name: p for p in command.params}
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("update", "engine")]
     nested = [f.name for kind in (UpdateConfig, EngineConfig) for f in dataclasses.fields(kind)]
-    assert set(flags) == {*fields, *nested, "threads"}
+    assert set(flags) == {*fields, *nested, "threads", "restart"}
     assert flags["lr"].default == UpdateConfig().lr and flags["budget"].default == 128
     assert flags["output"].default == Path("build/train/calc-trace")
     assert flags["workers"].help == field_docs(EngineConfig)["workers"]

@@ -13,6 +13,7 @@ from trace_core.train.loop import train
 
 
 @pytest.mark.slow  # ≈ 2.5 min of warm start and ≈ 1.5 min of RL on 2 idle cores
+@pytest.mark.long
 def test_trace_iterations_raise_held_out_mean_at_k(tmp_path: Path) -> None:
     """Warm start (1,000 SFT steps, seed 0), then 8 iterations of M = 128 roots × N = 2 over
     pools of 512 prompts, mean@4 on the first 90 eval tasks before and after.

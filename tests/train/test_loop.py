@@ -3,6 +3,7 @@ the comparison's arithmetic."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -18,8 +19,9 @@ from trace_core.store.schema import read_trees
 from trace_core.train import loop
 from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
 from trace_core.train.config import TrainConfig
-from trace_core.train.loop import read_latest, train
+from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord, read_log
+from trace_core.train.run_folder import RunFolderError, read_latest
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -118,6 +120,68 @@ def test_crash_mid_iteration_keeps_the_last_complete_one(
     monkeypatch.undo()
     records = run(tiny(init, out, iterations=2))
     assert [r.iteration for r in records] == [0, 1, 2] and read_latest(out) == 2
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_run_without_its_pointer_is_refused_not_rebuilt(init: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run(tiny(init, out, iterations=2))
+    (out / "latest").unlink()
+    before = checksums(out)
+    with pytest.raises(RunFolderError, match=f"{out} holds iterations 1..2 but no valid latest"):
+        run(tiny(init, out, iterations=2))
+    assert checksums(out) == before  # nothing rewritten, not even config.json
+    (out / "latest").write_text("two\n")  # a pointer that is not a number is no pointer
+    with pytest.raises(RunFolderError, match="--restart"):
+        run(tiny(init, out, iterations=2))
+    said: list[str] = []
+    records = train(tiny(init, out, iterations=1), said.append, parity.ParitySuite(), restart=True)
+    assert [r.iteration for r in records] == [0, 1] and read_latest(out) == 1
+    assert not (out / "iterations/0002").exists()
+    assert any(m.startswith("--restart: discarded config.json, log.jsonl, latest") for m in said)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_latest_iteration_falls_back_to_the_last_complete_one(
+    init: Path, tmp_path: Path, damage: str
+) -> None:
+    straight = run(tiny(init, tmp_path / "straight", iterations=2))
+    out = tmp_path / "run"
+    run(tiny(init, out, iterations=2))
+    weights_file = out / "iterations/0002/policy/model.safetensors"
+    if damage == "truncate":
+        weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    else:
+        (out / "iterations/0002/optimizer.safetensors").unlink()
+    said: list[str] = []
+    records = train(tiny(init, out, iterations=2), said.append, parity.ParitySuite())
+    assert any(
+        m.startswith("iteration 2 is incomplete (")
+        and m.endswith("; resuming after iteration 1, the newest complete one")
+        for m in said
+    ), said
+    # Iteration 2 is redone from iteration 1: the same draws give the same run.
+    assert [r.tokens for r in records] == [r.tokens for r in straight]
+    assert checksums(out / "iterations/0002/policy") == checksums(
+        tmp_path / "straight/iterations/0002/policy"
+    )
+
+
+def test_no_complete_iteration_is_refused(init: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run(tiny(init, out, iterations=1))
+    (out / "iterations/0001/manifest.json").write_text("{")
+    before = checksums(out)
+    with pytest.raises(RunFolderError, match=r"no iteration up to it is complete.*damaged"):
+        run(tiny(init, out, iterations=2))
+    assert checksums(out) == before
 
 
 def test_resume_refuses_a_different_config(init: Path, tmp_path: Path) -> None:

@@ -75,6 +75,11 @@ def strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
+MAX_UNITS = 65_536
+"""Rollout units one iteration may spend: every tree of an iteration is held in memory, and at
+the paper's scale (512 prompts × 8 rollouts) an iteration spends 4,096."""
+
+
 @dataclass(frozen=True)
 class Budget:
     """An equal budget for every strategy, in the shape of the paper (M roots × N continuations)."""
@@ -93,6 +98,11 @@ class Budget:
             raise ValueError(f"continuations must be >= 0, got {self.continuations}")
         if self.group < 2:
             raise ValueError(f"group must be at least 2 (GRPO needs a pair), got {self.group}")
+        if self.units > MAX_UNITS:
+            raise ValueError(
+                f"roots × (1 + continuations/2) = {self.units:,.0f} units; at most {MAX_UNITS:,} "
+                "fit one iteration (its trees are held in memory): lower roots or continuations"
+            )
 
     @property
     def units(self) -> float:

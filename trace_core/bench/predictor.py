@@ -126,14 +126,9 @@ def tree_paths(spec: str) -> tuple[Path, ...]:
 
 def load_policy_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of the policy that wrote the trees (its ids are what the trees hold)."""
-    from transformers import AutoTokenizer
+    from trace_core.policy.checkpoint import load_tokenizer
 
-    if not (checkpoint / "tokenizer_config.json").exists():
-        raise ValueError(f"no tokenizer at {checkpoint}: pass the policy's checkpoint directory")
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-        checkpoint, local_files_only=True
-    )
-    return tokenizer
+    return load_tokenizer(checkpoint, "--checkpoint")
 
 
 def value_config(

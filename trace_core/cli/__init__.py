@@ -7,11 +7,32 @@ Each command group lives in its own module; this one lists every command, in one
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from trace_core.cli import bench, pipeline, tasks, training, trees
+from trace_core.cli.output import DEBUG_ENV, CommandGroup
 
-app = typer.Typer(help="TRACE: tree rollout allocation for contrastive exploration.")
+app = typer.Typer(
+    cls=CommandGroup, help="TRACE: tree rollout allocation for contrastive exploration."
+)
+
+
+@app.callback()
+def main(
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            envvar=DEBUG_ENV,
+            help="Show a traceback instead of the one-line error (also TRACE_DEBUG=1).",
+        ),
+    ] = False,
+) -> None:
+    """TRACE: tree rollout allocation for contrastive exploration."""
+
+
 app.add_typer(bench.app, name="bench")
 app.add_typer(tasks.task_app, name="task")
 app.add_typer(training.predictor_app, name="predictor")

@@ -53,17 +53,16 @@ def bench_allocation(
     plot: Annotated[Path | None, typer.Option(help="Write a PNG bar chart here.")] = None,
 ) -> None:
     """Every strategy at an equal rollout budget on the simulator (mean ± std over seeds)."""
-    with expected_errors():
-        config = AllocationBenchConfig(
-            prompts=prompts,
-            budget=budget,
-            continuations=continuations,
-            group=group,
-            sim=SimConfig(difficulty=parse_beta(difficulty), turns=parse_range(turns, "turns")),
-            seeds=seeds,
-            iterations=iterations,
-            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
-        )
+    config = AllocationBenchConfig(
+        prompts=prompts,
+        budget=budget,
+        continuations=continuations,
+        group=group,
+        sim=SimConfig(difficulty=parse_beta(difficulty), turns=parse_range(turns, "turns")),
+        seeds=seeds,
+        iterations=iterations,
+        strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+    )
     with progress() as bar:
         task = bar.add_task("simulating", total=seeds * iterations * len(config.strategies))
         result = run_allocation_bench(
@@ -146,7 +145,7 @@ def bench_allocator_speed(
         size_list = tuple(int(s) for s in sizes.split(",") if s.strip())
     except ValueError:
         raise fail(f"--sizes must be comma-separated integers, got {sizes!r}") from None
-    with console.status("timing solvers") as status, expected_errors():
+    with console.status("timing solvers") as status:
         rows = _run_speed(
             size_list, large or None, dp_max_prompts, progress=lambda msg: status.update(msg)
         )
@@ -228,10 +227,9 @@ def bench_contrast(
         torch.set_num_threads(threads)
     if not (checkpoint / "config.json").exists():
         raise fail(f"no policy at {checkpoint}: run `trace-rl warmstart --output {checkpoint}`")
-    with expected_errors():
-        config = ContrastBenchConfig(
-            checkpoint, task, prompts, budget, continuations, group, iterations, seed
-        )
+    config = ContrastBenchConfig(
+        checkpoint, task, prompts, budget, continuations, group, iterations, seed
+    )
     with progress() as bar:
         job = bar.add_task("rolling out", total=iterations * len(config.strategies))
         result = run_contrast_bench(
@@ -274,15 +272,14 @@ def bench_workers(
     """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), and the ratio."""
     from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
 
-    with expected_errors():
-        config = WorkersBenchConfig(
-            checkpoint,
-            prompts=prompts,
-            roots=budget,
-            continuations=continuations,
-            max_tokens=max_tokens,
-            repeats=repeats,
-        )
+    config = WorkersBenchConfig(
+        checkpoint,
+        prompts=prompts,
+        roots=budget,
+        continuations=continuations,
+        max_tokens=max_tokens,
+        repeats=repeats,
+    )
     with console.status("timing rollouts") as status:
         result = run_workers_bench(config, progress=lambda msg: status.update(msg))
     table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")
@@ -332,11 +329,10 @@ def bench_predictor(
     )
 
     names = ("hashed", "embedding") if featurizer == "both" else (featurizer,)
-    with expected_errors():
-        tokenizer = load_policy_tokenizer(checkpoint)
-        value = value_config(tokenizer, names[0], hidden, epochs)
-        config = PredictorBenchConfig(tree_paths(trees), value, names, heldout, seed)
-    with console.status("fitting") as status, expected_errors():
+    tokenizer = load_policy_tokenizer(checkpoint)
+    value = value_config(tokenizer, names[0], hidden, epochs)
+    config = PredictorBenchConfig(tree_paths(trees), value, names, heldout, seed)
+    with console.status("fitting") as status:
         result = run_predictor_bench(
             config, tokenizer, progress=lambda name: status.update(f"fitting {name}")
         )
@@ -382,8 +378,7 @@ def bench_store(
     """Parquet vs JSON Lines (bytes, seconds, ratios) locally and on S3; a query over 1M nodes."""
     from trace_core.bench.store import StoreBenchConfig, run_store_bench
 
-    with expected_errors():
-        config = StoreBenchConfig(trees=trees, query_nodes=query_nodes, repeats=repeats, s3=s3)
+    config = StoreBenchConfig(trees=trees, query_nodes=query_nodes, repeats=repeats, s3=s3)
     with expected_errors(RuntimeError), console.status("benchmarking storage") as status:
         result = run_store_bench(config, progress=lambda m: status.update(m))
     table = Table(title=f"{result.trees:,} simulator trees, {result.nodes:,} nodes")

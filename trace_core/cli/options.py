@@ -25,8 +25,6 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from trace_core.cli.output import expected_errors
-
 C = TypeVar("C")
 F = TypeVar("F", bound=Callable[..., None])
 
@@ -109,10 +107,9 @@ def config_options(
             for parent, f in leaves:
                 target = nested.setdefault(parent, {}) if parent else config
                 target[f.name] = values.pop(f.name)
-            with expected_errors():
-                for parent, fields in nested.items():
-                    config[parent] = hints[parent](**fields)
-                built = cls(**config)
+            for parent, fields in nested.items():
+                config[parent] = hints[parent](**fields)
+            built = cls(**config)
             command(built, **values)
 
         hints_of_command = typing.get_type_hints(command, include_extras=True)

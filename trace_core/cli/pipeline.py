@@ -316,16 +316,15 @@ def step_command(
             found[name] = value
         return found
 
-    with expected_errors():
-        if step != "prep" and not config_json:
-            raise ValueError(f"step {step} needs --config-json (prep's config.json)")
-        written = pairs(outputs or [], "--output")
-        execute_cli_step(
-            step,
-            iteration,
-            pairs(inputs or [], "--input"),
-            written,
-            config_json,
-            pairs(params or [], "--param", empty=True),
-        )
+    if step != "prep" and not config_json:
+        raise ValueError(f"step {step} needs --config-json (prep's config.json)")
+    written = pairs(outputs or [], "--output")
+    execute_cli_step(
+        step,
+        iteration,
+        pairs(inputs or [], "--input"),
+        written,
+        config_json,
+        pairs(params or [], "--param", empty=True),
+    )
     console.print(f"{step} {iteration}: wrote {', '.join(written.values())}")

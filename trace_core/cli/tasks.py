@@ -33,10 +33,9 @@ def task_check(
     """Replay every task's reference solution through its env; 1.0 is expected."""
     from trace_core.envs.suites import check_references, make_suite
 
-    with expected_errors():
-        suite = make_suite(task, data)
-        with console.status(f"replaying {task} references"):
-            report = check_references(suite)
+    suite = make_suite(task, data)
+    with console.status(f"replaying {task} references"):
+        report = check_references(suite)
     table = Table(title=f"{task}: {report.tasks} reference episodes")
     table.add_column("difficulty")
     table.add_column("mean reward", justify="right")
@@ -71,16 +70,15 @@ def warmstart_command(
     from trace_core.train.warmstart import WarmstartConfig, set_threads, warmstart
 
     set_threads(threads)
-    with expected_errors():
-        config = WarmstartConfig(
-            task=task,
-            output=output,
-            seed=seed,
-            demos=demos,
-            sft=SFTConfig(steps=steps, seed=seed),
-            eval_tasks=eval_tasks,
-            eval_samples=eval_samples,
-        )
+    config = WarmstartConfig(
+        task=task,
+        output=output,
+        seed=seed,
+        demos=demos,
+        sft=SFTConfig(steps=steps, seed=seed),
+        eval_tasks=eval_tasks,
+        eval_samples=eval_samples,
+    )
     with progress() as bar:
         job = bar.add_task("warm start (SFT)", total=steps)
         report = warmstart(
@@ -119,8 +117,7 @@ def rollout_demo(
     from trace_core.train.warmstart import WarmstartConfig, synthetic_suite, warmstart
 
     path = checkpoint or Path(f"build/policy/{task}")
-    with expected_errors():
-        suite = synthetic_suite(task)
+    suite = synthetic_suite(task)
     if not (path / "config.json").exists():
         console.print(f"no policy at {path}: warm-starting one first")
         with console.status("warm start"):
@@ -164,10 +161,9 @@ def prep_command(
 
     if split not in ("train", "eval"):
         raise fail(f"--split must be train or eval, got {split!r}")
-    with expected_errors():
-        tasks = make_suite(task, data, seed).tasks(split)  # type: ignore[arg-type]
-        tasks = tasks[:limit] if limit else tasks
-        write_prompts(output, task, tasks)
+    tasks = make_suite(task, data, seed).tasks(split)  # type: ignore[arg-type]
+    tasks = tasks[:limit] if limit else tasks
+    write_prompts(output, task, tasks)
     console.print(f"wrote {len(tasks)} {task} {split} prompts to {output}")
 
 
@@ -220,6 +216,7 @@ def rollout_command(
     from trace_core.algo.plan import Budget
     from trace_core.envs.prompts import read_prompts
     from trace_core.envs.suites import make_suite
+    from trace_core.policy.checkpoint import check_checkpoint
     from trace_core.policy.engine import SamplingParams
     from trace_core.rollout.grow import GrowConfig
     from trace_core.rollout.phase import run_rollout
@@ -227,18 +224,24 @@ def rollout_command(
 
     if split not in ("train", "eval"):
         raise fail(f"--split must be train or eval, got {split!r}")
-    with expected_errors():
-        file_tasks = None
-        if prompt_file:
-            task, file_tasks = read_prompts(prompt_file)
-        suite = make_suite(task, data, seed)
-        grow = GrowConfig(
-            strategy,
-            Budget(budget, continuations, group),
-            SamplingParams(max_tokens=max_tokens, temperature=temperature),
-            seed=seed,
+    if prompts < 1:
+        raise fail(f"--prompts must be >= 1 (candidate prompts in the pool), got {prompts}")
+    check_checkpoint(checkpoint, "--checkpoint")
+    if predictor_dir and not (predictor_dir / "value.json").is_file():
+        raise fail(
+            f"--predictor {predictor_dir}: no value.json; pass a `trace-rl predictor fit` folder"
         )
-    tasks = file_tasks or suite.tasks("train" if split == "train" else "eval")
+    file_tasks = None
+    if prompt_file:
+        task, file_tasks = read_prompts(prompt_file)
+    suite = make_suite(task, data, seed)
+    grow = GrowConfig(
+        strategy,
+        Budget(budget, continuations, group),
+        SamplingParams(max_tokens=max_tokens, temperature=temperature),
+        seed=seed,
+    )
+    tasks = file_tasks if file_tasks is not None else suite.tasks(split)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
     where = f"{config.workers} Ray engine workers" if config.workers else "the engine"

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from trace_core.cli.options import config_options
-from trace_core.cli.output import console, expected_errors, progress, write_json
+from trace_core.cli.output import console, progress, write_json
 from trace_core.train.config import TrainConfig
 
 predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it on stored trees.")
@@ -25,6 +25,14 @@ predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it
 def train_command(
     config: TrainConfig,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    restart: Annotated[
+        bool,
+        typer.Option(
+            "--restart",
+            help="Discard the run already in --output (iterations, log, warm start) and start "
+            "anew; without it a run resumes, and a folder it cannot resume is refused.",
+        ),
+    ] = False,
 ) -> None:
     """Warm start, then K iterations of rollout → fit predictor → update policy → evaluate."""
     from trace_core.train.loop import plot_run, train
@@ -32,7 +40,7 @@ def train_command(
 
     set_threads(threads)
     output, task, strategy, eval_k = config.output, config.task, config.strategy, config.eval_k
-    with expected_errors(), progress() as bar:
+    with progress() as bar:
         job = bar.add_task("training", total=config.iterations)
 
         def report(message: str) -> None:
@@ -40,7 +48,7 @@ def train_command(
             if message.startswith("iteration "):
                 bar.update(job, completed=int(message.split()[1].split("/")[0]))
 
-        records = train(config, progress=report)
+        records = train(config, progress=report, restart=restart)
     plot_run(records, output / "curves.png")
     first, last = records[0].eval, next(r.eval for r in reversed(records) if r.eval)
     assert first is not None and last is not None
@@ -97,16 +105,15 @@ def compare_command(
         run_compare,
     )
 
-    with expected_errors():
-        config = CompareConfig(
-            task=run.task,
-            output=output,
-            init=init,
-            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
-            seeds=seeds,
-            parallel=parallel,
-            run=run,
-        )
+    config = CompareConfig(
+        task=run.task,
+        output=output,
+        init=init,
+        strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        seeds=seeds,
+        parallel=parallel,
+        run=run,
+    )
     with console.status("training every strategy") as status:
         result = run_compare(config, progress=lambda m: status.update(m))
     table = Table(
@@ -159,17 +166,16 @@ def predictor_fit(
     )
     from trace_core.policy.value import ValuePredictor
 
-    with expected_errors():
-        tokenizer = load_policy_tokenizer(checkpoint)
-        paths = tree_paths(trees)
-        if resume:
-            predictor = ValuePredictor.load(resume, tokenizer=tokenizer)
-        else:
-            predictor = ValuePredictor(
-                value_config(tokenizer, featurizer, hidden, epochs),
-                generator=torch.Generator().manual_seed(seed),
-                tokenizer=tokenizer,
-            )
+    tokenizer = load_policy_tokenizer(checkpoint)
+    paths = tree_paths(trees)
+    if resume:
+        predictor = ValuePredictor.load(resume, tokenizer=tokenizer)
+    else:
+        predictor = ValuePredictor(
+            value_config(tokenizer, featurizer, hidden, epochs),
+            generator=torch.Generator().manual_seed(seed),
+            tokenizer=tokenizer,
+        )
     with console.status(f"fitting on {len(paths)} files"):
         fit = predictor.fit(load_trees(paths), torch.Generator().manual_seed(seed + 1))
     predictor.save(output)

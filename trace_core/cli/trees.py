@@ -3,17 +3,21 @@
 
     trace-rl inspect summary runs/calc-local/trees
     trace-rl inspect query runs/calc-local/trees "SELECT strategy, count(*) FROM nodes GROUP BY 1"
+
+Whatever the trees hold is printed as text, never as Rich markup.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from trace_core.cli.output import console, expected_errors, fail, progress, write_json
+from trace_core.cli.output import console, fail, progress, write_json
 
 if TYPE_CHECKING:
     from trace_core.store.treeset import TreeSource
@@ -33,8 +37,7 @@ IterationOpt = Annotated[int | None, typer.Option(help="Only trees of this itera
 def _open_trees(uri: str) -> TreeSource:
     from trace_core.store.treeset import open_trees
 
-    with expected_errors():
-        return open_trees(uri)
+    return open_trees(uri)
 
 
 @app.command("summary")
@@ -48,7 +51,7 @@ def inspect_summary(
     from trace_core.store.inspect import summarize, summary_table
 
     source = _open_trees(uri)
-    with expected_errors(), progress() as bar:
+    with progress() as bar:
         job = bar.add_task("reading trees", total=len(source.keys))
         summary = summarize(source, progress=lambda done, _n: bar.update(job, completed=done))
     console.print(summary_table(summary))
@@ -58,38 +61,34 @@ def inspect_summary(
 @app.command("query")
 def inspect_query(
     uri: TreesArg,
-    sql: Annotated[str, typer.Argument(help="SQL over the view `nodes`, one row per node.")],
-    max_rows: Annotated[int, typer.Option(help="Rows printed at most.")] = 50,
+    sql: Annotated[str, typer.Argument(help="One SELECT over the view `nodes`, one row per node.")],
+    max_rows: Annotated[int, typer.Option(help="Rows printed at most (0: none).")] = 50,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Write every row (.parquet or .csv).")
+        Path | None,
+        typer.Option("--output", "-o", help="Write every row here (.parquet or .csv)."),
     ] = None,
 ) -> None:
-    """DuckDB SQL over the trees; only the columns the query uses are read."""
-    from trace_core.store.query import run_query
+    """Read-only DuckDB SQL over the trees; only the columns the query uses are read."""
+    from trace_core.store.query import check_output, run_query, write_result
 
-    if output and output.suffix not in (".parquet", ".csv"):
-        raise fail(f"--output {output}: use a .parquet or .csv file")
+    if max_rows < 0:
+        raise fail(f"--max-rows must be >= 0 (0: none), got {max_rows}")
     source = _open_trees(uri)
-    with expected_errors(), console.status("querying"):
+    if output:
+        check_output(source, output)
+    with console.status("querying"):
         result = run_query(source, sql)
-    table = Table(
-        title=f"{result.num_rows:,} rows"
-        + (f" (first {max_rows})" if result.num_rows > max_rows else "")
-    )
+    shown = f" (first {max_rows})" if 0 < max_rows < result.num_rows else ""
+    # Text, never markup: a cell or column name such as "[/x]" is printed as it is.
+    table = Table(title=Text(f"{result.num_rows:,} rows{shown}"))
     for name in result.column_names:
-        table.add_column(name, overflow="fold")
+        table.add_column(Text(name), overflow="fold")
     for row in result.slice(0, max_rows).to_pylist():
-        table.add_row(*(_cell(v) for v in row.values()))
+        table.add_row(*(Text(_cell(v)) for v in row.values()))
     console.print(table)
     if output:
-        import pyarrow.csv
-        import pyarrow.parquet as pq
-
-        if output.suffix == ".parquet":
-            pq.write_table(result, output)
-        else:
-            pyarrow.csv.write_csv(result, output)
-        console.print(f"wrote {output}")
+        write_result(result, output)
+        console.print(Text(f"wrote {output}"))
 
 
 def _cell(value: object, width: int = 60) -> str:
@@ -109,8 +108,7 @@ def inspect_show(
     from trace_core.store.inspect import find_trees, render_tree
 
     source = _open_trees(uri)
-    with expected_errors():
-        (tree,) = find_trees(source, [tree_id], run=run, iteration=iteration)
+    (tree,) = find_trees(source, [tree_id], run=run, iteration=iteration)
     console.print(render_tree(tree, width=width))
 
 
@@ -132,12 +130,19 @@ def inspect_html(
     from trace_core.store.html import render_html
     from trace_core.store.inspect import find_trees, sample_trees
 
+    if output.suffix not in (".html", ".htm") or output.is_dir():
+        raise fail(f"--output {output}: name an .html file")
+    if sample < 1:
+        raise fail(f"--sample must be >= 1, got {sample}")
     source = _open_trees(uri)
-    with expected_errors():
-        if tree_ids:
-            trees = find_trees(source, tree_ids, run=run, iteration=iteration)
-        else:
-            trees = sample_trees(source, sample)
+    if tree_ids:
+        trees = find_trees(source, tree_ids, run=run, iteration=iteration)
+    else:
+        trees = sample_trees(source, sample)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render_html(trees, title=title or f"Rollout trees: {source.uri}"))
-    console.print(f"wrote {output} ({len(trees)} trees, {sum(t.size for t in trees):,} nodes)")
+    partial = output.with_name(f".{output.name}.tmp")
+    partial.write_text(render_html(trees, title=title or f"Rollout trees: {source.uri}"))
+    os.replace(partial, output)
+    console.print(
+        Text(f"wrote {output} ({len(trees)} trees, {sum(t.size for t in trees):,} nodes)")
+    )

@@ -6,8 +6,11 @@ its action-end token, and ``step(action_text)`` answers with an observation. The
 when the agent answers (``answer[...]``) or runs out of turns; only then is the reward 0 or 1.
 
 Nothing the agent writes can raise: a malformed action, an unknown tool or a failing tool call
-becomes an observation the agent can read (``error: ...``). Tool calls are bounded in time and
-in the size of what they return (``bounded_call``, ``clip_observation``).
+becomes an observation the agent can read (``error: ...``). Nothing it writes can stall a
+rollout either: a turn longer than its task's ``MAX_ACTION_CHARS`` is refused unread
+(``refuse_long``), reading the action is one backward pass over the text (``parse_action``), and
+tool calls are bounded in time and in the size of what they return (``bounded_call``,
+``clip_observation``).
 
 Environments are deterministic given the task and the actions so far. A rollout tree relies on
 it: to continue from a prefix, a fresh env is reset and the prefix's actions are replayed.
@@ -15,7 +18,7 @@ it: to continue from a prefix, a fresh env is reset and the prefix's actions are
 
 from __future__ import annotations
 
-import re
+import string
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,8 +36,9 @@ DONE = "done"
 TURN_LIMIT = "turn limit reached"
 """The observation that ends an episode when ``max_turns`` run out before an answer."""
 
-# ``name[argument]`` at the end of a turn; the argument may contain nested brackets.
-_ACTION_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[")
+# An action name is ``[A-Za-z_][A-Za-z0-9_]*``, ASCII only.
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_")
+_NAME_FIRST = frozenset(string.ascii_letters + "_")
 
 
 @dataclass(frozen=True)
@@ -109,20 +113,59 @@ def parse_action(text: str) -> Action | None:
     """The last ``name[argument]`` of a turn, brackets balanced; None when there is none.
 
     Text before the action is the agent's thought and is ignored; trailing whitespace is
-    allowed, anything else after the closing bracket is not.
+    allowed, anything else after the closing bracket is not. The name is the run of name
+    characters right before the ``[`` that matches the final ``]``, from its first letter or
+    underscore on ("x1ab[" names ``x1ab``, "12ab[" names ``ab``, "12[" is no action).
+
+    Linear in the text: only one ``[`` can match the final ``]``, so one backward pass finds it
+    (``find_matching_open``) and a second, over the characters before it, reads the name; no
+    character is read twice. (Trying each ``name[`` from the last and scanning forward from it
+    costs quadratic time on nested heads such as ``"a[" * n + "]" * n``.)
     """
-    stripped = text.rstrip()
-    if not stripped.endswith("]"):
+    end = len(text.rstrip())
+    opening = find_matching_open(text, end - 1)
+    if opening is None:
         return None
-    for head in reversed(list(_ACTION_HEAD.finditer(stripped))):
-        depth = 0
-        for i in range(head.end() - 1, len(stripped)):
-            depth += {"[": 1, "]": -1}.get(stripped[i], 0)
+    first, i = None, opening - 1
+    while i >= 0 and (char := text[i]) in _NAME_CHARS:
+        if char in _NAME_FIRST:
+            first = i
+        i -= 1
+    if first is None:
+        return None
+    return Action(text[first:opening], text[opening + 1 : end - 1].strip())
+
+
+def find_matching_open(text: str, close: int) -> int | None:
+    """The index of the ``[`` that the ``]`` at ``text[close]`` closes; None if none does
+    (or ``text[close]`` is not ``]``, or ``close`` is negative).
+
+    One backward pass from ``close``, each character read once, so that tests can count it.
+    """
+    if close < 0 or text[close] != "]":
+        return None
+    depth = 1
+    for i in range(close - 1, -1, -1):
+        char = text[i]
+        if char == "]":
+            depth += 1
+        elif char == "[":
+            depth -= 1
             if depth == 0:
-                break
-        if depth == 0 and i == len(stripped) - 1:
-            return Action(head.group(1), stripped[head.end() : -1].strip())
+                return i
     return None
+
+
+def refuse_long(action: str, limit: int) -> str | None:
+    """The observation refusing a turn longer than ``limit`` characters; None when it fits.
+
+    The limit is on the whole turn the env receives (thought and action), checked before
+    anything reads it, so a hostile turn costs one ``len``; each task names its own limit
+    (``MAX_ACTION_CHARS``), well above its longest reference turn.
+    """
+    if len(action) <= limit:
+        return None
+    return f"error: action longer than {limit} characters"
 
 
 def clip_observation(text: str, limit: int = MAX_OBSERVATION_CHARS) -> str:

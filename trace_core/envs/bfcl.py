@@ -10,7 +10,8 @@ str, int, float, bool, None, and lists, tuples, dicts of them); the observation 
 call, ``name: result`` rendered as BFCL does (str as is, dict as JSON, else ``str()``) or
 ``name: error: ...``; one disallowed call (syntax, non-literal, a function not shown) rejects the
 whole action. An answer ends the current request; the observation is the next one (in Miss-Func,
-the functions added back then, with BFCL's "I have updated some more functions ...").
+the functions added back then, with BFCL's "I have updated some more functions ..."). A turn
+longer than ``MAX_ACTION_CHARS`` is refused unread, like one without an action.
 
 Reward: BFCL's ``multi_turn_checker`` without eval. When a request with ground-truth calls is
 answered: (1) the agent ran a call in it; (2) state check: each public attribute of every
@@ -48,7 +49,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.resources import files
-from itertools import accumulate
 from typing import Any, NamedTuple
 
 from trace_core.envs import base
@@ -57,6 +57,8 @@ from trace_core.envs.base import Split, Step, Task
 CATEGORIES = ("base", "long_context", "miss_func", "miss_param")
 SCENARIOS = 200  # tasks per category; index k is the same scenario in every category
 MAX_ACTION_CHARS = 20_000
+"""Longest turn (thought and action) the env reads, and longest call list ``parse_calls`` reads.
+The longest ground-truth turn is 6,914 characters (``multi_turn_long_context_8``)."""
 MAX_NESTING = 16
 MAX_PRECISION = 1_000
 MAX_POWER_BITS = 100_000
@@ -219,7 +221,11 @@ def _literal(node: ast.expr, what: str) -> object:
 
 
 def parse_calls(text: str) -> list[Call]:
-    """The calls of ``f(a=1), g('x')``; ValueError saying what is not allowed."""
+    """The calls of ``f(a=1), g('x')``; ValueError saying what is not allowed.
+
+    The env refuses turns over ``MAX_ACTION_CHARS`` before reading them; the same bound here
+    keeps any other caller's text away from ``ast.parse`` unread.
+    """
     if len(text) > MAX_ACTION_CHARS:
         raise ValueError(f"action longer than {MAX_ACTION_CHARS} characters")
     try:
@@ -244,13 +250,18 @@ def parse_calls(text: str) -> list[Call]:
 def read_action(text: str) -> tuple[str, str] | None:
     """The action ending a turn, as (kind, body): the longest suffix ``call[...]`` whose body
     parses or ``answer[...]`` whose brackets balance (so a string argument cannot hijack it).
-    None without an action; a ``call[`` that never parses returns its last body, to explain."""
+    None without an action; a ``call[`` that never parses returns its last body, to explain.
+
+    Linear in the text: one regex pass finds the heads, one backward pass the ``[`` matching the
+    final ``]`` (an answer's brackets balance iff its ``[`` is that one), and at most 16 heads
+    are parsed, each body at most ``MAX_ACTION_CHARS`` long or refused by its length.
+    """
     stripped = text.rstrip()
     heads = list(_ACTION.finditer(stripped)) if stripped.endswith("]") else []
+    opening = base.find_matching_open(stripped, len(stripped) - 1) if heads else None
     for head in heads[-16:]:  # bounds the parsing a hostile turn can cost
         kind, body = head.group(1), stripped[head.end() : -1]
-        depths = list(accumulate({"[": 1, "]": -1}.get(char, 0) for char in body))
-        if kind == "answer" and min(depths, default=0) >= 0 and not (depths and depths[-1]):
+        if kind == "answer" and head.end() - 1 == opening:
             return kind, body
         try:
             if kind == "call" and parse_calls(body):
@@ -359,14 +370,16 @@ class BfclEnv:
         if self._entry is None or self._done:
             raise RuntimeError("the episode is over (or never started): call reset first")
         self._turns += 1
-        kind, body = read_action(action) or ("", "")
+        refusal = base.refuse_long(action, MAX_ACTION_CHARS)  # refused unread, as malformed
+        kind, body = ("", "") if refusal else read_action(action) or ("", "")
         try:
             if kind == "answer":
                 step = self._end_request(self._entry)
             elif kind == "call":
                 step = self._run_calls(body)
             else:
-                step = Step("error: end your turn with call[f(a=1), g()] or answer[...]", False, 0)
+                no_action = "error: end your turn with call[f(a=1), g()] or answer[...]"
+                step = Step(refusal or no_action, False, 0)
         except base.ToolTimeout as err:  # its thread may still change the state: stop here
             step = Step(f"episode over: {err}", True, 0.0)
         if not step.done and self._turns >= self.max_turns:

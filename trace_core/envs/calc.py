@@ -17,7 +17,8 @@ scripted demonstrations (``CalcSuite.demonstration``), whose controlled slips ma
 fail more often than easy ones.
 
 ``CalcEnv`` takes the answer check as an argument (``check_integer`` here); the DeepScaleR suite
-(``deepscaler``) runs its problems in the same env with a math-verify check.
+(``deepscaler``) runs its problems in the same env with a math-verify check, and with its own
+turn length limit (``max_action_chars``; ``MAX_ACTION_CHARS`` here).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from trace_core.envs.base import (
     ToolTimeout,
     bounded_call,
     parse_action,
+    refuse_long,
 )
 from trace_core.envs.calculator import MAX_MAGNITUDE, CalcError, evaluate
 
@@ -76,6 +78,10 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 _CALC_TURN = re.compile(r"calc\[([0-9]+)([-+*/])([0-9]+)\]")
 
 NO_ACTION = "error: no action . end the turn with calc[...] or answer[...]"
+MAX_ACTION_CHARS = 2_000
+"""Longest turn (thought and action) the calc env reads. The longest reference or demonstration
+turn is 22 characters (``calc[...]`` itself takes at most ``calculator.MAX_CHARS`` = 200), so
+this leaves room for a thought of a few hundred words."""
 
 AnswerCheck = Callable[[str, str], bool]
 """``check(given, gold)``: whether the agent's answer text is right."""
@@ -89,13 +95,25 @@ def check_integer(given: str, gold: str) -> bool:
 
 
 class CalcEnv:
-    """``calc[expression]`` answers ``= value``; ``answer[x]`` ends the episode."""
+    """``calc[expression]`` answers ``= value``; ``answer[x]`` ends the episode.
 
-    def __init__(self, max_turns: int = 6, check: AnswerCheck = check_integer) -> None:
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    A turn longer than ``max_action_chars`` is refused unread, as a malformed one is: the
+    observation says so and the episode goes on.
+    """
+
+    def __init__(
+        self,
+        max_turns: int = 6,
+        check: AnswerCheck = check_integer,
+        max_action_chars: int = MAX_ACTION_CHARS,
+    ) -> None:
+        if max_turns < 1 or max_action_chars < 1:
+            raise ValueError(
+                f"max_turns and max_action_chars must be >= 1, got {max_turns}, {max_action_chars}"
+            )
         self.max_turns = max_turns
         self.check = check
+        self.max_action_chars = max_action_chars
         self._episode = EpisodeState()
 
     def reset(self, task: Task) -> str:
@@ -104,6 +122,9 @@ class CalcEnv:
 
     def step(self, action: str) -> Step:
         task = self._episode.begin_step()
+        refusal = refuse_long(action, self.max_action_chars)
+        if refusal is not None:
+            return self._episode.observe(refusal, self.max_turns)
         parsed = parse_action(action)
         if parsed is not None and parsed.name == "answer":
             return self._episode.finish(self.check(parsed.argument, task.answer))

@@ -5,6 +5,11 @@
 The data is JSON, JSON Lines or Parquet with ``problem`` and ``answer`` (``solution`` optional).
 Episodes run in ``CalcEnv``, so the calculator stays available; the answer is compared with the
 gold one by mathematical equivalence (``check_math``) instead of as an integer.
+
+Not bounded: math-verify's work on a short hostile answer. ``x^x^...^2`` of 33 characters keeps
+sympy busy for about 5 s, and ``bounded_call`` stops the wait, not the thread, which runs on.
+Only the length is bounded here (``MAX_ANSWER_CHARS``); a killable worker process would bound
+the rest.
 """
 
 from __future__ import annotations
@@ -15,14 +20,27 @@ from trace_core.envs.base import Split, Task, bounded_call, parse_action
 from trace_core.envs.calc import CalcEnv
 from trace_core.envs.source import read_records
 
+MAX_ACTION_CHARS = 64_000
+"""Longest turn (thought and action) the env reads: DeepScaleR models reason at length before
+they answer, and about 16k tokens of thought (some 4 characters each) fit. The references are
+``answer[<gold>]`` alone, at most ``MAX_ANSWER_CHARS`` + 8 characters."""
+MAX_ANSWER_CHARS = 1_000
+"""Longest answer math-verify is given; a longer one is wrong unread. Its time grows faster than
+the length (measured: 8,000 characters take about 3 s, 60,000 about 40 s, on a thread that
+outlives its time bound); gold answers are short formulas, and one over the bound gets no
+reference."""
+
 
 def check_math(given: str, gold: str, seconds: float = 5.0) -> bool:
     """Mathematical equivalence by math-verify ("\\frac{1}{2}" == "0.5"), gold parsed first.
 
     Both sides are read as inline LaTeX (``$...$``), falling back to the raw text when that finds
     nothing. math-verify's own timeouts use SIGALRM, which only works on the main thread, so they
-    are off and ``bounded_call`` bounds the time instead. Any failure counts as wrong.
+    are off and ``bounded_call`` bounds the time instead. Any failure counts as wrong, and so does
+    an answer longer than ``MAX_ANSWER_CHARS``.
     """
+    if len(given.strip()) > MAX_ANSWER_CHARS:
+        return False
     import math_verify  # heavy (sympy); only DeepScaleR needs it
 
     def parse(text: str) -> list[object]:
@@ -49,7 +67,8 @@ def load_deepscaler(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -
 
     A seeded permutation puts ``round(eval_fraction * n)`` rows in eval, the rest in train. The
     reference is the single turn ``answer[<gold>]`` (empty when the gold text has unbalanced
-    brackets and so cannot be written as one action). Ids are ``deepscaler-<row>``.
+    brackets and so cannot be written as one action, or is longer than ``MAX_ANSWER_CHARS``).
+    Ids are ``deepscaler-<row>``.
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -80,14 +99,18 @@ def load_deepscaler(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -
     for i, (problem, answer) in enumerate(problems):
         action = f"answer[{answer}]"
         parsed = parse_action(action)
-        reference = (action,) if parsed is not None and parsed.argument == answer else ()
+        writable = parsed is not None and parsed.argument == answer
+        reference = (action,) if writable and len(answer) <= MAX_ANSWER_CHARS else ()
         split: Split = "eval" if i in eval_rows else "train"
         tasks.append(Task(f"deepscaler-{i}", problem, answer, "deepscaler", split, reference))
     return tasks
 
 
 class DeepScaleRSuite:
-    """DeepScaleR problems in ``CalcEnv`` (the calculator stays available), math-verify rewards."""
+    """DeepScaleR problems in ``CalcEnv`` (the calculator stays available), math-verify rewards.
+
+    Turns up to ``MAX_ACTION_CHARS`` are read, longer ones refused as in any ``CalcEnv``.
+    """
 
     name = "deepscaler"
 
@@ -103,4 +126,4 @@ class DeepScaleRSuite:
         return [t for t in self._tasks if t.split == split]
 
     def make_env(self) -> CalcEnv:
-        return CalcEnv(self.max_turns, check=check_math)
+        return CalcEnv(self.max_turns, check=check_math, max_action_chars=MAX_ACTION_CHARS)

@@ -21,6 +21,11 @@ from trace_core.envs.multihop import MultihopEnv
 from trace_core.envs.retrieval import SearchIndex
 from trace_core.envs.source import read_records
 
+MAX_ACTION_CHARS = 4_000
+"""Longest turn (thought and action) the env reads. References are ``search[<title>]`` and
+``answer[<gold>]``, a title or an answer of at most a few hundred characters (a reference turn over
+the limit is left out), so this leaves room for a ReAct thought of several sentences."""
+
 
 @dataclass(frozen=True)
 class HotpotQA:
@@ -38,7 +43,9 @@ def load_hotpotqa(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> 
     [sentences]], ...]); ``supporting_facts``, ``type`` and ``level`` are used when present. A
     seeded permutation puts ``round(eval_fraction * n)`` rows in eval (1.0 for a dev file). The
     reference searches each supporting title, then answers the gold text (no searches without
-    supporting facts; empty if the answer cannot be written inside ``answer[...]``).
+    supporting facts; a title that cannot be written as one ``search[...]`` turn is not searched;
+    empty if the answer cannot be written as one ``answer[...]`` turn: brackets unbalanced, or
+    longer than ``MAX_ACTION_CHARS``).
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -105,13 +112,19 @@ def _hotpotqa_task(uri: str, i: int, row: object, split: Split) -> tuple[Task, t
 
 
 def _writable(tool: str, argument: str) -> bool:
-    """Whether ``tool[argument]`` reads back as exactly that action (brackets balanced, ...)."""
-    parsed = parse_action(f"{tool}[{argument}]")
-    return parsed is not None and parsed.name == tool and parsed.argument == argument
+    """Whether ``tool[argument]`` reads back as exactly that action (brackets balanced, ...) and
+    fits in one turn."""
+    action = f"{tool}[{argument}]"
+    parsed = parse_action(action)
+    writable = parsed is not None and parsed.name == tool and parsed.argument == argument
+    return writable and len(action) <= MAX_ACTION_CHARS
 
 
 class HotpotQASuite:
-    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs."""
+    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs.
+
+    Turns up to ``MAX_ACTION_CHARS`` are read, longer ones refused as in any ``MultihopEnv``.
+    """
 
     name = "hotpotqa"
     _CACHE = 256  # indexes kept; building one for ten paragraphs takes about a millisecond
@@ -135,7 +148,7 @@ class HotpotQASuite:
         return [t for t in self.data.tasks if t.split == split]
 
     def make_env(self) -> MultihopEnv:
-        return MultihopEnv(self.index_for, self.max_turns, self.top_k)
+        return MultihopEnv(self.index_for, self.max_turns, self.top_k, MAX_ACTION_CHARS)
 
     def index_for(self, task: Task) -> SearchIndex:
         """The BM25 index over ``task``'s own paragraphs (built on first use, then cached)."""

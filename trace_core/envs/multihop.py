@@ -19,7 +19,8 @@ word-level policy can learn them from the scripted demonstrations (``demonstrati
 
 ``MultihopEnv`` searches whatever index its caller gives each task (``retrieval.SearchIndex``)
 and scores answers by HotpotQA's exact match (``normalize_answer``); the HotpotQA suite
-(``hotpotqa``) runs in it too, each question over its own paragraphs.
+(``hotpotqa``) runs in it too, each question over its own paragraphs, with its own turn length
+limit (``max_action_chars``; ``MAX_ACTION_CHARS`` here).
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ from trace_core.envs.base import (
     ToolTimeout,
     bounded_call,
     parse_action,
+    refuse_long,
 )
 from trace_core.envs.retrieval import SearchIndex
 
 NO_RESULTS = "no results"
 NO_ACTION = "error: no action . end the turn with search[...] or answer[...]"
+MAX_ACTION_CHARS = 2_000
+"""Longest turn (thought and action) the multihop env reads. The longest reference or
+demonstration turn is 22 characters, so this leaves room for a thought of a few hundred words."""
 
 KINDS = ("person", "city", "country", "company")
 
@@ -113,14 +118,25 @@ def normalize_answer(text: str) -> str:
 
 
 class MultihopEnv:
-    """``search[query]`` returns the top passages of the task's index; ``answer[x]`` ends it."""
+    """``search[query]`` returns the top passages of the task's index; ``answer[x]`` ends it.
+
+    A turn longer than ``max_action_chars`` is refused unread, as a malformed one is: the
+    observation says so and the episode goes on.
+    """
 
     def __init__(
-        self, index_for: Callable[[Task], SearchIndex], max_turns: int = 8, top_k: int = 2
+        self,
+        index_for: Callable[[Task], SearchIndex],
+        max_turns: int = 8,
+        top_k: int = 2,
+        max_action_chars: int = MAX_ACTION_CHARS,
     ) -> None:
-        if max_turns < 1 or top_k < 1:
-            raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
-        self.max_turns, self.top_k = max_turns, top_k
+        if max_turns < 1 or top_k < 1 or max_action_chars < 1:
+            raise ValueError(
+                "max_turns, top_k and max_action_chars must be >= 1, "
+                f"got {max_turns}, {top_k}, {max_action_chars}"
+            )
+        self.max_turns, self.top_k, self.max_action_chars = max_turns, top_k, max_action_chars
         self._index_for = index_for
         self._index: SearchIndex | None = None
         self._episode = EpisodeState()
@@ -133,6 +149,9 @@ class MultihopEnv:
     def step(self, action: str) -> Step:
         task = self._episode.begin_step()
         assert self._index is not None  # reset sets it before it starts the episode
+        refusal = refuse_long(action, self.max_action_chars)
+        if refusal is not None:
+            return self._episode.observe(refusal, self.max_turns)
         parsed = parse_action(action)
         if parsed is not None and parsed.name == "answer":
             correct = normalize_answer(parsed.argument) == normalize_answer(task.answer)

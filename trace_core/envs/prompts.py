@@ -60,7 +60,7 @@ def read_prompts(uri: str) -> tuple[str, list[Task]]:
     """The suite name and the tasks of a prompt file (local path, ``file://`` or ``s3://``)."""
     try:
         table = pq.read_table(io.BytesIO(open_source(uri)))
-    except pa.ArrowInvalid as err:
+    except pa.ArrowException as err:
         raise ValueError(f"{uri}: not a Parquet prompt file ({err})") from None
     meta = table.schema.metadata or {}
     if TASK_KEY not in meta:
@@ -68,7 +68,19 @@ def read_prompts(uri: str) -> tuple[str, list[Task]]:
     missing = [f.name for f in PROMPT_SCHEMA if f.name not in table.column_names]
     if missing:
         raise ValueError(f"{uri}: missing column(s) {', '.join(missing)}")
-    rows = table.select([f.name for f in PROMPT_SCHEMA]).to_pylist()
+    for field in PROMPT_SCHEMA:
+        kind = table.schema.field(field.name).type
+        if not _castable(kind, field.type):
+            raise ValueError(
+                f"{uri}: column {field.name!r} has type {kind}, expected {field.type}; "
+                "write the file with `trace-rl prep`"
+            )
+    if not table.num_rows:
+        raise ValueError(f"{uri}: the prompt file has no rows; a rollout needs at least one")
+    table = table.select([f.name for f in PROMPT_SCHEMA]).cast(
+        PROMPT_SCHEMA.with_metadata(table.schema.metadata)
+    )
+    rows = table.to_pylist()
     tasks = []
     for n, row in enumerate(rows):
         for name in ("id", "prompt", "split"):
@@ -86,8 +98,20 @@ def read_prompts(uri: str) -> tuple[str, list[Task]]:
                 reference=tuple(row["reference"] or ()),
             )
         )
-    ids = [t.id for t in tasks]
-    if len(set(ids)) != len(ids):
-        duplicate = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"{uri}: task id {duplicate!r} appears more than once")
+    seen: set[str] = set()
+    for n, t in enumerate(tasks):
+        if t.id in seen:
+            raise ValueError(f"{uri}, row {n}: task id {t.id!r} appears more than once")
+        seen.add(t.id)
     return meta[TASK_KEY].decode(), tasks
+
+
+def _castable(kind: pa.DataType, expected: pa.DataType) -> bool:
+    """Strings may be large or dictionary-encoded, as other Parquet writers store them."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if pa.types.is_list(expected):
+        return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _castable(
+            kind.value_type, expected.value_type
+        )
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)

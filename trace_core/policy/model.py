@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from trace_core.policy.checkpoint import CheckpointError, check_checkpoint, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,16 @@ def load_checkpoint(
     """Load any HF causal-LM directory (ours or a downloaded Qwen3) in eval mode on ``device``.
 
     Only safetensors weights are read; a directory holding only pickled weights is refused.
+    The folder is checked first (``policy.checkpoint``): what is missing or damaged is named.
     """
-    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    folder = check_checkpoint(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, use_safetensors=True, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{folder}: the model does not load ({err})") from None
+    tokenizer = load_tokenizer(folder)
     torch.nn.Module.to(model, torch.device(device))  # in place, as for any module
     model.eval()
     return model, tokenizer

@@ -48,6 +48,7 @@ from trace_core.algo.advantage import (
     turn_advantages,
 )
 from trace_core.algo.tree import RolloutTree
+from trace_core.policy.checkpoint import check_safetensors
 from trace_core.policy.update_config import UpdateConfig
 
 
@@ -257,14 +258,24 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    with safe_open(str(path), framework="pt") as f:
-        groups = json.loads((f.metadata() or {})["param_groups"])
-        for group in groups:  # JSON turned tuples (AdamW's betas) into lists
-            group.update(
-                {k: tuple(v) for k, v in group.items() if isinstance(v, list) and k != "params"}
-            )
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = f.get_tensor(name)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    """AdamW moments ``save_optimizer`` wrote; a missing, damaged or foreign file is named."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no optimizer state (a run's optimizer.safetensors)")
+    check_safetensors(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            groups = json.loads((f.metadata() or {})["param_groups"])
+            for group in groups:  # JSON turned tuples (AdamW's betas) into lists
+                group.update(
+                    {k: tuple(v) for k, v in group.items() if isinstance(v, list) and k != "params"}
+                )
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = f.get_tensor(name)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{path}: not this policy's optimizer state ({type(err).__name__}: {err})"
+        ) from None

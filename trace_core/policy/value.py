@@ -53,6 +53,7 @@ from transformers import PreTrainedTokenizerBase
 from trace_core.algo.forecast import auc, brier_score
 from trace_core.algo.prefix import Predictor, TrainingRows, concat_rows, training_rows
 from trace_core.algo.tree import RolloutTree
+from trace_core.policy.checkpoint import check_safetensors
 from trace_core.policy.featurizer import (
     EMBEDDING_MODEL,
     EmbeddingFeaturizer,
@@ -365,6 +366,19 @@ class ValuePredictor:
         src = Path(directory)
         if not (src / CONFIG_FILE).exists():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {src}: not a saved ValuePredictor")
+        for name in (WEIGHTS_FILE, REPLAY_FILE):
+            if name == WEIGHTS_FILE or (src / name).exists():
+                check_safetensors(src / name)
+        try:
+            return cls._load(src, tokenizer)
+        except (KeyError, TypeError, RuntimeError, json.JSONDecodeError) as err:
+            raise ValueError(
+                f"{src}: a damaged or foreign predictor ({type(err).__name__}: {err}); "
+                "refit it with `trace-rl predictor fit`"
+            ) from None
+
+    @classmethod
+    def _load(cls, src: Path, tokenizer: PreTrainedTokenizerBase | None) -> ValuePredictor:
         meta = json.loads((src / CONFIG_FILE).read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(

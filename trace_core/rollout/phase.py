@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trace_core.algo.metrics import BatchMetrics, measure
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task
+from trace_core.policy.checkpoint import load_tokenizer
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.engines import open_engine
@@ -60,7 +61,7 @@ def run_rollout(
     ``progress`` is called with the rollout units spent so far.
     """
     start = time.perf_counter()
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    tokenizer = tokenizer or load_tokenizer(checkpoint)
     scorer = load_predictor(predictor, tokenizer)
     with open_engine(engine, checkpoint, model, address) as sampler:
         trees = grow_trees(

@@ -60,6 +60,10 @@ class ObjectNotFound(StoreError, FileNotFoundError):
     """No such object, prefix or bucket."""
 
 
+class BucketNotFound(ObjectNotFound):
+    """The URI's bucket does not exist."""
+
+
 class AccessDenied(StoreError, PermissionError):
     """Credentials missing, unknown or not allowed to do this."""
 
@@ -379,6 +383,7 @@ class S3Store:
             http_client=http,
         )
         self._arrow: pafs.S3FileSystem | None = None
+        self._bucket_seen = False
 
     def __repr__(self) -> str:
         return f"S3Store({self.root_uri!r}, endpoint={self.settings.endpoint!r})"
@@ -402,13 +407,10 @@ class S3Store:
             try:
                 return fn()
             except S3Error as err:
+                if err.code == "NoSuchBucket":
+                    raise BucketNotFound(f"{uri}: bucket {self.bucket!r} does not exist") from None
                 if err.code in _NOT_FOUND:
-                    what_missing = (
-                        f"bucket {self.bucket!r} does not exist"
-                        if err.code == "NoSuchBucket"
-                        else "no such object"
-                    )
-                    raise ObjectNotFound(f"{uri}: {what_missing}") from None
+                    raise ObjectNotFound(f"{uri}: no such object") from None
                 if err.code in _DENIED:
                     raise AccessDenied(
                         f"{uri}: access denied ({err.code}) to {what}; check AWS_ACCESS_KEY_ID "
@@ -431,8 +433,21 @@ class S3Store:
             log.warning("%s: %s failed (%s); retry %d in %.1f s", uri, what, reason, attempt, delay)
             time.sleep(delay)
 
+    def _check_writable(self, key: str) -> None:
+        """Before the first write: the bucket must exist (some servers, SeaweedFS among them,
+        would create it on the first PUT, and a typo in the URI would become a new bucket)."""
+        if self._bucket_seen:
+            return
+        if not self._call(key, "stat", lambda: self.client.bucket_exists(self.bucket)):
+            raise BucketNotFound(
+                f"{self.uri(key)}: bucket {self.bucket!r} does not exist; create it first "
+                "(mc mb, aws s3 mb) or fix the URI"
+            )
+        self._bucket_seen = True
+
     def put_bytes(self, key: str, data: bytes) -> None:
         name = self._name(key)
+        self._check_writable(key)
         self._call(
             key,
             "upload",
@@ -443,6 +458,7 @@ class S3Store:
         self, key: str, path: str | os.PathLike[str], progress: Progress | None = None
     ) -> None:
         name = self._name(key)
+        self._check_writable(key)
         hook = _MinioProgress(progress) if progress else None
         # An S3 object appears whole when its single PUT or its multipart upload completes.
         self._call(
@@ -475,9 +491,9 @@ class S3Store:
             return False  # the bucket itself is not an object
         try:
             self._call(key, "stat", lambda: self.client.stat_object(self.bucket, name))
-        except ObjectNotFound as err:
-            if "bucket" in str(err):
-                raise
+        except BucketNotFound:
+            raise
+        except ObjectNotFound:
             return False
         return True
 
@@ -523,7 +539,7 @@ class S3Store:
         text = self.settings.redact(str(err))
         uri = self.uri(key)
         if re.search(r"NoSuchBucket|bucket does not exist", text, re.IGNORECASE):
-            return ObjectNotFound(f"{uri}: bucket {self.bucket!r} does not exist")
+            return BucketNotFound(f"{uri}: bucket {self.bucket!r} does not exist")
         if re.search(r"NoSuchKey|Path does not exist|RESOURCE_NOT_FOUND|404", text):
             return ObjectNotFound(f"{uri}: no such object")
         if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKey|SignatureDoesNot|403", text):

@@ -166,9 +166,12 @@ def summary_table(summary: TreeSetSummary) -> Table:
         if len(iterations) > 1
         else ", ".join(map(str, iterations))
     )
+    # Text, not markup: run ids, strategies and the URI are printed as they are.
     table = Table(
-        title=f"{summary.uri}: {summary.total.trees:,} trees, {summary.total.nodes:,} nodes in "
-        f"{summary.files} file(s); runs {', '.join(summary.runs)}; iterations {span}",
+        title=Text(
+            f"{summary.uri}: {summary.total.trees:,} trees, {summary.total.nodes:,} nodes in "
+            f"{summary.files} file(s); runs {', '.join(summary.runs)}; iterations {span}"
+        ),
         caption="prompt mix: trees whose leaves are all 0 / mixed / all 1. "
         "eff.: share of prompts (anchors) whose leaves hold both rewards.",
     )
@@ -195,7 +198,7 @@ def summary_table(summary: TreeSetSummary) -> Table:
         m = g.metrics
         share = g.successes / g.leaves if g.leaves else 0.0
         table.add_row(
-            name or "(none)",
+            Text(name or "(none)"),
             f"{g.trees:,}",
             f"{g.nodes:,}",
             f"{g.leaves:,}",

@@ -126,19 +126,77 @@ class CheckpointRegistry:
         self.store.put_bytes(self._run_key(run, LATEST), (json.dumps(pointer) + "\n").encode())
         return checkpoint
 
-    def latest(self, run: str) -> Checkpoint | None:
-        """The last complete checkpoint of ``run``; None if it has none."""
+    def latest(self, run: str, say: Callable[[str], None] | None = None) -> Checkpoint | None:
+        """The last complete checkpoint of ``run``; None if it has none.
+
+        A ``latest.json`` that names a checkpoint whose manifest is gone or damaged, or whose
+        files are missing or of the wrong size, falls back to the newest complete checkpoint
+        (``say`` is told). A run that holds checkpoints but no readable ``latest.json`` is
+        refused: a new run under its name would register over it.
+        """
         key = self._run_key(run, LATEST)
         try:
             pointer = json.loads(self.store.get_bytes(key))
+            folder = pointer.get("folder") if isinstance(pointer, dict) else None
+            if not isinstance(folder, str) or not folder.startswith("iter-") or "/" in folder:
+                raise ManifestError(f"{self.store.uri(key)}: field 'folder' is missing or invalid")
         except ObjectNotFound:
+            folder = None
+        except (json.JSONDecodeError, UnicodeDecodeError, ManifestError) as err:
+            reason = err if isinstance(err, ManifestError) else f"not valid JSON ({err})"
+            raise ManifestError(
+                f"{self.store.uri(key)}: {reason}; the run's checkpoints are kept: rewrite "
+                "latest.json, or use another run name"
+            ) from None
+        stored = self._folders(run)
+        if folder is None:
+            if stored:
+                raise ManifestError(
+                    f"{self.store.uri(key)} is missing, but run {run!r} holds {len(stored)} "
+                    "saved checkpoint(s); a new run under its name would register over them: "
+                    "restore latest.json or use another run name"
+                )
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ManifestError(f"{self.store.uri(key)}: not valid JSON ({err})") from None
-        folder = pointer.get("folder") if isinstance(pointer, dict) else None
-        if not isinstance(folder, str) or not folder.startswith("iter-") or "/" in folder:
-            raise ManifestError(f"{self.store.uri(key)}: field 'folder' is missing or invalid")
-        return self._read(run, self._run_key(run, folder))
+        problem = self._check(run, self._run_key(run, folder))
+        if problem is None:
+            return self._read(run, self._run_key(run, folder))
+        complete = [c for c in self.checkpoints(run) if self._check(run, c.key) is None]
+        if not complete:
+            raise ManifestError(
+                f"{self.store.uri(key)} names {folder}, which is incomplete ({problem}), and "
+                f"run {run!r} has no complete checkpoint"
+            )
+        fallback = max(complete, key=lambda c: c.created)
+        if say:
+            say(
+                f"{self.store.uri(self._run_key(run, folder))} is incomplete ({problem}); "
+                f"using {fallback.key.rsplit('/', 1)[-1]}, the newest complete checkpoint"
+            )
+        return fallback
+
+    def _folders(self, run: str) -> set[str]:
+        """Checkpoint folders with a manifest (a save that crashed mid-upload has none)."""
+        base = self._run_key(run)
+        parts = (o.key[len(base) + 1 :].split("/") for o in self.store.list_objects(base))
+        return {
+            p[0] for p in parts if len(p) == 2 and p[0].startswith("iter-") and p[1] == MANIFEST
+        }
+
+    def _check(self, run: str, folder: str) -> str | None:
+        """None if the checkpoint in ``folder`` is complete (manifest, every file, sizes);
+        else what is wrong. Contents are checked against sha256 on download."""
+        try:
+            checkpoint = self._read(run, folder)
+        except (ObjectNotFound, ManifestError) as err:
+            return str(err)
+        sizes = {o.key: o.size for o in self.store.list_objects(folder)}
+        for f in checkpoint.files:
+            size = sizes.get(join_key(folder, f.path))
+            if size is None:
+                return f"{self.store.uri(join_key(folder, f.path))} is missing"
+            if size != f.bytes:
+                return f"{self.store.uri(join_key(folder, f.path))} has {size} bytes, not {f.bytes}"
+        return None
 
     def checkpoints(self, run: str) -> list[Checkpoint]:
         """Every complete checkpoint of ``run`` (a folder with a manifest), oldest first."""

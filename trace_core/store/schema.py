@@ -304,5 +304,13 @@ def write_parquet(table: pa.Table, where: str | os.PathLike[str] | BinaryIO) -> 
 
 
 def read_trees(path: str | os.PathLike[str]) -> list[RolloutTree]:
-    """Trees from a Parquet file written by ``write_trees`` (or any table under this schema)."""
-    return from_table(pq.read_table(path))
+    """Trees from a Parquet file written by ``write_trees`` (or any table under this schema);
+    a file that is not Parquet, or not trees, is named in the error."""
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowException as err:
+        raise SchemaError(f"{path}: not a readable Parquet file ({err})") from None
+    try:
+        return from_table(table)
+    except SchemaError as err:
+        raise SchemaError(f"{path}: {err}") from None

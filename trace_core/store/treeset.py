@@ -26,6 +26,7 @@ import json
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +50,7 @@ from trace_core.store.schema import write_parquet as _write_parquet
 MANIFEST = "manifest.json"
 KIND = "trace.tree_set"
 ROWS_PER_FILE = 500_000  # nodes per Parquet part (whole trees; one tree may exceed it)
+FOOTER_READERS = 16  # files whose footer (schema) is read at once
 
 
 class ManifestError(ValueError):
@@ -240,16 +242,35 @@ class TreeSource:
         return [self.store.arrow_path(k)[1] for k in self.keys]
 
     def dataset(self) -> ds.Dataset:
-        """A dataset over every file; the schema (of the first file) is checked."""
+        """A dataset over every file; each file's schema is checked against ``TREE_SCHEMA``.
+
+        A folder may hold a stray Parquet file; unchecked, its rows would come back as nulls.
+        Only the footers are read (in parallel, for S3's round trips), and the scan reuses
+        them rather than fetching them again.
+        """
+        if not self.keys:
+            raise ObjectNotFound(f"{self.uri}: no rollout tree files to read")
+        parquet = ds.ParquetFileFormat()
+        fragments = [parquet.make_fragment(p, filesystem=self.filesystem) for p in self.paths]
+        with ThreadPoolExecutor(min(FOOTER_READERS, len(fragments))) as pool:
+            schemas = list(pool.map(self._file_schema, self.keys, fragments))
+        return ds.FileSystemDataset(fragments, schemas[0], parquet, self.filesystem)
+
+    def _file_schema(self, key: str, fragment: ds.ParquetFileFragment) -> pa.Schema:
         try:
-            dataset = ds.dataset(self.paths, filesystem=self.filesystem, format="parquet")
+            schema = fragment.physical_schema  # the footer, kept by the fragment for the scan
         except (OSError, pa.ArrowException) as err:
             raise self.error(err) from None
         try:
-            check_schema(dataset.schema)
+            check_schema(schema)
         except SchemaError as err:
-            raise SchemaError(f"{self.uri}: {err}") from None
-        return dataset
+            uri = self.store.uri(key)
+            if uri == self.uri:
+                raise SchemaError(f"{uri}: {err}") from None
+            raise SchemaError(
+                f"{uri}: {err}; every file under {self.uri} must hold rollout trees"
+            ) from None
+        return schema
 
     def read(
         self, columns: Sequence[str] | None = None, filter: ds.Expression | None = None

@@ -74,14 +74,18 @@ class TrainConfig:
                 f"budget {self.budget}, continuations {self.continuations}, group {self.group}: "
                 f"{err}"
             ) from None
-        if self.iterations < 1 or self.prompts < 1 or self.eval_every < 1:
-            raise ValueError("iterations, prompts and eval_every must be >= 1")
+        for name in ("iterations", "prompts", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.predictor not in ("hashed", "embedding"):
             raise ValueError(f"predictor must be hashed or embedding, got {self.predictor!r}")
         if self.train_workers < 0:
             raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
-        if self.eval_tasks < 1 or self.eval_k < 0:
-            raise ValueError("eval_tasks must be >= 1 and eval_k >= 0")
+        for name in ("eval_tasks", "eval_k", "max_tokens", "warmstart_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.init is None and self.task not in SYNTHETIC:
             raise ValueError(
                 f"task {self.task!r} has no built-in warm start: pass a policy with --init "

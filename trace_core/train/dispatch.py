@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -64,10 +65,18 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
 def _staged(
     step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]
 ) -> Iterator[tuple[dict[str, Path], dict[str, Path]]]:
-    """Local folders for a step's folders: s3:// inputs are downloaded into a scratch folder;
-    s3:// outputs are written there and uploaded once the step has succeeded."""
+    """Local folders for a step's folders. s3:// inputs are downloaded into a scratch folder.
+    Outputs are written to fresh folders and published once the step has succeeded: uploaded
+    (s3://), or renamed into place (a local folder). A step that fails leaves no output
+    behind, and never writes into a folder or prefix that already holds something."""
     from trace_core.store.sync import download_folder, upload_folder
 
+    for name, uri in outputs.items():
+        if _holds_files(uri):
+            raise FileExistsError(
+                f"step {step}: output {name}={uri} already holds files; a step writes a "
+                "fresh folder: remove it or choose another"
+            )
     with tempfile.TemporaryDirectory(prefix=f"trace-{step}-") as scratch:
         local: dict[str, Path] = {}
         for name, uri in inputs.items():
@@ -76,14 +85,39 @@ def _staged(
                 download_folder(uri, local[name])
             elif not local[name].is_dir():
                 raise FileNotFoundError(f"step {step}: input {name}={uri}: no such folder")
-        out = {
-            name: Path(scratch, "out", name) if is_remote(uri) else Path(uri)
-            for name, uri in outputs.items()
-        }
-        yield local, out
+        out, fresh = {}, []
         for name, uri in outputs.items():
             if is_remote(uri):
-                upload_folder(out[name], uri)
+                out[name] = Path(scratch, "out", name)
+            else:  # beside the target, so that publishing it is one rename
+                Path(uri).parent.mkdir(parents=True, exist_ok=True)
+                out[name] = Path(
+                    tempfile.mkdtemp(prefix=f".{Path(uri).name}.", dir=Path(uri).parent)
+                )
+                fresh.append(out[name])
+            out[name].mkdir(parents=True, exist_ok=True)
+        try:
+            yield local, out
+            for name, uri in outputs.items():
+                if is_remote(uri):
+                    upload_folder(out[name], uri)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        Path(uri).rmdir()  # empty (checked above)
+                    out[name].rename(uri)
+        finally:
+            for folder in fresh:  # gone once published; a failed step's half output
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _holds_files(uri: str) -> bool:
+    """Whether an output folder or prefix is taken (a missing bucket is an error here)."""
+    if is_remote(uri):
+        from trace_core.store.artifacts import open_store
+
+        return bool(open_store(uri).list_objects(""))
+    target = Path(uri)
+    return target.exists() and (not target.is_dir() or any(target.iterdir()))
 
 
 def execute_cli_step(
@@ -98,21 +132,20 @@ def execute_cli_step(
     (``params``, as the UI gives them: strings) and writes ``config.json``, ``start`` and
     ``start_iteration`` into its ``result`` folder; every other step takes the config JSON."""
     check_step_folders(step, inputs, outputs)
-    if step in RAY_STEPS:
-        execute_step(
-            StepCall(step, iteration, inputs, outputs), PipelineConfig.from_json(config_json)
-        )
+    # Everything is validated before a folder is made or a file fetched.
+    parameters = parse_parameters(params or {}) if step == "prep" else None
+    config = None if step == "prep" else PipelineConfig.from_json(config_json)
+    if config is not None and step in RAY_STEPS:
+        execute_step(StepCall(step, iteration, inputs, outputs), config)
         return
     with _staged(step, inputs, outputs) as (local, out):
-        for folder in out.values():
-            folder.mkdir(parents=True, exist_ok=True)
-        if step == "prep":
-            result = prep_step(parse_parameters(params or {}), out["prompts"])
+        if parameters is not None:
+            result = prep_step(parameters, out["prompts"])
             (out["result"] / CONFIG_FILE).write_text(result.config_json)
             (out["result"] / "start").write_text(result.start)
             (out["result"] / "start_iteration").write_text(str(result.start_iteration))
         else:
-            config = PipelineConfig.from_json(config_json)
+            assert config is not None
             match step:
                 case "warmstart":
                     warmstart_step(config, out["policy"], out["predictor"])

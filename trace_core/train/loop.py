@@ -9,7 +9,7 @@ every tree seen so far, and takes a policy-gradient step on the new trees
 (``policy.update``). An iteration is committed when its directory is complete:
 
     OUTPUT/
-      config.json                  the run's config (what ``--resume`` checks against)
+      config.json                  the run's config (what a resumed run is checked against)
       log.jsonl                    one line per iteration: rollout metrics, update stats, eval
       curves.png                   held-out accuracy and effective ratio vs generated tokens
       warmstart/                   the warm-started policy (synthetic tasks without --init)
@@ -18,10 +18,14 @@ every tree seen so far, and takes a policy-gradient step on the new trees
         policy/                    HF checkpoint (loads in TorchEngine and vLLM)
         optimizer.safetensors      AdamW moments, so a resumed run continues the same update
         predictor/                 the success predictor after this iteration's fit
+        manifest.json              every file above with its size and sha256, written last
       latest                       the last complete iteration, written last (atomic rename)
 
 A run started again with the same output folder resumes after ``latest``: the crash of an
-iteration half-way leaves ``latest`` on the one before, whose files are whole. Every random
+iteration half-way leaves ``latest`` on the one before, whose files are whole. A damaged
+iteration is passed over for the newest complete one, and a folder of iterations without a
+valid ``latest`` is refused rather than rebuilt (``train.run_folder``; ``--restart`` discards
+the run). Every random
 draw of iteration i comes from a generator seeded by (seed, i), so a resumed run samples what
 an uninterrupted one would have.
 """
@@ -29,7 +33,6 @@ an uninterrupted one would have.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +44,7 @@ import torch
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
+from trace_core.policy.checkpoint import check_checkpoint
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint, save_checkpoint
 from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
@@ -51,9 +55,18 @@ from trace_core.train.config import TrainConfig
 from trace_core.train.draws import draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
 from trace_core.train.record import LOG, IterationRecord, read_log
+from trace_core.train.run_folder import (
+    CONFIG,
+    RunFolderError,
+    commit_iteration,
+    discard_run,
+    iteration_dir,
+    move_latest,
+    resume_point,
+    write_atomic,
+)
 from trace_core.train.warmstart import warmstart
 
-LATEST = "latest"
 PREDICTOR = "predictor"
 
 
@@ -61,17 +74,28 @@ def train(
     config: TrainConfig,
     progress: Callable[[str], None] | None = None,
     suite: TaskSuite | None = None,
+    restart: bool = False,
 ) -> list[IterationRecord]:
     """Run (or resume) the loop; returns every iteration's record, the resumed ones included.
 
-    ``suite`` replaces the one ``config.task`` names (tests bring their own envs).
+    ``suite`` replaces the one ``config.task`` names (tests bring their own envs). ``restart``
+    discards the run already in ``config.output`` (``run_folder.discard_run``) instead of
+    resuming it. Everything is checked before the folder is written: the suite, ``init``, the
+    folder's iterations and its stored config.
     """
     say = progress or (lambda _message: None)
     out = config.output
-    out.mkdir(parents=True, exist_ok=True)
-    _check_config(out, config)
     suite = suite or make_suite(config.task, config.data, config.seed)
-    done = read_latest(out)
+    if config.init:
+        check_checkpoint(config.init, "--init")
+    if restart and (removed := discard_run(out)):
+        say(f"--restart: discarded {', '.join(removed)} in {out}")
+    point = resume_point(out)
+    done = point.iteration
+    for note in point.notes:
+        say(f"{note}; resuming after iteration {done}, the newest complete one")
+    _check_config(out, config, done)
+    records = _resumed_log(out, done)
     if done:
         policy_dir = iteration_dir(out, done) / "policy"
         say(f"resuming after iteration {done} from {policy_dir}")
@@ -89,7 +113,6 @@ def train(
     fmt = TurnFormat(tokenizer)
     optimizer = make_optimizer(model, config.update)
     predictor = iteration.new_predictor(config, tokenizer)
-    records = read_log(out)[: done + 1] if done else []
     if done:
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
         predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
@@ -149,38 +172,41 @@ def train(
     return records
 
 
-# --- run folder --------------------------------------------------------------------------
-def iteration_dir(out: Path, i: int) -> Path:
-    return out / "iterations" / f"{i:04d}"
-
-
-def read_latest(out: Path) -> int:
-    """The last complete iteration (0 when none is)."""
-    path = out / LATEST
-    if not path.exists():
-        return 0
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text[:40]!r}")
-    return int(text)
-
-
-def _check_config(out: Path, config: TrainConfig) -> None:
-    """Write config.json on a new run; on a resumed one, refuse a different config (a field
-    the stored config predates counts as its default)."""
-    path = out / "config.json"
+# --- run folder ------------------------------------------------------------------------
+def _check_config(out: Path, config: TrainConfig, done: int) -> None:
+    """Write config.json for a new run; where the folder already holds a run (an iteration or
+    a warm start), refuse a different config (a field the stored config predates counts as its
+    default)."""
+    path = out / CONFIG
     current = config.to_json()
-    if path.exists() and read_latest(out):
-        stored = {**TrainConfig().to_json(), **json.loads(path.read_text())}
+    if path.exists() and (done or (out / "warmstart").exists()):
+        try:
+            stored = {**TrainConfig().to_json(), **json.loads(path.read_text())}
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as err:
+            raise RunFolderError(f"{path}: not a run config ({err}); pass --restart") from None
         changed = sorted(
             k for k in current if k not in ("iterations", "output") and stored.get(k) != current[k]
         )
         if changed:
-            raise ValueError(
+            raise RunFolderError(
                 f"{out} holds a run with a different config ({', '.join(changed)}); "
-                "use another --output or the same settings"
+                "use another --output, the same settings, or --restart to discard it"
             )
-    _write_atomic(path, json.dumps(current, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(current, indent=2) + "\n")
+
+
+def _resumed_log(out: Path, done: int) -> list[IterationRecord]:
+    """The log's records of iterations 0..done (later lines are a crashed iteration's)."""
+    if not done:
+        return []
+    records = read_log(out)[: done + 1]
+    if [r.iteration for r in records] != list(range(done + 1)):
+        raise RunFolderError(
+            f"{out / LOG}: does not hold iterations 0..{done} in order; the run cannot go on "
+            "from it: pass --restart, or choose another --output"
+        )
+    return records
 
 
 def _commit_iteration(
@@ -193,20 +219,19 @@ def _commit_iteration(
     trees: Sequence[RolloutTree],
     record: IterationRecord,
 ) -> None:
-    """Write iteration i's folder in full, then the log line, then move ``latest``."""
-    final = iteration_dir(out, i)
-    staging = final.with_name(final.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    write_trees(staging / "trees.parquet", trees)
-    (staging / "metrics.json").write_text(json.dumps(record.rollout, indent=2) + "\n")
-    save_checkpoint(model, tokenizer, staging / "policy")  # type: ignore[arg-type]
-    save_optimizer(optimizer, staging / "optimizer.safetensors")
-    predictor.save(staging / PREDICTOR)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
+    """Write iteration i's folder in full (with its manifest), then the log line, then move
+    ``latest``."""
+
+    def write(staging: Path) -> None:
+        write_trees(staging / "trees.parquet", trees)
+        (staging / "metrics.json").write_text(json.dumps(record.rollout, indent=2) + "\n")
+        save_checkpoint(model, tokenizer, staging / "policy")  # type: ignore[arg-type]
+        save_optimizer(optimizer, staging / "optimizer.safetensors")
+        predictor.save(staging / PREDICTOR)
+
+    commit_iteration(out, i, write)
     _append_log(out, record)
-    _write_atomic(out / LATEST, f"{i}\n")
+    move_latest(out, i)
 
 
 def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None:
@@ -214,13 +239,7 @@ def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None
     path = out / LOG
     kept = [] if fresh else [r for r in read_log(out) if r.iteration < record.iteration]
     lines = [json.dumps(asdict(r)) for r in [*kept, record]]
-    _write_atomic(path, "\n".join(lines) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 # --- pieces ------------------------------------------------------------------------------

@@ -164,6 +164,8 @@ def warmstart(
 
 
 def set_threads(threads: int | None) -> None:
-    """Torch intra-op threads (None: leave torch's default)."""
+    """Torch intra-op threads (None or 0: leave torch's default)."""
+    if threads is not None and threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {threads}")
     if threads:
         torch.set_num_threads(threads)

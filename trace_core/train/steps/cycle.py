@@ -17,9 +17,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from trace_core.envs.base import TaskSuite
+from trace_core.policy.checkpoint import load_tokenizer
 from trace_core.train.contract import (
     OPTIMIZER,
     PROMPTS_TRAIN,
@@ -52,7 +51,7 @@ def rollout_step(
     train = config.train
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_TRAIN))
     suite = suite or make_suite(task, train.data, train.seed)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    tokenizer = load_tokenizer(policy_dir)
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
     result = roll_out(
@@ -84,7 +83,7 @@ def fit_predictor_step(
     from trace_core.store.schema import read_trees
     from trace_core.train.iteration import fit_predictor
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+    tokenizer = load_tokenizer(policy_dir)
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     trees = read_trees(trees_dir / TREES)
     draws = read_draws(trees_dir, iteration)

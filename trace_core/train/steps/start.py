@@ -9,6 +9,7 @@ run's latest registered checkpoint to resume from).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -29,6 +30,9 @@ from trace_core.train.contract import (
 
 if TYPE_CHECKING:
     from trace_core.store.registry import CheckpointRegistry
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ def prep_step(
     write_prompts(prompts_dir / PROMPTS_EVAL, train.task, eval_tasks)
     start, done = ("load" if train.init else "warmstart"), 0
     if config.run_name:
-        checkpoint = open_registry(config).latest(config.run_name)
+        checkpoint = open_registry(config).latest(config.run_name, say=log.warning)
         if checkpoint is not None:
             start, done = "load", checkpoint.iteration
     return PrepResult(config.to_json(), start, done, len(train_tasks), len(eval_tasks))
@@ -98,10 +102,11 @@ def load_step(config: PipelineConfig, policy_dir: Path, predictor_dir: Path) -> 
     from trace_core.store.sync import download_folder
     from trace_core.train.iteration import new_predictor
 
-    checkpoint = open_registry(config).latest(config.run_name) if config.run_name else None
+    registry = open_registry(config)
+    checkpoint = registry.latest(config.run_name, say=log.warning) if config.run_name else None
     if checkpoint is not None:
         staging = policy_dir.parent / f".resume-{uuid.uuid4().hex[:8]}"
-        open_registry(config).download(checkpoint, staging)
+        registry.download(checkpoint, staging)
         _move(staging / "policy", policy_dir)
         _move(staging / "predictor", predictor_dir)
         shutil.rmtree(staging)
