@@ -93,12 +93,13 @@ push: ## Push both images (after make images)
 	$(call image_cmd,push $(TRACE_IMAGE))
 	$(call image_cmd,push $(TRACE_GPU_IMAGE))
 
-bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage
+bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage, parsing
 	@mkdir -p $(OUT)
 	$(BIN)/trace-rl bench allocator-speed --json $(OUT)/allocator-speed.json
 	$(BIN)/trace-rl bench engine --json $(OUT)/engine.json
 	$(BIN)/trace-rl bench allocation --json $(OUT)/allocation.json --plot $(OUT)/allocation.png
 	$(BIN)/trace-rl bench store --json $(OUT)/store.json
+	$(BIN)/trace-rl bench parse --json $(OUT)/parse.json
 
 lock: setup ## Rewrite requirements/constraints.txt from the installed environment
 	{ sed -n '1,3p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > requirements/constraints.tmp

@@ -21,6 +21,7 @@ from trace_core.bench.allocation import (
     run_allocation_bench,
 )
 from trace_core.bench.allocator_speed import run_allocator_speed
+from trace_core.bench.parsing import hostile
 from trace_core.envs.sim.world import SimConfig
 
 METRIC_KEYS = {
@@ -183,9 +184,25 @@ def test_cli_bench_allocator_speed(tmp_path: Path) -> None:
     assert "(est., not run)" in run.stdout and "not run" in run.stdout
 
 
+@pytest.mark.slow  # runs trace-rl (≈ 15 s: a megabyte of each shape, three times)
+def test_cli_bench_parse_as_the_readme_prints_it(tmp_path: Path) -> None:
+    run = trace_rl("bench", "parse", "--json", "parse.json", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads((tmp_path / "parse.json").read_text())
+    assert [r["shape"] for r in rows] == list(hostile(8))
+    for r in rows:
+        assert 6_000 <= r["reference_chars"] <= 10_010
+        assert 750_000 <= r["large_chars"] <= 1_250_010
+        seconds = ("reference_seconds", "linear_seconds", "large_seconds", "bfcl_large_seconds")
+        assert all(math.isfinite(r[k]) and r[k] >= 0 for k in seconds)
+        assert r["speedup"] == pytest.approx(r["reference_seconds"] / r["linear_seconds"])
+    assert "quadratic / linear" in run.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["bench", "parse", "--repeat", "0"], "--repeat >= 1"),
         (
             ["bench", "allocation", "--difficulty", "gamma:1"],
             "difficulty must look like 'beta:a,b'",
@@ -199,6 +216,7 @@ def test_cli_bench_allocator_speed(tmp_path: Path) -> None:
         (["bench", "allocation", "--no-such-flag"], "No such option"),
     ],
     ids=[
+        "parse-repeat",
         "difficulty",
         "strategies",
         "turns-form",

@@ -1,35 +1,17 @@
-"""Reading a turn: ``parse_action`` against the plain (quadratic) definition it replaced, its
-reads counted, megabyte texts of hostile shapes, and the turn length refusal."""
+"""Reading a turn: ``parse_action`` against the plain (quadratic) definition it replaced
+(``bench.parsing``), its reads counted, megabyte texts of hostile shapes, and the turn length
+refusal."""
 
 from __future__ import annotations
 
 import itertools
-import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trace_core.bench.parsing import hostile, reference_parse_action
 from trace_core.envs.base import Action, find_matching_open, parse_action, refuse_long
-
-_HEAD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[")
-
-
-def reference_parse_action(text: str) -> Action | None:
-    """The definition: the last ``name[`` (regex heads, left to right) whose brackets balance
-    exactly to the final ``]``. Tries every head and scans forward from each: quadratic."""
-    stripped = text.rstrip()
-    if not stripped.endswith("]"):
-        return None
-    for head in reversed(list(_HEAD.finditer(stripped))):
-        depth = 0
-        for i in range(head.end() - 1, len(stripped)):
-            depth += {"[": 1, "]": -1}.get(stripped[i], 0)
-            if depth == 0:
-                break
-        if depth == 0 and i == len(stripped) - 1:
-            return Action(head.group(1), stripped[head.end() : -1].strip())
-    return None
 
 
 class CountingText(str):
@@ -40,27 +22,6 @@ class CountingText(str):
     def __getitem__(self, key: int | slice) -> str:  # type: ignore[override]
         self.reads += 1
         return super().__getitem__(key)
-
-
-def hostile(n: int, name: str = "a") -> dict[str, tuple[str, Action | None]]:
-    """Texts of about ``n`` characters, each with the action it holds: shapes that cost the
-    reference quadratic time (nested heads) or that push a scan to its far end."""
-    k = n // 4
-    return {
-        "nested heads": (
-            f"{name}[" * k + "]" * k,
-            Action(name, f"{name}[" * (k - 1) + "]" * (k - 1)),
-        ),
-        "many heads, then an action": ("x[" * (2 * k) + "answer[42]", Action("answer", "42")),
-        "many closed heads": ("x[] " * k + f"{name}[1]", Action(name, "1")),
-        "deep brackets": ("[" * (2 * k) + "]" * (2 * k), None),
-        "unbalanced": (f"{name}[" + "]" * (4 * k), None),
-        "heads, one close": (f"{name}[" * (2 * k) + "]", Action(name, "")),
-        "long name": ("x" * (4 * k) + "[]", Action("x" * (4 * k), "")),
-        "digits before the bracket": ("7" * (4 * k) + "[]", None),
-        "trailing spaces": (f"{name}[1]" + " " * (4 * k), Action(name, "1")),
-        "a long thought": ("word " * k + f"{name}[1+2]", Action(name, "1+2")),
-    }
 
 
 MEGABYTE = hostile(1_000_000)

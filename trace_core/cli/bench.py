@@ -28,6 +28,7 @@ from trace_core.bench.allocator_speed import (
     rows_to_json,
 )
 from trace_core.bench.allocator_speed import run_allocator_speed as _run_speed
+from trace_core.bench.parsing import LARGE_CHARS, REFERENCE_CHARS
 from trace_core.cli.output import console, expected_errors, fail, progress, write_json
 from trace_core.envs.sim.world import SimConfig, parse_beta, parse_range
 
@@ -167,6 +168,40 @@ def _speed_table(rows: list[SpeedRow]) -> Table:
         gap = "—" if r.objective_gap is None else f"{r.objective_gap:.1e}"
         table.add_row(f"{r.prompts:,}", f"{r.budget:,}", f"{r.fast_seconds:.4f}", dp, ratio, gap)
     return table
+
+
+@app.command("parse")
+def bench_parse(
+    reference_chars: Annotated[
+        int, typer.Option(help="Text length both parsers read (the quadratic one's limit).")
+    ] = REFERENCE_CHARS,
+    large_chars: Annotated[int, typer.Option(help="Text length the linear parsers read.")] = (
+        LARGE_CHARS
+    ),
+    repeat: Annotated[int, typer.Option(help="Best of this many runs.")] = 3,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Action parsing on hostile turns: the linear parser vs the quadratic definition."""
+    from trace_core.bench.parsing import rows_to_json, run_parse_bench
+
+    with console.status("parsing") as status:
+        rows = run_parse_bench(reference_chars, large_chars, repeat, progress=status.update)
+    table = Table(title="Reading the action off a hostile turn (best of runs, seconds)")
+    heads = ("shape", "chars", "quadratic", "linear", "quadratic / linear")
+    for head in (*heads, f"linear, {large_chars:,} chars", f"bfcl, {large_chars:,} chars"):
+        table.add_column(head, justify="right")
+    for r in rows:
+        table.add_row(
+            r.shape, f"{r.reference_chars:,}", f"{r.reference_seconds:.4f}",
+            f"{r.linear_seconds:.5f}", _ratio(r.speedup), f"{r.large_seconds:.3f}",
+            f"{r.bfcl_large_seconds:.3f}",
+        )  # fmt: skip
+    console.print(table)
+    write_json(json_path, rows_to_json(rows))
+
+
+def _ratio(x: float) -> str:
+    return f"{x:,.0f}×" if x >= 10 else f"{x:.2g}×"
 
 
 @app.command("engine")
