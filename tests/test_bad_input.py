@@ -124,6 +124,16 @@ CASES = {
     "train from a missing --init": Case(
         "train --init {w}/nope --output {w}/new", r"--init {w}/nope does not exist"
     ),
+    "rollout-demo on a truncated checkpoint": Case(
+        "rollout-demo --checkpoint {w}/truncated", r"{w}/truncated/model.safetensors: truncated"
+    ),
+    "bench contrast on a truncated checkpoint": Case(
+        "bench contrast --checkpoint {w}/truncated", r"{w}/truncated/model.safetensors: truncated"
+    ),
+    "bench predictor without a policy": Case(
+        "bench predictor --trees {w}/trees --checkpoint {w}/nope",
+        r"--checkpoint {w}/nope does not exist",
+    ),
     # --- flags and config fields ---------------------------------------------------------
     "negative prompts": Case(ROLLOUT + " --prompts -3", r"--prompts must be >= 1.*got -3"),
     "absurd budget": Case(
@@ -140,6 +150,13 @@ CASES = {
     "negative threads": Case("train --threads -2 --output {w}/new", r"--threads must be >= 0"),
     "task without warm start": Case(
         "train --task bfcl --output {w}/new", r"task 'bfcl' has no built-in warm start"
+    ),
+    "task check of an unknown task": Case("task check nope", r"unknown task 'nope'"),
+    "bench allocation of one root": Case(
+        "bench allocation --budget 1", r"roots must be at least 2 \(one group\), got 1"
+    ),
+    "pipeline runs without a host": Case(
+        "pipeline runs", r"--host \(or KFP_HOST\) is required: the KFP API endpoint"
     ),
     "unknown task": Case(
         "prep --task nope --output {w}/new/p.parquet", r"unknown task 'nope'; choose one of"
@@ -268,7 +285,7 @@ def test_bad_input_gives_one_error_line_and_changes_nothing(world: Path, name: s
     args = [SQL[a].format(w=world) if a in SQL else a for a in args]
     args = [(world / "config.json").read_text() if a == f"{world}/config.json" else a for a in args]
     before = snapshot(world)
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(app, args, env={"KFP_HOST": None, "TRACE_DEBUG": None})
     said = " ".join(result.output.split())
     assert result.exit_code == 2, said
     assert result.exception is None or isinstance(result.exception, SystemExit), said

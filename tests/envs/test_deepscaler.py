@@ -80,6 +80,18 @@ def test_check_math(given_: str, gold: str, correct: bool) -> None:
     assert check_math(given_, gold) is correct
 
 
+@pytest.mark.slow  # math-verify in a child process, stopped after 2 s
+def test_a_runaway_check_is_stopped_and_counts_as_wrong() -> None:
+    from trace_core.envs.deepscaler import _checker
+
+    hostile = "^".join(["x"] * 16) + "^2"  # sympy works on this for many seconds
+    assert check_math("2", "2", seconds=2.0) is True
+    pid = _checker(2.0).pid
+    assert check_math(hostile, "1", seconds=2.0) is False
+    assert _checker(2.0).pid is None  # the process was stopped, not left computing
+    assert check_math("0.5", "\\frac{1}{2}", seconds=2.0) is True and _checker(2.0).pid != pid
+
+
 def test_an_answer_over_the_bound_is_wrong_unread(monkeypatch: pytest.MonkeyPatch) -> None:
     # math-verify's time grows faster than the length: 60,000 characters took about 40 s
     monkeypatch.setitem(sys.modules, "math_verify", None)  # importing it would raise

@@ -6,18 +6,18 @@ The data is JSON, JSON Lines or Parquet with ``problem`` and ``answer`` (``solut
 Episodes run in ``CalcEnv``, so the calculator stays available; the answer is compared with the
 gold one by mathematical equivalence (``check_math``) instead of as an integer.
 
-Not bounded: math-verify's work on a short hostile answer. ``x^x^...^2`` of 33 characters keeps
-sympy busy for about 5 s, and ``bounded_call`` stops the wait, not the thread, which runs on.
-Only the length is bounded here (``MAX_ANSWER_CHARS``); a killable worker process would bound
-the rest.
+math-verify's work on a short hostile answer is unbounded (``x^x^...^2`` of 33 characters keeps
+sympy busy for seconds), so the check runs in a child process that is killed past its time bound
+(``check_math``); answers longer than ``MAX_ANSWER_CHARS`` are not checked at all.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from trace_core.envs.base import Split, Task, bounded_call, parse_action
+from trace_core.envs.base import Split, Task, ToolTimeout, parse_action
 from trace_core.envs.calc import CalcEnv
+from trace_core.envs.isolated import IsolatedCall, IsolatedError
 from trace_core.envs.source import read_records
 
 MAX_ACTION_CHARS = 64_000
@@ -35,12 +35,31 @@ def check_math(given: str, gold: str, seconds: float = 5.0) -> bool:
     """Mathematical equivalence by math-verify ("\\frac{1}{2}" == "0.5"), gold parsed first.
 
     Both sides are read as inline LaTeX (``$...$``), falling back to the raw text when that finds
-    nothing. math-verify's own timeouts use SIGALRM, which only works on the main thread, so they
-    are off and ``bounded_call`` bounds the time instead. Any failure counts as wrong, and so does
-    an answer longer than ``MAX_ANSWER_CHARS``.
+    nothing. The check runs in a child process (``envs.isolated``) that is killed past
+    ``seconds``: math-verify's time on a short hostile answer (``x^x^...^2``) is unbounded, and a
+    thread could only stop waiting for it. Any failure counts as wrong, and so does an answer
+    longer than ``MAX_ANSWER_CHARS``.
     """
     if len(given.strip()) > MAX_ANSWER_CHARS:
         return False
+    try:
+        return _checker(seconds)(verify_math, given, gold)
+    except (ToolTimeout, IsolatedError):  # odd input failing or running away: a wrong answer
+        return False
+
+
+_CHECKERS: dict[float, IsolatedCall] = {}
+
+
+def _checker(seconds: float) -> IsolatedCall:
+    """One checking process per time bound, per process, started on first use."""
+    if seconds not in _CHECKERS:
+        _CHECKERS[seconds] = IsolatedCall(seconds)
+    return _CHECKERS[seconds]
+
+
+def verify_math(given: str, gold: str) -> bool:
+    """math-verify's verdict, unbounded: call it through ``check_math``."""
     import math_verify  # heavy (sympy); only DeepScaleR needs it
 
     def parse(text: str) -> list[object]:
@@ -50,16 +69,10 @@ def check_math(given: str, gold: str, seconds: float = 5.0) -> bool:
         parsed = list(math_verify.parse(f"${text}$", parsing_timeout=None))
         return parsed or list(math_verify.parse(text, parsing_timeout=None))
 
-    def verify() -> bool:
-        gold_parsed, given_parsed = parse(gold), parse(given)
-        if not gold_parsed or not given_parsed:
-            return False
-        return bool(math_verify.verify(gold_parsed, given_parsed, timeout_seconds=None))
-
-    try:
-        return bounded_call(verify, seconds)
-    except Exception:  # math-verify or sympy failing on odd input is a wrong answer, not a crash
+    gold_parsed, given_parsed = parse(gold), parse(given)
+    if not gold_parsed or not given_parsed:
         return False
+    return bool(math_verify.verify(gold_parsed, given_parsed, timeout_seconds=None))
 
 
 def load_deepscaler(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> list[Task]:
