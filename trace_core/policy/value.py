@@ -366,9 +366,9 @@ class ValuePredictor:
         src = Path(directory)
         if not (src / CONFIG_FILE).exists():
             raise FileNotFoundError(f"no {CONFIG_FILE} in {src}: not a saved ValuePredictor")
-        for name in (WEIGHTS_FILE, REPLAY_FILE):
-            if name == WEIGHTS_FILE or (src / name).exists():
-                check_safetensors(src / name)
+        check_safetensors(src / WEIGHTS_FILE)
+        if (src / REPLAY_FILE).exists():
+            check_safetensors(src / REPLAY_FILE)
         try:
             return cls._load(src, tokenizer)
         except (KeyError, TypeError, RuntimeError, json.JSONDecodeError) as err:

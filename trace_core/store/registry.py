@@ -148,9 +148,8 @@ class CheckpointRegistry:
                 f"{self.store.uri(key)}: {reason}; the run's checkpoints are kept: rewrite "
                 "latest.json, or use another run name"
             ) from None
-        stored = self._folders(run)
         if folder is None:
-            if stored:
+            if stored := self._folders(run):  # listed only when there is no pointer
                 raise ManifestError(
                     f"{self.store.uri(key)} is missing, but run {run!r} holds {len(stored)} "
                     "saved checkpoint(s); a new run under its name would register over them: "
