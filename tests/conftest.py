@@ -49,9 +49,28 @@ if TYPE_CHECKING:
     from trace_core.store.server import SeaweedServer
 
 BIN = Path(sys.executable).parent
+
+
+def share_cores() -> None:
+    """Under ``pytest -n``, each worker (and what it starts) gets its share of the cores.
+
+    Torch's default, a thread per core in every process, oversubscribes the machine as soon
+    as two workers run torch at once, and its OpenMP threads then spin on each other: two
+    2-thread matmul loops took 2.4× as long as two 1-thread loops on the 2-core CI machine.
+    Set before torch is imported, and inherited by the subprocesses tests start.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, threads)
+
+
+share_cores()
 HELPERS = {
     "trace_manifest_render": "manifests/render.py",
     "trace_train_parity": "train/parity.py",
+    "trace_test_models": "policy/models.py",
 }
 
 

@@ -62,8 +62,8 @@ class ScriptedCalc:
         for i, prompt in enumerate(prompts):
             ids = [int(t) for t in prompt]
             # The prompt ends 5 tokens after its first <|im_end|>: "\n <|im_start|> assistant \n".
-            task = BY_HEAD[tuple(ids[: ids.index(FMT.action_end_id) + 5])]
-            turn = ids.count(FMT.action_end_id) - 1  # the prompt holds one
+            task = BY_HEAD[tuple(ids[: ids.index(FMT.end_of_turn_id) + 5])]
+            turn = ids.count(FMT.end_of_turn_id) - 1  # the prompt holds one
             rng = np.random.default_rng(
                 [seed or 0, i, zlib.crc32(np.asarray(ids, np.int64).tobytes())]
             )

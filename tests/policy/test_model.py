@@ -1,11 +1,13 @@
-"""The tiny policy, its checkpoints, and the functional Qwen3 forward against HF's."""
+"""The tiny policy, its checkpoints, and the functional decoder forward (Qwen3, Llama with
+default and Llama 3 RoPE) against HF's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from trace_core.policy import qwen3
+from trace_core.policy import decoder
 from trace_core.policy.model import (
     TinyPolicyConfig,
     create_policy,
@@ -17,10 +19,46 @@ from trace_core.policy.tokenizer import build_word_tokenizer
 TOK = build_word_tokenizer(["the quick brown fox jumps over the lazy dog", "12 + 30 = 42"])
 
 
-def sharpened(kv_heads: int = 2, seed: int = 0):
+ARCHS = ["qwen3", "llama", "llama3-rope"]
+
+
+def tiny_llama(kv_heads: int, seed: int, llama3_rope: bool) -> LlamaForCausalLM:
+    """The tiny policy's dimensions in Llama's architecture (no q/k norms), with Llama 3's
+    RoPE frequency scaling when asked (an original context of 64 puts the scaled, the kept
+    and the interpolated bands all inside head_dim 64)."""
+    rope = {"rope_type": "default", "rope_theta": 10_000.0}
+    if llama3_rope:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    config = LlamaConfig(
+        vocab_size=len(TOK),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        max_position_embeddings=256,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def sharpened(kv_heads: int = 2, seed: int = 0, arch: str = "qwen3"):
     """A tiny policy with weights scaled up: HF's 0.02-std init gives near-uniform logits,
     which would let rounding noise hide in the comparisons."""
-    model = create_policy(TOK, TinyPolicyConfig(num_kv_heads=kv_heads), seed=seed)
+    if arch == "qwen3":
+        model = create_policy(TOK, TinyPolicyConfig(num_kv_heads=kv_heads), seed=seed)
+    else:
+        model = tiny_llama(kv_heads, seed, llama3_rope=arch == "llama3-rope")
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -65,13 +103,13 @@ def test_checkpoint_round_trip(tmp_path) -> None:
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
 
 
-# -- qwen3.forward against HF ---------------------------------------------------------------
+# -- decoder.forward against HF ---------------------------------------------------------------
 
 
-def run_rows(weights: qwen3.Qwen3Weights, rows: list[torch.Tensor], split: int | None) -> list:
-    """Ragged rows through qwen3.forward: in one pass, or ``split`` tokens then one at a time."""
+def run_rows(weights: decoder.DecoderWeights, rows: list[torch.Tensor], split: int | None) -> list:
+    """Ragged rows through decoder.forward: in one pass, or ``split`` tokens then one at a time."""
     width = max(len(r) for r in rows)
-    cache = qwen3.KVCache.zeros(weights, len(rows), width)
+    cache = decoder.KVCache.zeros(weights, len(rows), width)
     tokens = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         tokens[i, : len(r)] = r
@@ -80,18 +118,21 @@ def run_rows(weights: qwen3.Qwen3Weights, rows: list[torch.Tensor], split: int |
         [(0, width)] if split is None else [(0, split)] + [(t, t + 1) for t in range(split, width)]
     )
     chunks = [
-        qwen3.lm_logits(weights, qwen3.forward(weights, tokens[:, a:b], positions[:, a:b], cache))
+        decoder.lm_logits(
+            weights, decoder.forward(weights, tokens[:, a:b], positions[:, a:b], cache)
+        )
         for a, b in steps
     ]
     logits = torch.cat(chunks, dim=1)  # (B, width, V)
     return [logits[i, : len(r)] for i, r in enumerate(rows)]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv_heads", [2, 1])  # plain and grouped-query attention
 @pytest.mark.parametrize("split", [None, 3])  # one pass; 3-token prefill, then a KV-cached decode
-def test_forward_matches_hf(kv_heads: int, split: int | None) -> None:
-    model = sharpened(kv_heads)
-    weights = qwen3.Qwen3Weights.from_model(model)
+def test_forward_matches_hf(kv_heads: int, split: int | None, arch: str) -> None:
+    model = sharpened(kv_heads, arch=arch)
+    weights = decoder.DecoderWeights.from_model(model)
     gen = torch.Generator().manual_seed(kv_heads)
     rows = [torch.randint(0, len(TOK), (n,), generator=gen) for n in (9, 4, 12)]
     with torch.inference_mode():
@@ -106,7 +147,7 @@ def test_forward_matches_hf(kv_heads: int, split: int | None) -> None:
 def test_forward_matches_hf_left_padded_batch() -> None:
     """HF's own batching (left padding + attention mask + positions) gives the same logits."""
     model = sharpened()
-    weights = qwen3.Qwen3Weights.from_model(model)
+    weights = decoder.DecoderWeights.from_model(model)
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randint(0, len(TOK), (n,), generator=gen) for n in (5, 11, 8)]
     width = 11
@@ -122,13 +163,14 @@ def test_forward_matches_hf_left_padded_batch() -> None:
         torch.testing.assert_close(ours[i], hf[i, width - len(r) :], atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_decode_step_matches_forward(kv_heads: int) -> None:
+def test_decode_step_matches_forward(kv_heads: int, arch: str) -> None:
     """decode_step, the engine's hot loop (one token per row at each row's own position, the
     additive mask kept across steps), gives the hidden states of one forward pass over the
     whole sequences."""
-    model = sharpened(kv_heads)
-    weights = qwen3.Qwen3Weights.from_model(model)
+    model = sharpened(kv_heads, arch=arch)
+    weights = decoder.DecoderWeights.from_model(model)
     s = weights.spec
     gen = torch.Generator().manual_seed(5)
     lens, steps = [5, 2, 7], 4  # ragged prompts, then 4 decoded tokens per row
@@ -138,21 +180,21 @@ def test_decode_step_matches_forward(kv_heads: int) -> None:
         seqs[b, n : n + steps] = torch.randint(0, len(TOK), (steps,), generator=gen)
     positions = torch.arange(P + steps).expand(B, -1)
     with torch.inference_mode():
-        whole = qwen3.forward(
-            weights, seqs, positions, qwen3.KVCache.zeros(weights, B, P + steps)
+        whole = decoder.forward(
+            weights, seqs, positions, decoder.KVCache.zeros(weights, B, P + steps)
         )  # (B, P + steps, C)
 
-        cache = qwen3.KVCache.zeros(weights, B, P + steps)
-        qwen3.forward(weights, seqs[:, :P], positions[:, :P], cache)  # prefill (padded rows)
+        cache = decoder.KVCache.zeros(weights, B, P + steps)
+        decoder.forward(weights, seqs[:, :P], positions[:, :P], cache)  # prefill (padded rows)
         at = torch.tensor(lens)
         cols = torch.arange(P + steps)
         mask = torch.zeros((B, P + steps)).masked_fill_(cols >= at[:, None], float("-inf"))
         mask = mask.repeat_interleave(s.num_kv_heads, dim=0).unsqueeze(1)  # (B·Hkv, 1, T)
-        dest = qwen3.kv_rows(at, B, s.num_kv_heads, P + steps).flatten()
+        dest = decoder.kv_rows(at, B, s.num_kv_heads, P + steps).flatten()
         for t in range(steps):
             tokens = seqs[torch.arange(B), at]
             rope = weights.rope[at]
-            got = qwen3.decode_step(weights, tokens, dest, rope, cache, mask, P + t + 1)
+            got = decoder.decode_step(weights, tokens, dest, rope, cache, mask, P + t + 1)
             want = whole[torch.arange(B), at]  # (B, C)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
             at += 1
@@ -164,14 +206,28 @@ def test_untied_head_and_state_dict_loading() -> None:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
     model.config.tie_word_embeddings = False
-    weights = qwen3.Qwen3Weights.from_state_dict(state, model.config)
+    weights = decoder.DecoderWeights.from_state_dict(state, model.config)
     assert not torch.equal(weights.lm_head, weights.embed.T)
     hidden = torch.randn(2, 128)
-    torch.testing.assert_close(qwen3.lm_logits(weights, hidden), hidden @ state["lm_head.weight"].T)
+    torch.testing.assert_close(
+        decoder.lm_logits(weights, hidden), hidden @ state["lm_head.weight"].T
+    )
 
 
 def test_unsupported_configs_are_refused() -> None:
     model = create_policy(TOK, TinyPolicyConfig(), seed=0)
     model.config.use_sliding_window = True
     with pytest.raises(NotImplementedError, match="sliding"):
-        qwen3.Qwen3Weights.from_model(model)
+        decoder.DecoderWeights.from_model(model)
+    model = create_policy(TOK, TinyPolicyConfig(), seed=0)
+    model.config.model_type = "qwen2"
+    with pytest.raises(NotImplementedError, match=r"model_type 'qwen2'.*--engine hf"):
+        decoder.DecoderSpec.from_config(model.config)
+    llama = tiny_llama(2, 0, llama3_rope=False)
+    llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(NotImplementedError, match="default and llama3 RoPE"):
+        decoder.DecoderSpec.from_config(llama.config)
+    llama.config.rope_parameters = {"rope_type": "default", "rope_theta": 1e4}
+    llama.config.mlp_bias = True
+    with pytest.raises(NotImplementedError, match="MLP biases"):
+        decoder.DecoderSpec.from_config(llama.config)

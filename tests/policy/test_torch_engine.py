@@ -314,3 +314,32 @@ def test_bad_prompts_are_refused() -> None:
     with pytest.raises(ValueError, match="token ids"):
         engine.generate([[V]], SamplingParams())
     assert engine.generate([], SamplingParams()) == []
+
+
+# -- a real pretrained model ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf_generate_token_for_token() -> None:
+    """SmolLM2-135M-Instruct (Llama architecture, no q/k norms, 49,152-token BPE): on chat
+    prompts of the calc task, greedy TorchEngine and HF generate agree token for token, and
+    the engine's logprobs are the model's."""
+    from trace_test_models import smollm2_dir
+
+    from trace_core.envs.calc import CalcSuite
+    from trace_core.policy.format import TurnFormat, TurnStyle
+    from trace_core.policy.model import load_checkpoint
+
+    model, tokenizer = load_checkpoint(smollm2_dir())
+    suite = CalcSuite(train_size=0, eval_size=4)
+    fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
+    prompts = [fmt.prompt_ids(task.prompt) for task in suite.tasks("eval")]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=fmt.stop_ids)
+    engine = TorchEngine(model, cache_tokens=4096)
+    ours = engine.generate(prompts, params, seed=0)
+    theirs = HFGenerateEngine(model).generate(prompts, params, seed=0)
+    assert engine.weights.layers[0].qk_norm is None  # Llama: no q/k norms
+    for prompt, [a], [b] in zip(prompts, ours, theirs, strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        assert a.finished == b.finished
+        np.testing.assert_allclose(a.logprobs, hf_logprobs(model, prompt, a.token_ids), atol=1e-4)

@@ -17,10 +17,13 @@ from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import (
+    TokenScorer,
     UpdateConfig,
     collate_paths,
     load_optimizer,
     make_optimizer,
+    micro_batches,
+    minibatch_gradients,
     policy_loss,
     save_optimizer,
     token_logprobs,
@@ -210,3 +213,90 @@ def test_optimizer_state_round_trips_through_safetensors(tmp_path, rollouts) -> 
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][index][key]))
     finally:
         model.load_state_dict(state)
+
+
+# --- the memory controls: same gradient, fewer tokens per pass --------------------------------
+def gradients(model, paths, config: UpdateConfig, pad_id: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The accumulated gradient of one minibatch holding every path."""
+    model.zero_grad(set_to_none=True)
+    model.train()
+    if config.checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    tokens = sum(int(p.loss_mask[1:].sum()) for p in paths)
+    stats = minibatch_gradients(
+        TokenScorer(model, config.logit_chunk), paths, tokens, config, pad_id, torch.device("cpu")
+    )
+    model.activation_checkpointing_disable()
+    model.eval()
+    assert stats.tokens == tokens
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"micro_tokens": 60},  # many passes of a few short rows, one path per pass at the longest
+        {"micro_tokens": 1},  # one path per pass
+        {"logit_chunk": 7},  # the head in chunks of 7 tokens
+        {"checkpointing": True, "micro_tokens": 200},
+    ],
+    ids=["micro-60", "micro-1", "chunk-7", "checkpointing"],
+)
+def test_micro_batches_chunks_and_checkpointing_give_the_one_pass_gradient(
+    rollouts, knobs: dict[str, object]
+) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, trees = rollouts
+    paths = tree_paths(trees, "grpo")
+    whole = gradients(model, paths, UpdateConfig(), tokenizer.pad_token_id)
+    split = gradients(model, paths, UpdateConfig(**knobs), tokenizer.pad_token_id)  # type: ignore[arg-type]
+    assert whole.keys() == split.keys() and len(whole) > 3
+    for name, g in whole.items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(split[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_micro_batches_respect_the_budget_and_keep_every_path(rollouts) -> None:  # type: ignore[no-untyped-def]
+    _, _, trees = rollouts
+    paths = tree_paths(trees, "grpo")
+    parts = micro_batches(paths, 120)
+    assert sorted(id(p) for part in parts for p in part) == sorted(id(p) for p in paths)
+    assert len(parts) > 2
+    for part in parts:
+        longest = max(len(p.tokens) for p in part)
+        assert longest * len(part) <= 120 or len(part) == 1
+    assert micro_batches(paths, 0) == [list(paths)]
+
+
+def test_scorer_gives_the_full_logits_logprobs_at_generated_tokens(rollouts) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer, trees = rollouts
+    batch = collate_paths(tree_paths(trees, "grpo"), tokenizer.pad_token_id)
+    with torch.no_grad():
+        full = token_logprobs(model, batch.ids, batch.attention)[batch.mask]
+        chunked = TokenScorer(model, chunk=5)(batch.ids, batch.attention, batch.mask)
+    torch.testing.assert_close(chunked, full, atol=1e-6, rtol=1e-6)
+
+
+def test_a_micro_batched_update_matches_the_one_pass_update(rollouts) -> None:  # type: ignore[no-untyped-def]
+    """A whole update (clip, AdamW step) with micro-batches lands on the one-pass weights."""
+    model, tokenizer, trees = rollouts
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    after = []
+    try:
+        for micro in (0, 80):
+            model.load_state_dict(state)
+            config = UpdateConfig(lr=1e-3, minibatch=16, micro_tokens=micro)
+            stats = update_policy(
+                model, make_optimizer(model, config), trees, config, np.random.default_rng(0),
+                tokenizer.pad_token_id,
+            )  # fmt: skip
+            after.append(({k: v.clone() for k, v in model.state_dict().items()}, stats))
+    finally:
+        model.load_state_dict(state)
+    (one, one_stats), (many, many_stats) = after
+    assert many_stats.passes > one_stats.passes == one_stats.steps
+    assert many_stats.steps == one_stats.steps and many_stats.tokens == one_stats.tokens
+    for name, value in one.items():
+        torch.testing.assert_close(many[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    assert many_stats.logprob_gap == pytest.approx(one_stats.logprob_gap, abs=1e-6)

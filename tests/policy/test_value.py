@@ -299,7 +299,7 @@ def test_embedding_featurizer_and_its_predictor_round_trip(tmp_path: Path) -> No
     tail = " ".join(["the cat sat on the mat"] * 12)
     tokenizer = build_word_tokenizer(["a dog ran far away", tail, "= 42 error"])
     fmt = TurnFormat(tokenizer)
-    phi = EmbeddingFeaturizer(tokenizer, fmt.action_end_id, max_length=24)
+    phi = EmbeddingFeaturizer(tokenizer, fmt.end_of_turn_id, max_length=24)
     cat, dog = fmt.prompt_ids("the cat sat on the mat"), fmt.prompt_ids("a dog ran far away")
     turn = [*cat, *fmt.action_ids("= 42"), *fmt.observation_ids("error")]
     x = phi.features([cat, dog, turn, cat])
@@ -317,7 +317,7 @@ def test_embedding_featurizer_and_its_predictor_round_trip(tmp_path: Path) -> No
     assert not torch.allclose(short[0, :384], short[1, :384], atol=1e-3)
 
     # The predictor on top: fit, save, load with the tokenizer, same answers.
-    config = ValueConfig(turn_token=fmt.action_end_id, featurizer="embedding", hidden=8, epochs=2)
+    config = ValueConfig(turn_token=fmt.end_of_turn_id, featurizer="embedding", hidden=8, epochs=2)
     predictor = ValuePredictor(config, generator=generator(0), tokenizer=tokenizer)
     rows = [cat, dog, turn]
     predictor.fit(

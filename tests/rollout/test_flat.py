@@ -33,7 +33,7 @@ SUITE = CalcSuite(seed=0, train_size=9, eval_size=9)
 TASKS = SUITE.tasks("eval")[:6]  # ops=1..2 × digits=1..3: references of 2 and 3 turns
 MAX_TURNS = SUITE.max_turns  # 6
 FMT = TurnFormat(build_word_tokenizer(SUITE.vocabulary()))
-END = FMT.action_end_id
+END = FMT.end_of_turn_id
 START = FMT.tokenizer.convert_tokens_to_ids("<|im_start|>")
 TurnFn = Callable[[list[int], SamplingParams, np.random.Generator], list[int]]
 
@@ -148,10 +148,13 @@ def check_structure(trees: list[RolloutTree], tasks: Sequence[Task], n: int) -> 
         assert tree.depth.max() <= MAX_TURNS
         dataclasses.replace(tree)  # runs RolloutTree's validation once more
         for node in range(1, tree.size):
+            closed = FMT.ends_turn(tree.gen_tokens[node])
+            assert tree.truncated[node] == (not closed)  # the fakes stop only at end of turn
             if tree.leaf_mask[node]:
                 assert len(tree.obs_tokens[node]) == 0  # nothing is appended after the end
-            else:
-                assert tree.obs_tokens[node].tolist() == FMT.observation_ids(tree.observation[node])
+            else:  # a turn cut by max_tokens is closed with the end-of-turn token
+                want = FMT.observation_ids(tree.observation[node], closed)
+                assert tree.obs_tokens[node].tolist() == want
 
 
 def check_token_exact(trees: list[RolloutTree], calls: list[Call], tasks: Sequence[Task]) -> None:

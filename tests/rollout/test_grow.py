@@ -50,7 +50,7 @@ class ScriptedEngine:
             task = next(
                 t for head, t in self.by_prompt.items() if tuple(prompt[: len(head)]) == head
             )
-            turn = list(prompt).count(self.fmt.action_end_id) - 1  # the prompt holds one
+            turn = list(prompt).count(self.fmt.end_of_turn_id) - 1  # the prompt holds one
             action = task.reference[min(turn, len(task.reference) - 1)]
             if action.startswith("answer[") and hash((tuple(prompt), seed)) % 3 == 0:
                 action = "answer[0]"  # a slip: mixed outcomes
@@ -112,7 +112,7 @@ def test_stage_two_is_prompt_local(suite: CalcSuite, fmt: TurnFormat) -> None:
         i
         for i, call in enumerate(engine.calls)
         for p in call
-        if p.count(fmt.action_end_id) >= 1 and _is_continuation(p, trees, fmt)
+        if p.count(fmt.end_of_turn_id) >= 1 and _is_continuation(p, trees, fmt)
     )
     # the long prompt's roots take their last turn in call number `longest - 1`; the short
     # prompt's continuations were already in that call or earlier

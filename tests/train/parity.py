@@ -38,6 +38,7 @@ class ParitySuite:
     """Calc's prompts and tokenizer vocabulary with the parity env."""
 
     name = "calc"
+    instructions = "Say anything; the reward is the parity of the last digit."
 
     def __init__(self) -> None:
         self.calc = CalcSuite(seed=0, train_size=40, eval_size=8)

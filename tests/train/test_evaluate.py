@@ -128,7 +128,7 @@ def test_pass1_and_mean_k_by_hand() -> None:
     assert (first.n, first.temperature, first.max_tokens) == (1, 0.0, 9)
     assert (sampled.n, sampled.temperature, sampled.max_tokens) == (4, 1.0, 9)
     assert len(later) == 5 and all(p.n == 1 and p.temperature == 1.0 for p in later)
-    assert {p.stop_token_ids for p in engine.params} == {(FMT.action_end_id,)}
+    assert {p.stop_token_ids for p in engine.params} == {(FMT.end_of_turn_id,)}
 
 
 def test_k_zero_evaluates_greedy_only() -> None:

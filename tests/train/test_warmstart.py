@@ -131,8 +131,8 @@ def test_any_demo_reads_back_from_its_sequence(suite: DemoSuite) -> None:
         actions = []
         for value, a, b in parts[1::2]:
             turn = seq[a:b].tolist()
-            assert value and turn[-1] == fmt.action_end_id
-            assert fmt.action_end_id not in turn[:-1]  # one action per run
+            assert value and turn[-1] == fmt.end_of_turn_id
+            assert fmt.end_of_turn_id not in turn[:-1]  # one action per run
             actions.append(fmt.decode_action(turn))
         observations, last = replay(suite.make_env(), task, actions)
         assert last is not None and last.done  # a demo plays to the end of its episode

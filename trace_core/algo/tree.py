@@ -16,6 +16,9 @@ prefix (stage 2 of TRACE) rather than the next turn of the rollout that created 
 prefix. With it the cost of a tree in rollout units is recoverable from the tree alone:
 one unit per root rollout, half a unit per continuation.
 
+``truncated[i]`` is True when turn i was cut by the per-turn token limit before its end-of-turn
+token; the closing token then starts its observation ids (``policy.format``).
+
 Everything here is numpy and the standard library (see ``tests/algo/test_boundary.py``).
 """
 
@@ -87,6 +90,7 @@ class RolloutTree:
     reward: FloatArray  # (n,) reward at leaves, NaN elsewhere
     predicted_v: FloatArray  # (n,) predictor's V at scoring time, NaN if not scored
     branch: BoolArray  # (n,) first turn of a continuation from a prefix
+    truncated: BoolArray  # (n,) turn cut by the token limit before it ended
 
     def __post_init__(self) -> None:
         n = len(self.parent)
@@ -102,7 +106,7 @@ class RolloutTree:
         for name in ("gen_tokens", "obs_tokens", "logprobs", "text", "observation"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} nodes")
-        for name in ("reward", "predicted_v", "branch"):
+        for name in ("reward", "predicted_v", "branch", "truncated"):
             if getattr(self, name).shape != (n,):
                 raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected ({n},)")
         for i in range(n):
@@ -128,6 +132,8 @@ class RolloutTree:
             raise ValueError(f"node {i} has children and a reward; only leaves hold rewards")
         if self.branch[0] or (self.branch & (self.parent == ROOT)).any():
             raise ValueError("a branch node starts a continuation from a turn, not from the root")
+        if self.truncated[0]:
+            raise ValueError("the root holds the prompt; only a turn can be truncated")
 
     # --- shape -----------------------------------------------------------------------
     @property
@@ -190,6 +196,7 @@ class RolloutTree:
             and np.array_equal(self.reward, other.reward, equal_nan=True)
             and np.array_equal(self.predicted_v, other.predicted_v, equal_nan=True)
             and np.array_equal(self.branch, other.branch)
+            and np.array_equal(self.truncated, other.truncated)
             and self.text == other.text
             and self.observation == other.observation
             and all(
@@ -223,6 +230,7 @@ class TreeBuilder:
     _reward: dict[int, float] = field(init=False)
     _predicted: dict[int, float] = field(init=False)
     _branch: set[int] = field(init=False)
+    _truncated: set[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._parent = [NO_PARENT]
@@ -234,6 +242,7 @@ class TreeBuilder:
         self._reward = {}
         self._predicted = {}
         self._branch = set()
+        self._truncated = set()
 
     @property
     def size(self) -> int:
@@ -249,6 +258,7 @@ class TreeBuilder:
         observation: str = "",
         *,
         branch: bool = False,
+        truncated: bool = False,
     ) -> int:
         """Append a turn under ``parent`` and return its id."""
         if not 0 <= parent < self.size:
@@ -268,6 +278,8 @@ class TreeBuilder:
         self._observation.append(observation)
         if branch:
             self._branch.add(node)
+        if truncated:
+            self._truncated.add(node)
         return node
 
     def set_reward(self, node: int, reward: float) -> None:
@@ -286,6 +298,8 @@ class TreeBuilder:
             predicted[node] = v
         branch = np.zeros(n, dtype=bool)
         branch[list(self._branch)] = True
+        truncated = np.zeros(n, dtype=bool)
+        truncated[list(self._truncated)] = True
         return RolloutTree(
             info=self.info,
             parent=np.asarray(self._parent, dtype=np.int64),
@@ -297,6 +311,7 @@ class TreeBuilder:
             reward=reward,
             predicted_v=predicted,
             branch=branch,
+            truncated=truncated,
         )
 
 

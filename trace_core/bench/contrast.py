@@ -88,7 +88,7 @@ def run_contrast_bench(
     budget = Budget(config.budget, config.continuations, config.group)
     train = suite.tasks("train")
     predictors: dict[str, HashedFeaturePredictor] = {
-        name: HashedFeaturePredictor(turn_token=fmt.action_end_id)
+        name: HashedFeaturePredictor(turn_token=fmt.end_of_turn_id)
         for name in config.strategies
         if strategy(name).uses_predictor
     }

@@ -52,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trace_core.policy.decoder import DecoderWeights
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
 from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
-from trace_core.policy.qwen3 import Qwen3Weights
 from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
 from trace_core.policy.torch_engine import PASS_TOKENS, TorchEngine
 
@@ -194,7 +194,7 @@ def _vllm_seconds(
 
 
 def _kernel_floor_seconds(
-    weights: Qwen3Weights, batch: int, prompt_tokens: int, new_tokens: int, repeats: int
+    weights: DecoderWeights, batch: int, prompt_tokens: int, new_tokens: int, repeats: int
 ) -> float:
     """Best time of the throughput run's matmuls and attention alone (see module doc)."""
     s = weights.spec

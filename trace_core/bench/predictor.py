@@ -136,7 +136,7 @@ def value_config(
 ) -> ValueConfig:
     """Predictor defaults for a policy: its tokenizer's action-end token marks turns."""
     return ValueConfig(
-        turn_token=TurnFormat(tokenizer).action_end_id,
+        turn_token=TurnFormat(tokenizer).end_of_turn_id,
         featurizer=featurizer,
         hidden=hidden,
         epochs=epochs,

@@ -110,7 +110,7 @@ def rollout_demo(
 ) -> None:
     """Sample a few flat multi-turn rollouts with the tiny policy and print them."""
     from trace_core.policy.engine import SamplingParams
-    from trace_core.policy.format import TurnFormat
+    from trace_core.policy.format import TurnFormat, TurnStyle
     from trace_core.policy.model import load_checkpoint
     from trace_core.policy.torch_engine import TorchEngine
     from trace_core.rollout.flat import rollout_flat
@@ -123,7 +123,7 @@ def rollout_demo(
         with console.status("warm start"):
             warmstart(WarmstartConfig(task=task, output=path))
     model, tokenizer = load_checkpoint(path)
-    fmt = TurnFormat(tokenizer)
+    fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
     tasks = suite.tasks("eval")[:prompts]
     trees = rollout_flat(
         TorchEngine(model), fmt, suite.make_env, tasks, SamplingParams(n=samples), seed
@@ -195,6 +195,9 @@ def rollout_command(
     split: Annotated[str, typer.Option(help="Which split the pool is drawn from.")] = "train",
     max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    thinking: Annotated[
+        bool, typer.Option(help="Qwen3-family thinking (enable_thinking of the chat template).")
+    ] = False,
     seed: Annotated[int, typer.Option(help="Seed of the pool, plan and sampling.")] = 0,
     output: Annotated[Path, typer.Option(help="Parquet file of the trees.")] = Path(
         "build/rollout/trees.parquet"
@@ -218,6 +221,7 @@ def rollout_command(
     from trace_core.envs.suites import make_suite
     from trace_core.policy.checkpoint import check_checkpoint
     from trace_core.policy.engine import SamplingParams
+    from trace_core.policy.format import TurnStyle
     from trace_core.rollout.grow import GrowConfig
     from trace_core.rollout.phase import run_rollout
     from trace_core.store.schema import write_trees
@@ -250,6 +254,7 @@ def rollout_command(
         result = run_rollout(
             checkpoint, pool, suite.make_env, predictor_dir, grow, config, ray_address,
             progress=lambda spent: bar.update(job, completed=spent),
+            style=TurnStyle(suite.instructions, thinking),
         )  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
     write_trees(output, result.trees)

@@ -79,6 +79,8 @@ class TaskSuite(Protocol):
     """A family of tasks: its problems, and environments to solve them in."""
 
     name: str
+    instructions: str
+    """The action grammar, stated as the system prompt of a pretrained policy."""
 
     def tasks(self, split: Split) -> list[Task]: ...
 

@@ -70,6 +70,10 @@ INSTRUCTIONS = (
     "syntax, literal arguments only) and shows their results;\nanswer[reply] ends the current "
     "request. If no function fits or a needed detail is missing, say so in answer[...].\n"
 )
+SYSTEM_PROMPT = (
+    "You are a function-calling agent. Every turn ends with exactly one action, call[...] or "
+    "answer[...], as the user's message describes."
+)
 _ACTION = re.compile(r"(?<![A-Za-z0-9_])(call|answer)\[")
 _TYPES = {"string": "str", "integer": "int", "boolean": "bool", "array": "list"}
 _MISSING = object()
@@ -442,6 +446,8 @@ class BfclSuite:
     observation_chars: int = base.MAX_OBSERVATION_CHARS
     """Bound on one observation; the calls of one action share it equally."""
     name: str = field(default="bfcl", init=False)
+    instructions: str = field(default=SYSTEM_PROMPT, init=False)
+    """The system prompt of a pretrained policy (each task's prompt states its functions)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.categories) - set(CATEGORIES)

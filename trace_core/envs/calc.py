@@ -78,6 +78,13 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 _CALC_TURN = re.compile(r"calc\[([0-9]+)([-+*/])([0-9]+)\]")
 
 NO_ACTION = "error: no action . end the turn with calc[...] or answer[...]"
+INSTRUCTIONS = (
+    "Solve the word problem with a calculator. In each turn, think briefly, then end the turn "
+    "with exactly one action: calc[expression] evaluates an arithmetic expression (whole "
+    "numbers, + - * / and parentheses) and shows the result; answer[number] gives the final "
+    "answer and ends the episode. Example turn: 12 plus 7 first. calc[12+7]"
+)
+"""The system prompt of a pretrained policy: the action grammar (``policy.format``)."""
 MAX_ACTION_CHARS = 2_000
 """Longest turn (thought and action) the calc env reads. The longest reference or demonstration
 turn is 22 characters (``calc[...]`` itself takes at most ``calculator.MAX_CHARS`` = 200), so
@@ -277,6 +284,7 @@ class CalcSuite:
     """Seeded arithmetic word problems; all nine (ops, digits) difficulties in equal shares."""
 
     name = "calc"
+    instructions = INSTRUCTIONS
 
     def __init__(
         self, seed: int = 0, train_size: int = 2000, eval_size: int = 200, max_turns: int = 6

@@ -25,6 +25,12 @@ MAX_ACTION_CHARS = 64_000
 they answer, and about 16k tokens of thought (some 4 characters each) fit. The references are
 ``answer[<gold>]`` alone, at most ``MAX_ANSWER_CHARS`` + 8 characters."""
 MAX_ANSWER_CHARS = 1_000
+INSTRUCTIONS = (
+    "Solve the math problem. Reason step by step; you may use a calculator: end a turn with "
+    "calc[expression] to evaluate arithmetic (+ - * / and parentheses). When you are done, end "
+    "the turn with answer[final answer] (a number or LaTeX expression); it ends the episode."
+)
+"""The system prompt of a pretrained policy: the action grammar (``policy.format``)."""
 """Longest answer math-verify is given; a longer one is wrong unread. Its time grows faster than
 the length (measured: 8,000 characters take about 3 s, 60,000 about 40 s, on a thread that
 outlives its time bound); gold answers are short formulas, and one over the bound gets no
@@ -126,6 +132,7 @@ class DeepScaleRSuite:
     """
 
     name = "deepscaler"
+    instructions = INSTRUCTIONS
 
     def __init__(
         self, uri: str, split_seed: int = 0, eval_fraction: float = 0.1, max_turns: int = 6

@@ -22,6 +22,13 @@ from trace_core.envs.retrieval import SearchIndex
 from trace_core.envs.source import read_records
 
 MAX_ACTION_CHARS = 4_000
+INSTRUCTIONS = (
+    "Answer the question from the paragraphs you can search. In each turn, think briefly, then "
+    "end the turn with exactly one action: search[query] shows the best-matching paragraphs; "
+    "answer[text] gives the final answer (a short span, as in the paragraphs) and ends the "
+    "episode."
+)
+"""The system prompt of a pretrained policy: the action grammar (``policy.format``)."""
 """Longest turn (thought and action) the env reads. References are ``search[<title>]`` and
 ``answer[<gold>]``, a title or an answer of at most a few hundred characters (a reference turn over
 the limit is left out), so this leaves room for a ReAct thought of several sentences."""
@@ -127,6 +134,7 @@ class HotpotQASuite:
     """
 
     name = "hotpotqa"
+    instructions = INSTRUCTIONS
     _CACHE = 256  # indexes kept; building one for ten paragraphs takes about a millisecond
 
     def __init__(

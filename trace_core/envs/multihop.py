@@ -50,6 +50,13 @@ from trace_core.envs.retrieval import SearchIndex
 
 NO_RESULTS = "no results"
 NO_ACTION = "error: no action . end the turn with search[...] or answer[...]"
+INSTRUCTIONS = (
+    "Answer the question by searching a collection of passages. In each turn, think briefly, "
+    "then end the turn with exactly one action: search[query] shows the best-matching "
+    "passages; answer[text] gives the final answer (a name, as short as possible) and ends "
+    "the episode. Example turn: I need where bo lin was born. search[bo lin born]"
+)
+"""The system prompt of a pretrained policy: the action grammar (``policy.format``)."""
 MAX_ACTION_CHARS = 2_000
 """Longest turn (thought and action) the multihop env reads. The longest reference or
 demonstration turn is 22 characters, so this leaves room for a thought of a few hundred words."""
@@ -327,6 +334,7 @@ class MultihopSuite:
     """Seeded multi-hop questions over a synthetic world, 2, 3 and 4 hops in equal shares."""
 
     name = "multihop"
+    instructions = INSTRUCTIONS
 
     def __init__(
         self,

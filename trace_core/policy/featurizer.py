@@ -12,7 +12,7 @@ so a prefix's features never change and can be cached across fits.
   without sentence-transformers), mean-pooled and L2-normalised as sentence-transformers does,
   plus depth and length. Truncates from the left: see the class.
 
-    phi = HashedNgramFeaturizer(turn_token=fmt.action_end_id)
+    phi = HashedNgramFeaturizer(turn_token=fmt.end_of_turn_id)
     x = phi.features(prefixes)  # (N, phi.dim) float32
 """
 

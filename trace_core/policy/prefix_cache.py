@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trace_core.policy.qwen3 import Qwen3Weights
+from trace_core.policy.decoder import DecoderWeights
 
 
 class Node:
@@ -52,7 +52,7 @@ class PrefixCache:
     inserts: an insert may split a node, and the old node object then holds only its tail.
     """
 
-    def __init__(self, weights: Qwen3Weights, capacity: int) -> None:
+    def __init__(self, weights: DecoderWeights, capacity: int) -> None:
         s = weights.spec
         shape = (s.num_layers, 2, capacity, s.num_kv_heads, s.head_dim)  # (L, 2, S, Hkv, D)
         self.kv = torch.zeros(shape, device=weights.device, dtype=weights.dtype)

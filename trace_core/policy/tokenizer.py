@@ -8,8 +8,8 @@ the turn headers' role words (``user``, ``assistant``) are always in the vocabul
 
 The four special tokens are matched before pre-tokenisation, so each is always one id:
 ``<pad>`` (0), ``<unk>`` (1), ``<|im_start|>`` (2), ``<|im_end|>`` (3, the action-end / EOS
-token). They are the names a Qwen3 tokenizer uses, so ``TurnFormat`` lays turns out the same way
-for both.
+token). They are the names ChatML uses, and the tokenizer carries the project's ChatML chat
+template (``format.WORD_TEMPLATE``), so ``TurnFormat`` lays its turns out as for a pretrained model.
 
     tok = build_word_tokenizer(["What is 12 + 3?", "15"])
     tok.save_pretrained("ckpt/")   # AutoTokenizer.from_pretrained("ckpt/") reads it back
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from trace_core.policy.format import ROLES
+from trace_core.policy.format import ROLES, WORD_TEMPLATE
 
 PAD = "<pad>"
 UNK = "<unk>"
@@ -62,7 +62,7 @@ def build_word_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = split
     tok.decoder = decoders.Fuse()  # pieces carry their own whitespace: join with ""
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         unk_token=UNK,
@@ -71,3 +71,5 @@ def build_word_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
         # The default clean-up glues "a ." into "a.", which would break exact round trips.
         clean_up_tokenization_spaces=False,
     )
+    out.chat_template = WORD_TEMPLATE  # saved as chat_template.jinja beside the vocabulary
+    return out

@@ -15,14 +15,14 @@ its observation tokens.
 1. *Prefill.* Every distinct prompt is inserted into the tree; the tokens no node holds yet
    become *pending* nodes, which also merges prompts that share an uncached prefix. Pending
    nodes are computed in waves (a node is ready once its parent has KV), each wave in batched
-   ``qwen3.forward`` passes of at most ``PASS_TOKENS`` token slots: the rows' cached context
+   ``decoder.forward`` passes of at most ``PASS_TOKENS`` token slots: the rows' cached context
    is gathered from the pool, the new tokens run at their positions, and their KV is written
    back to fresh slots. A prompt must produce logits for its last token, so a prompt that is
    already fully cached reruns just that token.
 2. *Decode.* The ``n`` samples of each prompt become rows of a dense per-call KV buffer
-   (column = position, see ``qwen3``), filled from the pool by one gather: a prompt is
+   (column = position, see ``decoder``), filled from the pool by one gather: a prompt is
    prefilled once however many samples it has. Each step runs one token per row through
-   ``qwen3.decode_step``, samples from the logits with a ``torch.Generator`` seeded from
+   ``decoder.decode_step``, samples from the logits with a ``torch.Generator`` seeded from
    ``seed``, and checks the stop tokens (only when there are any). A step does no per-row
    Python work and builds no index tensors: each row's write position, KV destination and
    additive attention mask are kept across steps and advanced in place. Rows of different
@@ -56,8 +56,13 @@ torch thread each) was slower than one thread (≈2.0 ms against ≈1.4 ms a ste
 With two threads on a shared machine both engines slow down several-fold and the ratio swings
 between runs.
 
-Not validated yet: CUDA (written device-agnostic, exercised on CPU only), bfloat16 weights,
-and a single prompt longer than the pool (refused with an error). A call whose prompts do not
+Pretrained models: Qwen3 and Llama-family weights (``decoder``), token-exact against HF
+``generate`` on SmolLM2-135M-Instruct (tests/policy/test_torch_engine.py). The pool's rows and
+cache slots come from the engine settings (``EngineConfig.max_rows``, ``cache_tokens``).
+
+Not validated yet: CUDA and bfloat16 (bfloat16 is the default on CUDA; written device-agnostic,
+exercised on CPU in float32 only), and a single prompt longer than the pool (refused with an
+error). A call whose prompts do not
 fit together is split into parts that do.
 """
 
@@ -71,10 +76,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from trace_core.policy import qwen3
+from trace_core.policy import decoder
+from trace_core.policy.decoder import DecoderWeights, KVCache
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
-from trace_core.policy.qwen3 import KVCache, Qwen3Weights
 from trace_core.policy.sampling import sample
 
 # Token slots of one prefill pass. Its activations, ~4 KB per token (the MLP's gate and up
@@ -103,10 +108,10 @@ class _Batch:
     """The live rows of a decode: their KV buffer and mask, last tokens and outputs so far."""
 
     kv: KVCache  # (L, 2, B, Hkv, T, D), T = P + max_tokens
-    mask: torch.Tensor  # (B·Hkv, 1, T) additive attention mask (see qwen3.decode_step)
+    mask: torch.Tensor  # (B·Hkv, 1, T) additive attention mask (see decoder.decode_step)
     tok: torch.Tensor  # (B,) the token each row feeds next
     at: torch.Tensor  # (B,) the position it goes to
-    dest: torch.Tensor  # (2·B·Hkv,) its key's and value's rows in a layer (qwen3.kv_rows)
+    dest: torch.Tensor  # (2·B·Hkv,) its key's and value's rows in a layer (decoder.kv_rows)
     out_tok: torch.Tensor  # (B, max_tokens)
     out_lp: torch.Tensor  # (B, max_tokens)
     done: torch.Tensor  # (B,) sampled a stop token
@@ -118,13 +123,13 @@ class _Batch:
         self.kv = KVCache(self.kv.kv[:, :, rows])
         self.mask = self.mask.view(-1, kv_heads, 1, length)[rows].flatten(0, 1)
         self.tok, self.at, self.done = self.tok[rows], self.at[rows], self.done[rows]
-        self.dest = qwen3.kv_rows(self.at, len(self.at), kv_heads, length).flatten()  # renumbered
+        self.dest = decoder.kv_rows(self.at, len(self.at), kv_heads, length).flatten()  # renumbered
         self.out_tok, self.out_lp = self.out_tok[rows], self.out_lp[rows]
         self.live = [i for i, k in zip(self.live, rows.tolist(), strict=True) if k]
 
 
 class TorchEngine:
-    """The ``Engine`` protocol over Qwen3 weights (see the module docstring)."""
+    """The ``Engine`` protocol over Qwen3 or Llama weights (see the module docstring)."""
 
     def __init__(
         self,
@@ -133,23 +138,26 @@ class TorchEngine:
         max_batch: int = 256,
         cache_tokens: int = 65_536,
         prefill_chunk: int = 16_384,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """``max_batch``: decode rows at once (more run in turn; each holds its prompt's KV
         and ``max_tokens`` more columns); ``cache_tokens``: slots in the prefix-cache pool;
-        ``prefill_chunk``: token columns (rows × width) of one prefill pass's KV buffer."""
+        ``prefill_chunk``: token columns (rows × width) of one prefill pass's KV buffer;
+        ``dtype``: of the weights and KV (default: bfloat16 on CUDA, the model's on CPU)."""
         if min(max_batch, cache_tokens, prefill_chunk) < 1:
             raise ValueError("max_batch, cache_tokens and prefill_chunk must be >= 1")
         self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else model.dtype)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.stats = EngineStats()
-        self.weights = Qwen3Weights.from_model(model, self.device)
+        self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.cache = PrefixCache(self.weights, cache_tokens)
         self._scratch = torch.zeros(0)  # storage of the prefill and decode KV buffers
 
     def update_weights(self, model: PreTrainedModel) -> None:
         """Snapshot new weights (after a training step); the KV cached so far is dropped."""
-        self.weights = Qwen3Weights.from_model(model, self.device)
+        self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.cache.clear()
 
     def generate(
@@ -316,7 +324,7 @@ class TorchEngine:
         # Padding queries run at positions past their row's tokens: their writes land in
         # columns no real query of the row can see.
         positions = ctx_t[:, None] + torch.arange(S, device=dev)  # (R, S)
-        hidden = qwen3.forward(w, tokens.to(dev), positions, kv, span=C + S)  # (R, S, C)
+        hidden = decoder.forward(w, tokens.to(dev), positions, kv, span=C + S)  # (R, S, C)
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
 
         fill = [(i, r) for i, r in enumerate(rows) if r.fills is not None]
@@ -329,7 +337,7 @@ class TorchEngine:
             at = torch.tensor([i for i, _ in want], device=dev)
             last = torch.tensor([len(rows[i].tokens) - 1 for i, _ in want], device=dev)
             dest = torch.tensor([u for _, u in want], device=dev)
-            logits[dest] = qwen3.lm_logits(w, hidden[at, last])
+            logits[dest] = decoder.lm_logits(w, hidden[at, last])
 
     # -- KV movement -------------------------------------------------------------------------
 
@@ -399,7 +407,7 @@ class TorchEngine:
             mask=mask.repeat_interleave(kv_heads, dim=0).unsqueeze(1),
             tok=tok,
             at=at,
-            dest=qwen3.kv_rows(at, B, kv_heads, P + max_new).flatten(),
+            dest=decoder.kv_rows(at, B, kv_heads, P + max_new).flatten(),
             out_tok=torch.zeros((B, max_new), dtype=torch.long, device=dev),
             out_lp=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
             done=torch.isin(tok, stops),
@@ -411,7 +419,7 @@ class TorchEngine:
 
         for t in range(max_new):
             rope = F.embedding(batch.at, w.rope)  # (B, 2·D)
-            hidden = qwen3.decode_step(
+            hidden = decoder.decode_step(
                 w, batch.tok, batch.dest, rope, batch.kv, batch.mask, longest + t + 1
             )  # (B, C)
             batch.at += 1
@@ -430,7 +438,7 @@ class TorchEngine:
                 hidden = hidden[~batch.done]
                 batch.keep(~batch.done)
                 longest = max(lens[i] for i in batch.live)
-            tok, lp = self._sample(qwen3.lm_logits(w, hidden), params, generator)
+            tok, lp = self._sample(decoder.lm_logits(w, hidden), params, generator)
             batch.tok = tok
             batch.out_tok[:, t + 1], batch.out_lp[:, t + 1] = tok, lp
             if len(stops):

@@ -30,6 +30,7 @@ does; with ``kl_coef > 0`` such paths would still carry a KL term, so they are t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from trace_core.algo.advantage import (
@@ -50,6 +52,9 @@ from trace_core.algo.advantage import (
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.checkpoint import check_safetensors
 from trace_core.policy.update_config import UpdateConfig
+
+_Wrapped = torch.nn.parallel.DistributedDataParallel
+"""A scorer under data-parallel training (``train.ray_update``)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,10 @@ class UpdateStats:
     logprob_gap: float
     """Mean |log π_θ − log π_old| on the first minibatch, before any step: how far the
     engine's sampling logprobs are from the trainer's recomputation (should be ~0)."""
+    logprob_gap_max: float = math.nan
+    """The largest of those gaps."""
+    passes: int = 0
+    """Forward/backward passes (micro-batches) over all steps."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -129,12 +138,78 @@ def collate_paths(paths: Sequence[PathTokens], pad_id: int) -> PathBatch:
     return PathBatch(ids, attention, mask[:, 1:], adv[:, 1:], old[:, 1:])
 
 
+class TokenScorer(torch.nn.Module):
+    """log π(generated tokens) of a causal LM, without full-vocabulary fp32 logits.
+
+    ``forward(ids, attention, mask)`` runs the decoder once over the padded batch, takes the
+    hidden states of the positions that predict a generated token (``mask``, (P, T-1)), and
+    projects them to the vocabulary ``chunk`` tokens at a time. Each chunk's logits are
+    recomputed in the backward pass (activation checkpointing) rather than kept, so a
+    micro-batch holds one chunk's logits, not (P, T, V) of them: at 2k tokens and Qwen3's
+    151,936-token vocabulary that is ≈0.3 GB per 512-token chunk instead of ≈1.2 GB per row.
+    Prompt and observation positions never reach the head at all.
+
+    On CUDA the forward runs under bf16 autocast over the fp32 (master) weights; logits are
+    upcast to fp32 before the softmax. A module, so that DDP can wrap it (``train.ray_update``).
+    """
+
+    def __init__(self, model: PreTrainedModel, chunk: int = 512) -> None:
+        super().__init__()
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.model = model
+        self.chunk = chunk
+
+    def forward(
+        self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """(N,) logprobs of ``ids[:, 1:][mask]``, in row-major order of ``mask``."""
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+            out = self.model.base_model(input_ids=ids, attention_mask=attention)
+            hidden = out.last_hidden_state[:, :-1][mask]  # (N, C)
+        targets = ids[:, 1:][mask]  # (N,)
+        head = self.model.get_output_embeddings()
+        parts = []
+        for lo in range(0, len(targets), self.chunk):
+            h, t = hidden[lo : lo + self.chunk], targets[lo : lo + self.chunk]
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(head, h, t))
+        return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=hidden.is_cuda):
+        logits = head(hidden)  # (n, V)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 def token_logprobs(
     model: PreTrainedModel, ids: torch.Tensor, attention: torch.Tensor
 ) -> torch.Tensor:
-    """log π(ids[:, t+1] | ids[:, :t+1]) for every t: (P, T-1)."""
+    """log π(ids[:, t+1] | ids[:, :t+1]) for every t, (P, T-1): the plain full-logits
+    definition, for tests and checks (the update uses ``TokenScorer``)."""
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (P, T-1, V)
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def micro_batches(paths: Sequence[PathTokens], budget: int) -> list[list[PathTokens]]:
+    """``paths`` cut into micro-batches of at most ``budget`` padded tokens (rows × longest
+    row), longest paths first so that rows of one micro-batch have similar lengths; 0: one
+    batch. A path longer than the budget goes alone (a sequence is never split)."""
+    if budget <= 0 or not paths:
+        return [list(paths)] if paths else []
+    ordered = sorted(paths, key=lambda p: len(p.tokens), reverse=True)
+    out: list[list[PathTokens]] = [[]]
+    for path in ordered:
+        longest = len(out[-1][0].tokens) if out[-1] else len(path.tokens)
+        if out[-1] and longest * (len(out[-1]) + 1) > budget:
+            out.append([])
+        out[-1].append(path)
+    return out
 
 
 def policy_loss(
@@ -167,8 +242,71 @@ def make_optimizer(model: PreTrainedModel, config: UpdateConfig) -> torch.optim.
     return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
+@dataclass(frozen=True)
+class MinibatchStats:
+    loss: float
+    kl: float
+    clip_fraction: float
+    gap_sum: float
+    """Σ |log π_θ − log π_old| over this rank's tokens (before the step)."""
+    gap_max: float
+    tokens: int
+    passes: int
+    """Forward/backward passes (micro-batches) it took."""
+
+
+def minibatch_gradients(
+    scorer: torch.nn.Module,
+    paths: Sequence[PathTokens],
+    minibatch_tokens: int,
+    config: UpdateConfig,
+    pad_id: int,
+    device: torch.device,
+    reference: TokenScorer | None = None,
+    world: int = 1,
+) -> MinibatchStats:
+    """Accumulate the gradient of one minibatch's loss (this rank's ``paths``) into ``.grad``,
+    one micro-batch of at most ``config.micro_tokens`` padded tokens at a time.
+
+    Each micro-batch's token-mean loss is weighted by its share of the minibatch's
+    ``minibatch_tokens`` (all ranks), times ``world`` for DDP's average, so the summed
+    gradient is the single-pass token mean whatever the split. Under DDP only the last
+    micro-batch synchronises (``no_sync`` before it).
+    """
+    parts_of = micro_batches(paths, config.micro_tokens)
+    loss = kl = clipped = gap_sum = gap_max = 0.0
+    tokens = 0
+    for j, part in enumerate(parts_of):
+        batch = collate_paths(part, pad_id)
+        mask = batch.mask.to(device)
+        ids, attention = batch.ids.to(device), batch.attention.to(device)
+        last = j == len(parts_of) - 1
+        no_sync = getattr(scorer, "no_sync", None)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            logprobs = scorer(ids, attention, mask)  # (N,)
+            old = batch.old_logprobs.to(device)[mask]
+            ref = None
+            if reference is not None and config.kl_coef > 0:
+                with torch.no_grad():
+                    ref = reference(ids, attention, mask)
+            flat = torch.ones_like(old, dtype=torch.bool)
+            advantages = batch.advantages.to(device)[mask]
+            parts = policy_loss(logprobs, old, advantages, flat, config.clip, ref, config.kl_coef)
+            share = batch.tokens * world / max(minibatch_tokens, 1)
+            (parts.loss * share).backward()
+        gap = (logprobs.detach() - old).abs()
+        gap_sum += float(gap.sum())
+        gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
+        weight = batch.tokens / max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)
+        loss += float(parts.loss.detach()) * weight
+        kl += float(parts.kl.detach()) * weight
+        clipped += float(parts.clip_fraction) * weight
+        tokens += batch.tokens
+    return MinibatchStats(loss, kl, clipped, gap_sum, gap_max, tokens, len(parts_of))
+
+
 def update_policy(
-    model: PreTrainedModel,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trees: Sequence[RolloutTree],
     config: UpdateConfig,
@@ -180,11 +318,12 @@ def update_policy(
 ) -> UpdateStats:
     """One policy update on ``trees``, in place; the model is left in eval mode.
 
-    Data-parallel (``world`` > 1, the model wrapped in DDP, which averages gradients): every
-    rank holds all the trees and the same ``rng`` state, draws the same minibatches, and
-    trains on the slice ``minibatch[rank::world]``. Its loss is its token sum divided by the
-    minibatch's token count over all ranks, times ``world``, so DDP's average is exactly the
-    single-process token mean: one worker or many, the same step up to float rounding.
+    ``model`` is the HF causal LM, or (data-parallel) a DDP-wrapped ``TokenScorer`` of it.
+    Data-parallel (``world`` > 1, DDP averaging gradients): every rank holds all the trees and
+    the same ``rng`` state, draws the same minibatches, and trains on the slice
+    ``minibatch[rank::world]``. Its loss is its token sum divided by the minibatch's token
+    count over all ranks, times ``world``, so DDP's average is exactly the single-process
+    token mean: one worker or many, the same step up to float rounding.
     """
     if config.kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference model")
@@ -193,11 +332,18 @@ def update_policy(
         paths = [p for p in paths if np.any(p.advantages != 0)]
     if not paths:
         return UpdateStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    device = next(model.parameters()).device
-    model.train()
+    scorer = model if isinstance(model, TokenScorer | _Wrapped) else TokenScorer(model)
+    policy = _policy_of(scorer)
+    ref_scorer = TokenScorer(reference, config.logit_chunk) if reference is not None else None
+    if isinstance(scorer, TokenScorer):
+        scorer.chunk = config.logit_chunk
+    device = next(policy.parameters()).device
+    if config.checkpointing:
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    policy.train()
     losses, kls, clips, norms = [], [], [], []
-    gap = math.nan
-    tokens = 0
+    gap, gap_max = math.nan, math.nan
+    tokens = passes = 0
     for _ in range(config.epochs):
         order = rng.permutation(len(paths))
         for start in range(0, len(paths), config.minibatch):
@@ -205,33 +351,30 @@ def update_policy(
             if len(picked) < world:  # every rank needs a slice; all ranks skip it alike
                 continue
             minibatch_tokens = sum(int(paths[i].loss_mask[1:].sum()) for i in picked)
-            batch = collate_paths([paths[i] for i in picked[rank::world]], pad_id)
-            ids, attention = batch.ids.to(device), batch.attention.to(device)
-            mask = batch.mask.to(device)
-            logprobs = token_logprobs(model, ids, attention)
-            old = batch.old_logprobs.to(device)
-            if math.isnan(gap):
-                gap = float(
-                    ((logprobs.detach() - old).abs() * mask).sum() / mask.sum().clamp(min=1)
-                )
-            ref = None
-            if reference is not None and config.kl_coef > 0:
-                with torch.no_grad():
-                    ref = token_logprobs(reference, ids, attention)
-            parts = policy_loss(
-                logprobs, old, batch.advantages.to(device), mask, config.clip, ref, config.kl_coef
-            )
-            share = batch.tokens * world / max(minibatch_tokens, 1)  # 1 on a single process
             optimizer.zero_grad(set_to_none=True)
-            (parts.loss * share).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            stats = minibatch_gradients(
+                scorer,
+                [paths[i] for i in picked[rank::world]],
+                minibatch_tokens,
+                config,
+                pad_id,
+                device,
+                ref_scorer,
+                world,
+            )
+            if math.isnan(gap):
+                gap, gap_max = stats.gap_sum / max(stats.tokens, 1), stats.gap_max
+            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
             optimizer.step()
-            losses.append(float(parts.loss.detach()))
-            kls.append(float(parts.kl.detach()))
-            clips.append(float(parts.clip_fraction))
+            losses.append(stats.loss)
+            kls.append(stats.kl)
+            clips.append(stats.clip_fraction)
             norms.append(float(norm))
-            tokens += batch.tokens
-    model.eval()
+            tokens += stats.tokens
+            passes += stats.passes
+    if config.checkpointing:
+        policy.activation_checkpointing_disable()
+    policy.eval()
     return UpdateStats(
         paths=len(paths),
         tokens=tokens // config.epochs,
@@ -241,7 +384,15 @@ def update_policy(
         clip_fraction=float(np.mean(clips)),
         grad_norm=float(np.mean(norms)),
         logprob_gap=gap,
+        logprob_gap_max=gap_max,
+        passes=passes,
     )
+
+
+def _policy_of(scorer: torch.nn.Module) -> PreTrainedModel:
+    inner = scorer.module if isinstance(scorer, _Wrapped) else scorer
+    assert isinstance(inner, TokenScorer), "update_policy takes a model or a DDP TokenScorer"
+    return inner.model
 
 
 # --- optimizer state as safetensors (resumable runs never unpickle) ----------------------

@@ -30,6 +30,15 @@ class UpdateConfig:
     skip_flat_paths: bool = True
     """Drop paths whose advantages are all zero (they carry no policy gradient)."""
     weight_decay: float = 0.0
+    micro_tokens: int = 0
+    """Padded tokens (rows × longest row) of one forward/backward pass; a minibatch's
+    gradient is accumulated over as many passes as it needs (the same gradient). 0: the whole
+    minibatch in one pass."""
+    logit_chunk: int = 512
+    """Generated tokens whose vocabulary logits are materialised at once (``TokenScorer``)."""
+    checkpointing: bool = False
+    """Gradient checkpointing of the decoder layers: recompute activations in the backward
+    pass instead of keeping them (≈1/3 more compute, activations of one layer at a time)."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -46,3 +55,9 @@ class UpdateConfig:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
         if self.minibatch < 1 or self.epochs < 1:
             raise ValueError("minibatch and epochs must be >= 1")
+        if self.micro_tokens < 0:
+            raise ValueError(
+                f"micro_tokens must be >= 0 (0: no micro-batching), got {self.micro_tokens}"
+            )
+        if self.logit_chunk < 1:
+            raise ValueError(f"logit_chunk must be >= 1, got {self.logit_chunk}")

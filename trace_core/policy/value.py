@@ -13,7 +13,7 @@ The featurizer (``trace_core.policy.featurizer``) is ``hashed`` (hashed token n-
 any tokenizer) or ``embedding`` (frozen all-MiniLM-L6-v2 over the decoded text); both append
 depth and length. Features are computed once per row and kept with the replay buffer.
 
-    predictor = ValuePredictor(ValueConfig(turn_token=fmt.action_end_id), generator=g)
+    predictor = ValuePredictor(ValueConfig(turn_token=fmt.end_of_turn_id), generator=g)
     predictor.fit(trees, g)                  # after every iteration; earlier rows are replayed
     v = predictor.predict(prefixes)          # (N,) float64, the rollout ``Predictor`` protocol
     predictor.save("ckpt/value")             # value.safetensors + value.json (+ replay.safetensors)
@@ -77,7 +77,7 @@ class ValueConfig:
     """The predictor's featurizer, head and training; saved as ``value.json``."""
 
     turn_token: int
-    """Id that ends every action (``TurnFormat.action_end_id``): its count measures depth."""
+    """Id that ends every action (``TurnFormat.end_of_turn_id``): its count measures depth."""
     featurizer: str = "hashed"
     """``hashed`` (token n-grams, no model) or ``embedding`` (frozen all-MiniLM-L6-v2)."""
     buckets: int = 1024

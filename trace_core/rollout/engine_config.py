@@ -33,6 +33,12 @@ class EngineConfig:
     """vLLM's gpu_memory_utilization: the share of a GPU its weights and KV cache may take."""
     device: str = "auto"
     """In-process engines: auto (CUDA when this process has a GPU), cpu or cuda."""
+    max_rows: int = 256
+    """Torch engine: sequences decoded at once (more run in turn)."""
+    cache_tokens: int = 65_536
+    """Torch engine: token slots of its prefix-cache KV pool, allocated at start. A slot holds
+    layers × 2 × kv_heads × head_dim values: 2 KB for the tiny policy, 45 KB for SmolLM2-135M
+    in fp32, 144 KB for an 8B Qwen3 in bf16; the longest prompt of a call must fit in half."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -47,5 +53,10 @@ class EngineConfig:
             raise ValueError("gpus_per_worker needs workers >= 1 (it sizes Ray engine actors)")
         if self.threads_per_worker < 1 or self.tensor_parallel < 1:
             raise ValueError("threads_per_worker and tensor_parallel must be >= 1")
+        if self.max_rows < 1 or self.cache_tokens < 2:
+            raise ValueError(
+                f"max_rows must be >= 1 and cache_tokens >= 2, got {self.max_rows} and "
+                f"{self.cache_tokens}"
+            )
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -46,6 +46,8 @@ def open_engine(
             engine=config.engine,  # type: ignore[arg-type]  # checked by EngineConfig
             tensor_parallel=config.tensor_parallel,
             memory_fraction=config.memory_fraction,
+            max_rows=config.max_rows,
+            cache_tokens=config.cache_tokens,
         ) as pool:
             yield pool
         return
@@ -67,4 +69,9 @@ def open_engine(
         case _:
             from trace_core.policy.torch_engine import TorchEngine
 
-            yield TorchEngine(model or load_checkpoint(checkpoint, device)[0], device=device)
+            yield TorchEngine(
+                model or load_checkpoint(checkpoint, device)[0],
+                device=device,
+                max_batch=config.max_rows,
+                cache_tokens=config.cache_tokens,
+            )

@@ -42,7 +42,7 @@ def rollout_flat(
         temperature=params.temperature,
         top_p=params.top_p,
         max_tokens=params.max_tokens,
-        stop_token_ids=params.stop_token_ids or (fmt.action_end_id,),
+        stop_token_ids=params.stop_token_ids or fmt.stop_ids,
     )
     first_params = SamplingParams(
         n=params.n,

@@ -75,7 +75,7 @@ def grow_trees(
         temperature=config.sampling.temperature,
         top_p=config.sampling.top_p,
         max_tokens=config.sampling.max_tokens,
-        stop_token_ids=config.sampling.stop_token_ids or (fmt.action_end_id,),
+        stop_token_ids=config.sampling.stop_token_ids or fmt.stop_ids,
     )
     prompts: dict[int, _Prompt] = {}
     live: list[Episode] = []

@@ -26,7 +26,7 @@ from trace_core.algo.metrics import BatchMetrics, measure
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task
 from trace_core.policy.checkpoint import load_tokenizer
-from trace_core.policy.format import TurnFormat
+from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.engines import open_engine
 from trace_core.rollout.grow import GrowConfig, grow_trees
@@ -52,20 +52,28 @@ def run_rollout(
     model: PreTrainedModel | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     progress: Callable[[float], None] | None = None,
+    style: TurnStyle | None = None,
 ) -> RolloutResult:
     """Grow one tree per rolled-out prompt of ``pool`` with the policy at ``checkpoint``.
 
     ``predictor``: a predictor, a saved ``ValuePredictor`` folder, or None for a constant 0.5.
     ``model``/``tokenizer``: the same policy already in memory (the loop's), so an in-process
     engine need not read it back. ``address``: the Ray head of an engine pool.
-    ``progress`` is called with the rollout units spent so far.
+    ``progress`` is called with the rollout units spent so far; ``style``: the system prompt
+    and thinking switch the chat template gets (``policy.format``).
     """
     start = time.perf_counter()
     tokenizer = tokenizer or load_tokenizer(checkpoint)
     scorer = load_predictor(predictor, tokenizer)
     with open_engine(engine, checkpoint, model, address) as sampler:
         trees = grow_trees(
-            sampler, TurnFormat(tokenizer), make_env, pool, scorer, grow, progress=progress
+            sampler,
+            TurnFormat(tokenizer, style or TurnStyle()),
+            make_env,
+            pool,
+            scorer,
+            grow,
+            progress=progress,
         )
     return RolloutResult(trees, measure(trees), time.perf_counter() - start)
 

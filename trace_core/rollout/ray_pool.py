@@ -130,6 +130,8 @@ class EngineWorker:
         engine: EngineKind,
         tensor_parallel: int = 1,
         memory_fraction: float = 0.9,
+        max_rows: int = 256,
+        cache_tokens: int = 65_536,
     ) -> None:
         import torch
         from transformers.utils import logging as hf_logging
@@ -138,6 +140,7 @@ class EngineWorker:
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
         self.device, self.kind = device, engine
         self.tensor_parallel, self.memory_fraction = tensor_parallel, memory_fraction
+        self.max_rows, self.cache_tokens = max_rows, cache_tokens
         self.engine: Engine | None = None
         self.checkpoint = ""
         self.load(checkpoint)
@@ -166,7 +169,12 @@ class EngineWorker:
             if isinstance(self.engine, TorchEngine):
                 self.engine.update_weights(model)  # keeps the preallocated KV pool
             else:
-                self.engine = TorchEngine(model, device=self.device)
+                self.engine = TorchEngine(
+                    model,
+                    device=self.device,
+                    max_batch=self.max_rows,
+                    cache_tokens=self.cache_tokens,
+                )
         self.checkpoint = checkpoint
 
     def generate(
@@ -351,6 +359,8 @@ class RayEnginePool:
         engine: EngineKind = "torch",
         tensor_parallel: int = 1,
         memory_fraction: float = 0.9,
+        max_rows: int = 256,
+        cache_tokens: int = 65_536,
         max_restarts: int = 3,
         slack: float = 0.15,
         ready_timeout_s: float = 300.0,
@@ -392,6 +402,8 @@ class RayEnginePool:
                     engine,
                     tensor_parallel,
                     memory_fraction,
+                    max_rows,
+                    cache_tokens,
                 )
                 for _ in range(workers)
             ]

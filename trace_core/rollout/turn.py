@@ -34,7 +34,8 @@ def play_turn(
     """Play one sampled turn in the episode's env and record it under ``episode.node``."""
     action = fmt.decode_action(completion.token_ids)
     step = episode.env.step(action)
-    obs_ids = [] if step.done else fmt.observation_ids(step.observation)
+    closed = fmt.ends_turn(completion.token_ids)
+    obs_ids = [] if step.done else fmt.observation_ids(step.observation, closed)
     episode.node = builder.add_turn(
         episode.node,
         gen_tokens=completion.token_ids,
@@ -43,6 +44,7 @@ def play_turn(
         text=action,
         observation=step.observation,
         branch=episode.branch,
+        truncated=not completion.finished,
     )
     episode.branch = False
     if step.done:

@@ -95,6 +95,7 @@ def metric_trees(table: pa.Table) -> list[RolloutTree]:
     filled = {
         "depth": pa.array(np.zeros(n, np.int16)),
         "is_leaf": pa.array(np.zeros(n, np.bool_)),
+        "truncated": pa.array(np.zeros(n, np.bool_)),
         "obs_token_ids": pa.ListArray.from_arrays(empty_offsets, pa.array([], pa.int32())),
         "logprobs": pa.ListArray.from_arrays(
             offsets, pa.array(np.zeros(int(lengths.sum()), np.float32))

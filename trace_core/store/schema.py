@@ -8,7 +8,8 @@ offsets, no per-row dicts); ``write_trees`` and ``read_trees`` add Parquet on a 
 depth, is_leaf and target_v are derived from the parent pointers and rewards. They are stored for
 readers (SQL, the tree view); ``from_table`` checks their types and ignores their values.
 
-Version history: 1 — first version.
+Version history: 1 — first version. 2 — ``truncated`` (a turn cut by the token limit); files
+of version 1 still read, every turn as not truncated.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import pyarrow.parquet as pq
 
 from trace_core.algo.tree import RolloutTree, TreeInfo, recursive_targets
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 VERSION_KEY = b"trace.schema_version"
 # zstd: token ids and logprobs compress well; 64k-row groups let a reader that wants one tree
 # (``trace-rl inspect show``) skip the rest by the tree_id statistics of each group.
 PARQUET_COMPRESSION = "zstd"
 ROW_GROUP_ROWS = 65_536
+ADDED_IN = {"truncated": 2}
+"""Columns newer than the first version, by the version that added them: older files lack them."""
 _INFO_COLUMNS = ("run_id", "iteration", "prompt_id", "tree_id", "strategy", "policy_version")
 _Scalar = TypeVar("_Scalar", bound=np.generic)
 
@@ -50,6 +53,7 @@ TREE_SCHEMA = pa.schema(
         pa.field("depth", pa.int16(), nullable=False),           # turns from the root (derived)
         pa.field("is_leaf", pa.bool_(), nullable=False),         # last turn of an episode (derived)
         pa.field("branch", pa.bool_(), nullable=False),          # first turn of a continuation
+        pa.field("truncated", pa.bool_(), nullable=False),       # turn cut by the token limit
         pa.field("gen_token_ids", pa.list_(pa.int32()), nullable=False),  # sampled; [] at the root
         pa.field("obs_token_ids", pa.list_(pa.int32()), nullable=False),  # prompt ids at the root
         pa.field("logprobs", pa.list_(pa.float32()), nullable=False),  # one per gen token
@@ -98,6 +102,7 @@ def to_table(trees: Sequence[RolloutTree]) -> pa.Table:
         "depth": _narrow(_concat((t.depth for t in trees), np.int64), np.int16, "depth"),
         "is_leaf": _concat((t.leaf_mask for t in trees), np.bool_),
         "branch": per_node("branch", np.bool_),
+        "truncated": per_node("truncated", np.bool_),
         "gen_token_ids": _list_column((a for t in trees for a in t.gen_tokens), "gen_token_ids"),
         "obs_token_ids": _list_column((a for t in trees for a in t.obs_tokens), "obs_token_ids"),
         "logprobs": _list_column((a for t in trees for a in t.logprobs), "logprobs"),
@@ -142,6 +147,11 @@ def _list_column(parts: Iterable[npt.ArrayLike], column: str) -> pa.ListArray:
 def from_table(table: pa.Table) -> list[RolloutTree]:
     """Trees in order of first appearance of (run_id, iteration, tree_id); rows may be shuffled."""
     check_schema(table.schema)
+    if "truncated" not in table.column_names:  # version 1: no turn was marked
+        table = table.append_column("truncated", pa.array(np.zeros(table.num_rows, np.bool_)))
+    else:  # a version-1 file read with newer ones has nulls here
+        index = table.schema.get_field_index("truncated")
+        table = table.set_column(index, "truncated", pc.fill_null(table["truncated"], False))
     col = {f.name: table.column(f.name).combine_chunks() for f in TREE_SCHEMA}
     for f in TREE_SCHEMA:
         if not f.nullable:
@@ -190,6 +200,7 @@ def from_table(table: pa.Table) -> list[RolloutTree]:
     parent = col["parent_id"].to_numpy()[order].astype(np.int64)
     floats = {c: pc.fill_null(col[c], np.nan).to_numpy()[order] for c in ("reward", "predicted_v")}
     branch = col["branch"].to_numpy(zero_copy_only=False)[order]
+    truncated = col["truncated"].to_numpy(zero_copy_only=False)[order]
     gen = _split_list(col["gen_token_ids"].take(take), np.int32)
     obs = _split_list(col["obs_token_ids"].take(take), np.int32)
     logprobs = _split_list(col["logprobs"].take(take), np.float32)
@@ -212,11 +223,17 @@ def from_table(table: pa.Table) -> list[RolloutTree]:
                 reward=floats["reward"][lo:hi],
                 predicted_v=floats["predicted_v"][lo:hi],
                 branch=branch[lo:hi],
+                truncated=truncated[lo:hi],
             )
         except ValueError as err:
             raise SchemaError(f"{tree_name(row)}: {err}") from err
         trees.append(tree)
     return trees
+
+
+def schema_version(schema: pa.Schema) -> int:
+    """The version a checked schema was written with."""
+    return int((schema.metadata or {})[VERSION_KEY])
 
 
 def check_schema(schema: pa.Schema) -> None:
@@ -240,6 +257,8 @@ def check_schema(schema: pa.Schema) -> None:
         raise SchemaError(f"schema version {int(raw)} does not exist (the first is 1)")
     for expected in TREE_SCHEMA:
         found = schema.get_all_field_indices(expected.name)
+        if not found and int(raw) < ADDED_IN.get(expected.name, 1):
+            continue
         if not found:
             raise SchemaError(f"column {expected.name!r} is missing (expected {expected.type})")
         if len(found) > 1:

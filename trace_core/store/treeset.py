@@ -44,7 +44,14 @@ from trace_core.store.artifacts import (
     file_sha256,
     open_store,
 )
-from trace_core.store.schema import SCHEMA_VERSION, SchemaError, check_schema, from_table, to_table
+from trace_core.store.schema import (
+    SCHEMA_VERSION,
+    SchemaError,
+    check_schema,
+    from_table,
+    schema_version,
+    to_table,
+)
 from trace_core.store.schema import write_parquet as _write_parquet
 
 MANIFEST = "manifest.json"
@@ -254,7 +261,9 @@ class TreeSource:
         fragments = [parquet.make_fragment(p, filesystem=self.filesystem) for p in self.paths]
         with ThreadPoolExecutor(min(FOOTER_READERS, len(fragments))) as pool:
             schemas = list(pool.map(self._file_schema, self.keys, fragments))
-        return ds.FileSystemDataset(fragments, schemas[0], parquet, self.filesystem)
+        # The newest version's columns; older files read as nulls in the columns they lack.
+        newest = max(schemas, key=schema_version)
+        return ds.FileSystemDataset(fragments, newest, parquet, self.filesystem)
 
     def _file_schema(self, key: str, fragment: ds.ParquetFileFragment) -> pa.Schema:
         try:

@@ -43,6 +43,8 @@ class TrainConfig:
     """Candidate prompts drawn from the train split each iteration."""
     max_tokens: int = 48
     """Generated tokens per turn at most."""
+    thinking: bool = False
+    """Qwen3-family thinking: ``enable_thinking`` of the chat template (``policy.format``)."""
     seed: int = 0
     """Seed of pools, plans, sampling and updates."""
     update: UpdateConfig = field(default_factory=UpdateConfig)

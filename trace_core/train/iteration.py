@@ -3,7 +3,7 @@ steps (``train.steps``): both draw, roll out, fit and update through these funct
 pipeline run and ``trace-rl train`` with the same config sample and learn the same thing.
 
     draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)   # train.draws
-    trees = roll_out(policy_dir, train_tasks, suite.make_env, predictor, config, i, draws,
+    trees = roll_out(policy_dir, train_tasks, suite, predictor, config, i, draws,
                      run_id="nightly").trees
     fit = fit_predictor(predictor, trees, draws)
     stats = update(model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference)
@@ -27,7 +27,7 @@ from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task, TaskSuite
 from trace_core.policy.engine import SamplingParams
-from trace_core.policy.format import TurnFormat
+from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import UpdateStats, update_policy
 from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
@@ -54,10 +54,22 @@ def warmstart_config(config: TrainConfig, output: Path) -> WarmstartConfig:
     )
 
 
+def turn_format(
+    config: TrainConfig, suite: TaskSuite, tokenizer: PreTrainedTokenizerBase
+) -> TurnFormat:
+    """The run's turn layout: the policy's chat template, the suite's action grammar as the
+    system prompt, thinking as the config says."""
+    return TurnFormat(tokenizer, turn_style(config, suite))
+
+
+def turn_style(config: TrainConfig, suite: TaskSuite) -> TurnStyle:
+    return TurnStyle(suite.instructions, config.thinking)
+
+
 def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ValuePredictor:
     """The run's success predictor before its first fit."""
     return ValuePredictor(
-        ValueConfig(turn_token=TurnFormat(tokenizer).action_end_id, featurizer=config.predictor),
+        ValueConfig(turn_token=TurnFormat(tokenizer).end_of_turn_id, featurizer=config.predictor),
         generator=torch.Generator().manual_seed(config.seed),
         tokenizer=tokenizer,
     )
@@ -66,7 +78,7 @@ def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Va
 def roll_out(
     checkpoint: Path,
     tasks: Sequence[Task],
-    make_env: Callable[[], Env],
+    suite: TaskSuite,
     predictor: ValuePredictor,
     config: TrainConfig,
     iteration: int,
@@ -89,8 +101,9 @@ def roll_out(
     )
     pool = [tasks[j] for j in draws.pool]
     return run_rollout(
-        checkpoint, pool, make_env, predictor, grow, config.engine, address, model, tokenizer
-    )
+        checkpoint, pool, suite.make_env, predictor, grow, config.engine, address, model,
+        tokenizer, style=turn_style(config, suite),
+    )  # fmt: skip
 
 
 def fit_predictor(

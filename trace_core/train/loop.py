@@ -45,7 +45,6 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
 from trace_core.policy.checkpoint import check_checkpoint
-from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint, save_checkpoint
 from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
 from trace_core.policy.value import ValuePredictor
@@ -110,7 +109,7 @@ def train(
     reference = None
     if config.update.kl_coef > 0:  # KL to the policy the run started from, resumed or not
         reference, _ = load_checkpoint(Path(config.init or out / "warmstart"))
-    fmt = TurnFormat(tokenizer)
+    fmt = iteration.turn_format(config, suite, tokenizer)
     optimizer = make_optimizer(model, config.update)
     predictor = iteration.new_predictor(config, tokenizer)
     if done:
@@ -127,7 +126,7 @@ def train(
         draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
         seconds: dict[str, float] = {}
         rollout = iteration.roll_out(
-            policy_dir, train_tasks, suite.make_env, predictor, config, i, draws,
+            policy_dir, train_tasks, suite, predictor, config, i, draws,
             run_id=out.name, model=model, tokenizer=tokenizer, address=config.ray_address,
         )  # fmt: skip
         trees, metrics = rollout.trees, rollout.metrics

@@ -77,6 +77,7 @@ def _train_worker(loop_config: dict[str, object]) -> None:
 
     from trace_core.policy.model import load_checkpoint, save_checkpoint
     from trace_core.policy.update import (
+        TokenScorer,
         load_optimizer,
         make_optimizer,
         save_optimizer,
@@ -95,7 +96,10 @@ def _train_worker(loop_config: dict[str, object]) -> None:
     optimizer = make_optimizer(model, config)  # on the bare module: DDP shares its parameters
     if loop_config["optimizer"]:
         load_optimizer(optimizer, str(loop_config["optimizer"]))
-    ddp = ray.train.torch.prepare_model(model, move_to_device=False)
+    # DDP wraps the scorer (decoder + chunked head), the module each pass calls.
+    ddp = ray.train.torch.prepare_model(
+        TokenScorer(model, config.logit_chunk), move_to_device=False
+    )
     trees = read_trees(str(loop_config["trees"]))
     stats = update_policy(
         ddp,

