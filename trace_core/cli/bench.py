@@ -200,6 +200,65 @@ def bench_parse(
     write_json(json_path, rows_to_json(rows))
 
 
+@app.command("update")
+def bench_update(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    budgets: Annotated[
+        str, typer.Option(help="Micro-batch token budgets, comma-separated; 0 is unbatched.")
+    ] = "0,2048,1024,512",
+    paths: Annotated[int, typer.Option(help="Paths in the minibatch.")] = 8,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per path.")] = 128,
+    generated_tokens: Annotated[int, typer.Option(help="Generated tokens per path.")] = 128,
+    checkpointing: Annotated[bool, typer.Option(help="Gradient checkpointing on.")] = False,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Peak memory of one update per micro-batch budget, against the unbatched update."""
+    from trace_core.bench.update import (
+        SIZES,
+        UpdateBenchConfig,
+        estimates,
+        rows_to_json,
+        run_update_bench,
+    )
+    from trace_core.policy.checkpoint import check_checkpoint
+
+    try:
+        sizes = tuple(int(b) for b in budgets.split(","))
+    except ValueError:
+        raise fail(f"--budgets must be integers separated by commas, got {budgets!r}") from None
+    check_checkpoint(checkpoint, "--checkpoint")
+    config = UpdateBenchConfig(
+        str(checkpoint), sizes, paths, prompt_tokens, generated_tokens, checkpointing, device
+    )
+    with console.status("one update per budget, each in a fresh process"):
+        rows = run_update_bench(config)
+    out = rows_to_json(config, rows)
+    minibatch = paths * (prompt_tokens + generated_tokens)
+    table = Table(title=f"One update of {paths} paths ({minibatch:,} tokens), {checkpoint}")
+    for head in ("tokens/pass", "passes", "peak GiB", "update GiB", "vs unbatched", "estimate"):
+        table.add_column(head, justify="right")
+    for row, entry in zip(rows, out["rows"], strict=True):  # type: ignore[call-overload]
+        ratio = entry["update_ratio"]
+        table.add_row(
+            "all" if row.budget == 0 else f"{row.budget:,}", str(row.passes),
+            f"{row.peak_gib:.2f}", f"{row.update_gib:.2f}",
+            "-" if ratio is None else f"{ratio:.2f}×", f"{row.estimate_gib:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    sizes_table = Table(title="Estimated GiB of one update on CUDA (bf16 autocast, fp32 AdamW)")
+    sizes_table.add_column("model")
+    for t in SIZES:
+        for mode in ("checkpointing", "none"):
+            sizes_table.add_column(f"{t:,} tok, {mode}", justify="right")
+    on, off = estimates(True), estimates(False)
+    for name in on:
+        cells = [f"{gib:.0f}" for t in SIZES for gib in (on[name][t], off[name][t])]
+        sizes_table.add_row(f"Qwen3-{name}", *cells)
+    console.print(sizes_table)
+    write_json(json_path, out)
+
+
 def _ratio(x: float) -> str:
     return f"{x:,.0f}×" if x >= 10 else f"{x:.2g}×"
 

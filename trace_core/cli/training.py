@@ -24,6 +24,7 @@ predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it
 @config_options(TrainConfig, types={"init": Path | None})
 def train_command(
     config: TrainConfig,
+    context: typer.Context,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
     restart: Annotated[
         bool,
@@ -39,6 +40,7 @@ def train_command(
     from trace_core.train.warmstart import set_threads
 
     set_threads(threads)
+    config = _pretrained_defaults(config, context)
     output, task, strategy, eval_k = config.output, config.task, config.strategy, config.eval_k
     with progress() as bar:
         job = bar.add_task("training", total=config.iterations)
@@ -64,6 +66,32 @@ def train_command(
     )
     console.print(table)
     console.print(f"wrote {output}/log.jsonl and {output}/curves.png")
+
+
+def _pretrained_defaults(config: TrainConfig, context: typer.Context) -> TrainConfig:
+    """A local ``--init`` with a pretrained tokenizer (not the tiny policy's word-level one)
+    gets ``PRETRAINED``'s lr, turn length and pass size unless their flags were given."""
+    from trace_core.policy.checkpoint import load_tokenizer
+    from trace_core.policy.format import is_word_tokenizer
+    from trace_core.train.config import with_pretrained_defaults
+
+    init = config.init
+    if init is None or str(init).startswith("s3://"):
+        return config
+    if is_word_tokenizer(load_tokenizer(Path(init), "--init")):
+        return config
+    # By name: typer's context carries its own click's ParameterSource enum.
+    explicit = {
+        name
+        for name in ("lr", "max_tokens", "micro_tokens")
+        if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
+    }
+    config, notes = with_pretrained_defaults(config, explicit)
+    for note in notes:
+        console.print(
+            f"pretrained --init: {note}; set it with --{note.split()[0].replace('_', '-')}"
+        )
+    return config
 
 
 def _mean_k(report: dict[str, object]) -> str:

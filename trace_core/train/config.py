@@ -9,7 +9,8 @@ Importable without torch: the pipeline definitions and the KFP components carry 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from trace_core.algo.plan import Budget, strategy
@@ -115,6 +116,35 @@ class TrainConfig:
             return cls(**values)  # type: ignore[arg-type]
         except TypeError as err:
             raise ValueError(f"train config: {err}") from None
+
+
+PRETRAINED = {"lr": 1e-6, "max_tokens": 256, "micro_tokens": 4096}
+"""Where a run from a pretrained model departs from the tiny policy's defaults. lr: RL
+fine-tuning of 1–8B instruct models runs at about 1e-6 (DAPO, Dr. GRPO, the paper's setups); the
+tiny model's 1e-4, tuned on a 370k-parameter model trained from scratch, would wreck a pretrained
+one in a few steps. max_tokens: a real model writes a thought before its action; 48 tokens fit
+the tiny model's one-line actions only. micro_tokens: a 135M model's unbatched update over a few
+dozen paths of real turns holds tens of GB of activations; 4,096 tokens per pass keeps it to a
+few GB (``trace-rl bench update``)."""
+
+
+def with_pretrained_defaults(
+    config: TrainConfig, explicit: Collection[str]
+) -> tuple[TrainConfig, list[str]]:
+    """``config`` with ``PRETRAINED``'s values for the fields not in ``explicit`` (the ones the
+    user set), and a line per change saying so."""
+    notes = []
+    update, max_tokens = config.update, config.max_tokens
+    if "lr" not in explicit:
+        update = replace(update, lr=PRETRAINED["lr"])
+        notes.append(f"lr {PRETRAINED['lr']:g} (tiny policy: {UpdateConfig().lr:g})")
+    if "micro_tokens" not in explicit:
+        update = replace(update, micro_tokens=int(PRETRAINED["micro_tokens"]))
+        notes.append(f"micro_tokens {update.micro_tokens} (tiny policy: 0, one pass)")
+    if "max_tokens" not in explicit:
+        max_tokens = int(PRETRAINED["max_tokens"])
+        notes.append(f"max_tokens {max_tokens} (tiny policy: {TrainConfig().max_tokens})")
+    return replace(config, update=update, max_tokens=max_tokens), notes
 
 
 def _checked(kind: type, name: str, values: dict[str, object]) -> dict[str, object]:
