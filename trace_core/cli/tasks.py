@@ -51,6 +51,7 @@ def task_check(
 
 
 def warmstart_command(
+    context: typer.Context,
     task: Annotated[str, typer.Option(help="Synthetic task: calc or multihop.")] = "calc",
     output: Annotated[Path, typer.Option(help="Checkpoint directory to write.")] = Path(
         "build/policy/calc"
@@ -61,26 +62,49 @@ def warmstart_command(
     eval_tasks: Annotated[int, typer.Option(help="Eval tasks in the success report.")] = 200,
     eval_samples: Annotated[int, typer.Option(help="Sampled episodes per eval task.")] = 4,
     threads: Annotated[int, typer.Option(help="Torch threads (0: torch's default).")] = 0,
+    init: Annotated[
+        Path | None,
+        typer.Option(help="Pretrained HF directory to fine-tune instead of a fresh tiny policy."),
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
 ) -> None:
-    """SFT of the tiny policy on scripted demos; prints eval success per difficulty."""
-    from dataclasses import asdict
+    """SFT of the tiny policy (or of --init) on scripted demos; prints eval success."""
+    from dataclasses import asdict, replace
 
+    from trace_core.policy.checkpoint import check_checkpoint
     from trace_core.policy.sft import SFTConfig
-    from trace_core.train.warmstart import WarmstartConfig, set_threads, warmstart
+    from trace_core.train.config import PRETRAINED
+    from trace_core.train.warmstart import PRETRAINED_SFT, WarmstartConfig, set_threads, warmstart
 
     set_threads(threads)
+    sft, max_tokens = SFTConfig(steps=steps, seed=seed), 48
+    if init is not None:
+        check_checkpoint(init, "--init")
+        given = {
+            n
+            for n in ("steps", "demos")
+            if getattr(context.get_parameter_source(n), "name", "DEFAULT") != "DEFAULT"
+        }
+        sft = replace(PRETRAINED_SFT, seed=seed, **({"steps": steps} if "steps" in given else {}))
+        demos = demos if "demos" in given else sft.steps * sft.batch_size
+        max_tokens = int(PRETRAINED["max_tokens"])
+        console.print(
+            f"pretrained --init: {sft.steps} steps of {sft.batch_size} reference episodes at lr "
+            f"{sft.lr:g}, {sft.micro_tokens} tokens per pass, {max_tokens}-token turns"
+        )
     config = WarmstartConfig(
         task=task,
         output=output,
         seed=seed,
         demos=demos,
-        sft=SFTConfig(steps=steps, seed=seed),
+        sft=sft,
         eval_tasks=eval_tasks,
         eval_samples=eval_samples,
+        init=init,
+        max_tokens=max_tokens,
     )
     with progress() as bar:
-        job = bar.add_task("warm start (SFT)", total=steps)
+        job = bar.add_task("warm start (SFT)", total=sft.steps)
         report = warmstart(
             config,
             progress=lambda step, loss: bar.update(
@@ -96,6 +120,11 @@ def warmstart_command(
     for label, value in report.success.items():
         table.add_row(label, f"{report.demo_success.get(label, float('nan')):.2f}", f"{value:.2f}")
     console.print(table)
+    if report.parse_rate_before is not None:
+        console.print(f"action parse rate {report.parse_rate_before:.3f} → {report.parse_rate:.3f}")
+        console.print(
+            f"held-out success {report.success_all_before:.3f} → {report.success_all:.3f}"
+        )
     write_json(json_path, asdict(report))
 
 

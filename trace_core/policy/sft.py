@@ -32,12 +32,18 @@ class SFTConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    micro_tokens: int = 0
+    """Padded tokens of one forward/backward pass (0: the whole batch at once). With a budget
+    the loss goes through the update's ``TokenScorer`` (generated positions only, the head in
+    chunks), and the batch's gradient is accumulated over passes: the same token-mean loss."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.micro_tokens < 0:
+            raise ValueError(f"micro_tokens must be >= 0, got {self.micro_tokens}")
 
 
 def _batch(
@@ -95,13 +101,16 @@ def sft_train(
         index = rng.choice(
             len(sequences), size=min(config.batch_size, len(sequences)), replace=False
         )
-        ids, attention, targets = (
-            t.to(device) for t in _batch(sequences, loss_masks, index, pad_id)
-        )
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if config.micro_tokens:
+            loss = _accumulate(model, sequences, loss_masks, index, pad_id, config.micro_tokens)
+        else:
+            ids, attention, targets = (
+                t.to(device) for t in _batch(sequences, loss_masks, index, pad_id)
+            )
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         schedule.step()
@@ -110,3 +119,37 @@ def sft_train(
             progress(step, losses[-1])
     model.eval()
     return losses
+
+
+def _accumulate(
+    model: PreTrainedModel,
+    sequences: Sequence[npt.NDArray[np.int32]],
+    loss_masks: Sequence[npt.NDArray[np.bool_]],
+    index: npt.NDArray[np.int64],
+    pad_id: int,
+    budget: int,
+) -> torch.Tensor:
+    """Backpropagate the batch's token-mean loss in passes of at most ``budget`` padded
+    tokens (longest sequences first); returns the loss (detached)."""
+    from trace_core.policy.update import TokenScorer
+
+    scorer = TokenScorer(model)
+    device = next(model.parameters()).device
+    order = sorted(index.tolist(), key=lambda i: len(sequences[i]), reverse=True)
+    total = sum(int(np.asarray(loss_masks[i][1:]).sum()) for i in order)
+    passes: list[list[int]] = [[]]
+    for i in order:
+        longest = len(sequences[passes[-1][0]]) if passes[-1] else len(sequences[i])
+        if passes[-1] and longest * (len(passes[-1]) + 1) > budget:
+            passes.append([])
+        passes[-1].append(i)
+    loss = torch.zeros((), device=device)
+    for part in passes:
+        ids, attention, targets = (
+            t.to(device) for t in _batch(sequences, loss_masks, np.asarray(part), pad_id)
+        )
+        learn = targets != -100
+        part_loss = -scorer(ids, attention, learn).sum() / total
+        part_loss.backward()
+        loss += part_loss.detach()
+    return loss
