@@ -1,7 +1,7 @@
 """Evaluate: held-out accuracy of a policy (and, for the final one, register the checkpoint)."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 
 from components.images import image
 
@@ -13,9 +13,11 @@ def evaluate(
     policy: Input[Model],
     metrics: Output[Metrics],
     predictor: Input[Model] = None,
+    optimizer: Input[Artifact] = None,
 ) -> str:
     """pass@1 (greedy) and mean@k on the eval prompts; returns the report as JSON. Given the
-    predictor and a run name, registers policy + predictor as the run's latest checkpoint."""
+    predictor and a run name, registers policy + predictor (+ the optimizer state) as the
+    run's latest checkpoint."""
     import json
     from pathlib import Path
 
@@ -24,7 +26,11 @@ def evaluate(
 
     config = PipelineConfig.from_json(config_json)
     result = evaluate_step(
-        config, Path(prompts.path), Path(policy.path), Path(predictor.path) if predictor else None
+        config,
+        Path(prompts.path),
+        Path(policy.path),
+        Path(predictor.path) if predictor else None,
+        optimizer_dir=Path(optimizer.path) if optimizer else None,
     )
     metrics.log_metric("accuracy_pass1", result["pass1"]["all"])
     if result["mean_k"]:

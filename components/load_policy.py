@@ -1,7 +1,7 @@
 """Load the starting policy: the run's latest registry checkpoint (resume) or the base model."""
 
 from kfp import dsl
-from kfp.dsl import Metrics, Model, Output
+from kfp.dsl import Artifact, Metrics, Model, Output
 
 from components.images import image
 
@@ -11,16 +11,17 @@ def load_policy(
     config_json: str,
     policy: Output[Model],
     predictor: Output[Model],
+    optimizer: Output[Artifact],
     metrics: Output[Metrics],
 ) -> None:
-    """Policy folder (HF checkpoint, optimizer state and log when resuming) and predictor."""
+    """Policy folder (HF checkpoint, and its log when resuming), predictor, optimizer state."""
     from pathlib import Path
 
     from trace_core.train.contract import PipelineConfig
     from trace_core.train.steps.start import load_step
 
     config = PipelineConfig.from_json(config_json)
-    result = load_step(config, Path(policy.path), Path(predictor.path))
+    result = load_step(config, Path(policy.path), Path(predictor.path), Path(optimizer.path))
     for key, value in result.items():
         metrics.log_metric(key, value)
     policy.metadata.update(

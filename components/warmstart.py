@@ -1,7 +1,7 @@
 """Warm start (synthetic tasks): SFT of the tiny policy on scripted demonstrations."""
 
 from kfp import dsl
-from kfp.dsl import Metrics, Model, Output
+from kfp.dsl import Artifact, Metrics, Model, Output
 
 from components.images import image
 
@@ -11,16 +11,18 @@ def warmstart(
     config_json: str,
     policy: Output[Model],
     predictor: Output[Model],
+    optimizer: Output[Artifact],
     metrics: Output[Metrics],
 ) -> None:
-    """The starting policy (HF checkpoint) and the predictor before its first fit."""
+    """The starting policy (HF checkpoint), the predictor before its first fit, an empty
+    optimizer state."""
     from pathlib import Path
 
     from trace_core.train.contract import PipelineConfig
     from trace_core.train.steps.start import warmstart_step
 
     config = PipelineConfig.from_json(config_json)
-    result = warmstart_step(config, Path(policy.path), Path(predictor.path))
+    result = warmstart_step(config, Path(policy.path), Path(predictor.path), Path(optimizer.path))
     for key, value in result.items():
         metrics.log_metric(key, value)
     policy.metadata.update({"framework": "transformers", "iteration": 0})

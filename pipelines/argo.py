@@ -280,7 +280,7 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
             "{{inputs.parameters.iteration}}" if iteration else "0",
         ]
 
-    start_outputs = _folders("policy", "predictor", flag="--output")
+    start_outputs = _folders("policy", "predictor", "optimizer", flag="--output")
     return {
         "prep": _container(
             "prep",
@@ -297,10 +297,13 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
             "warmstart",
             step("warmstart") + start_outputs,
             options,
-            inputs=("config", "policy", "predictor"),
+            inputs=("config", "policy", "predictor", "optimizer"),
         ),
         "load": _container(
-            "load", step("load") + start_outputs, options, inputs=("config", "policy", "predictor")
+            "load",
+            step("load") + start_outputs,
+            options,
+            inputs=("config", "policy", "predictor", "optimizer"),
         ),
         "rollout": _container(
             "rollout",
@@ -321,10 +324,14 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
         "update-policy": _container(
             "update-policy",
             step("update-policy", iteration=True)
-            + _folders("trees", "policy", "reference", flag="--input")
-            + ["--output", "policy={{inputs.parameters.new_policy}}"],
+            + _folders("trees", "policy", "reference", "optimizer", flag="--input")
+            + ["--output", "policy={{inputs.parameters.new_policy}}"]
+            + ["--output", "optimizer={{inputs.parameters.new_optimizer}}"],
             options,
-            inputs=("config", "iteration", "trees", "policy", "reference", "new_policy"),
+            inputs=(
+                *("config", "iteration", "trees", "policy", "reference", "optimizer"),
+                *("new_policy", "new_optimizer"),
+            ),
         ),
         "evaluate-start": _container(
             "evaluate-start",
@@ -337,10 +344,10 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
         "evaluate": _container(
             "evaluate",
             step("evaluate")
-            + _folders("prompts", "policy", "predictor", flag="--input")
+            + _folders("prompts", "policy", "predictor", "optimizer", flag="--input")
             + _folders("result", flag="--output"),
             options,
-            inputs=("config", "prompts", "policy", "predictor", "result"),
+            inputs=("config", "prompts", "policy", "predictor", "optimizer", "result"),
         ),
         "report": _container(
             "report",
@@ -392,6 +399,7 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                 "config": config,
                 "policy": _folder("start/policy"),
                 "predictor": _folder("start/predictor"),
+                "optimizer": _folder("start/optimizer"),
             }
             chosen = "{{tasks.prep.outputs.parameters.start}}"
             Task(
@@ -420,6 +428,7 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                 depends=started,
             )
             policy, predictor, after = "start/policy", "start/predictor", started
+            optimizer = "start/optimizer"
             for i in range(1, opts.iterations + 1):
                 # The registry's iteration count goes on: a resumed run's first is start + 1.
                 iteration = f"{{{{=asInt(tasks.prep.outputs.parameters.start_iteration) + {i}}}}}"
@@ -459,11 +468,14 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                         "trees": trees,
                         "policy": _folder(policy),
                         "reference": _folder("start/policy"),
+                        "optimizer": _folder(optimizer),
                         "new_policy": _folder(f"iter-{i}/policy"),
+                        "new_optimizer": _folder(f"iter-{i}/optimizer"),
                     },
                     depends=f"rollout-{i}",
                 )
                 policy, predictor = f"iter-{i}/policy", f"iter-{i}/predictor"
+                optimizer = f"iter-{i}/optimizer"
                 after = f"fit-predictor-{i} && update-policy-{i}"
             Task(
                 name="evaluate",
@@ -473,6 +485,7 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                     "prompts": _folder("prompts"),
                     "policy": _folder(policy),
                     "predictor": _folder(predictor),
+                    "optimizer": _folder(optimizer),
                     "result": _folder("eval-final"),
                 },
                 depends=after,

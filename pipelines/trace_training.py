@@ -157,6 +157,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         def iterations(start: PipelineTask) -> None:
             """Start eval, K iterations, final eval and report, from ``start``'s policy."""
             policy, predictor = start.outputs["policy"], start.outputs["predictor"]
+            optimizer = start.outputs["optimizer"]
             start_eval = place(
                 evaluate(config_json=config, prompts=prompts, policy=policy), "evaluate start"
             ).set_caching_options(False)
@@ -192,14 +193,21 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                         trees=grown.outputs["trees"],
                         policy=policy,
                         reference=start.outputs["policy"],
+                        optimizer=optimizer,
                     ),
                     f"update policy {i}",
                     gpu=True,
                 )
-                policy = updated.outputs["new_policy"]
+                policy, optimizer = updated.outputs["new_policy"], updated.outputs["new_optimizer"]
                 predictor = fitted.outputs["new_predictor"]
             final_eval = place(
-                evaluate(config_json=config, prompts=prompts, policy=policy, predictor=predictor),
+                evaluate(
+                    config_json=config,
+                    prompts=prompts,
+                    policy=policy,
+                    predictor=predictor,
+                    optimizer=optimizer,
+                ),
                 "evaluate",
             ).set_caching_options(False)
             place(

@@ -204,7 +204,8 @@ CASES = {
         "step rollout --output trees={w}/new", r"step rollout needs --config-json"
     ),
     "step with a config that is not JSON": Case(
-        "step warmstart --config-json {{ --output policy={w}/new --output predictor={w}/new2",
+        "step warmstart --config-json {{ --output policy={w}/new --output predictor={w}/new2 "
+        "--output optimizer={w}/new3",
         r"config_json is not JSON",
     ),
     "step with an unknown parameter": Case(

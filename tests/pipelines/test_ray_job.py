@@ -93,7 +93,7 @@ def config_for(base: Path, address: str, root: Path) -> PipelineConfig:
     )
     prep = prep_step(parameters, root / "prompts")
     config = PipelineConfig.from_json(prep.config_json)
-    load_step(config, root / "policy", root / "predictor")
+    load_step(config, root / "policy", root / "predictor", root / "optimizer")
     return config
 
 

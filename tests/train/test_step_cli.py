@@ -223,9 +223,10 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     ) -> Step:
         return Step(name, config_json, iteration, inputs or {}, outputs or {})
 
-    # warmstart: the SFT'd tiny policy and the fresh predictor.
+    # warmstart: the SFT'd tiny policy, the fresh predictor, an empty optimizer state.
     start = {"policy": f["start/policy"], "predictor": f["start/predictor"]}
-    ok(cwd, logs, step("warmstart", outputs=start))
+    ok(cwd, logs, step("warmstart", outputs={**start, "optimizer": f["start/optimizer"]}))
+    assert f.keys("start/optimizer") == {"optimizer.json"}
     policy_files = {"config.json", "model.safetensors", "tokenizer.json", "metrics.json"}
     assert policy_files <= f.keys("start/policy")
     assert {"value.json", "value.safetensors"} <= f.keys("start/predictor")
@@ -266,8 +267,13 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
         step(
             "update",
             1,
-            {"trees": trees, **f.named(policy="start/policy", reference="start/policy")},
-            f.named(policy="iter-1/policy"),
+            {
+                "trees": trees,
+                **f.named(
+                    policy="start/policy", reference="start/policy", optimizer="start/optimizer"
+                ),
+            },
+            f.named(policy="iter-1/policy", optimizer="iter-1/optimizer"),
         ),
     )
     predictor1 = f.local("iter-1/predictor")
@@ -275,8 +281,10 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert sha(predictor1, "value.safetensors") != predictor0_sha  # the fit changed it
     assert read_json(predictor1 / "metrics.json")["iteration"] == 1.0
     assert sha(f.local("start/predictor"), "value.safetensors") == predictor0_sha  # input kept
-    assert policy_files | {"optimizer.safetensors", "log.jsonl"} <= f.keys("iter-1/policy")
-    policy1 = f.local("iter-1/policy")
+    assert policy_files | {"log.jsonl"} <= f.keys("iter-1/policy")
+    assert "optimizer.safetensors" not in f.keys("iter-1/policy")  # only the update reads it
+    assert f.keys("iter-1/optimizer") == {"optimizer.safetensors", "optimizer.json"}
+    policy1, optimizer1 = f.local("iter-1/policy"), f.local("iter-1/optimizer")
     weights1 = load_file(str(policy1 / "model.safetensors"))
     assert weights1.keys() == weights0.keys()
     assert any(not torch.equal(weights0[k], weights1[k]) for k in weights0), (
@@ -289,7 +297,12 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert record["tokens"] == rolled["tokens"]
 
     # evaluate (final, with the predictor): registers policy-1 and predictor-1 under RUN.
-    final = f.named("prompts", policy="iter-1/policy", predictor="iter-1/predictor")
+    final = f.named(
+        "prompts",
+        policy="iter-1/policy",
+        predictor="iter-1/predictor",
+        optimizer="iter-1/optimizer",
+    )
     ok(cwd, logs, step("evaluate", inputs=final, outputs=f.named(result="eval-final")))
     final_eval = check_eval(f.local("eval-final"), iteration=1)
     registry = CheckpointRegistry(open_store(store))
@@ -299,6 +312,7 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     registered = {c.path: c.sha256 for c in checkpoint.files}
     assert registered["policy/model.safetensors"] == sha(policy1, "model.safetensors")
     assert registered["predictor/value.safetensors"] == sha(predictor1, "value.safetensors")
+    assert registered["optimizer/optimizer.safetensors"] == sha(optimizer1, "optimizer.safetensors")
 
     # report: the HTML tree view and the Markdown summary of the run.
     inputs = f.named(
@@ -324,12 +338,19 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     prep2 = f.local("run-2/prep")
     assert (prep2 / "start").read_text() == "load"
     assert (prep2 / "start_iteration").read_text() == "1"
-    resume = {"policy": f["run-2/start/policy"], "predictor": f["run-2/start/predictor"]}
+    resume = {
+        "policy": f["run-2/start/policy"],
+        "predictor": f["run-2/start/predictor"],
+        "optimizer": f["run-2/start/optimizer"],
+    }
     ok(cwd, logs, step("load", outputs=resume))
     loaded, loaded_predictor = f.local("run-2/start/policy"), f.local("run-2/start/predictor")
     assert sha(loaded, "model.safetensors") == registered["policy/model.safetensors"]
     assert sha(loaded, "model.safetensors") == sha(policy1, "model.safetensors")
-    assert sha(loaded, "optimizer.safetensors") == sha(policy1, "optimizer.safetensors")
+    loaded_optimizer = f.local("run-2/start/optimizer")
+    assert sha(loaded_optimizer, "optimizer.safetensors") == sha(
+        optimizer1, "optimizer.safetensors"
+    )
     assert sha(loaded_predictor, "value.safetensors") == sha(predictor1, "value.safetensors")
     assert read_json(loaded / "metrics.json")["resumed_iteration"] == 1.0
     assert [r["iteration"] for r in log_lines(loaded)] == [1]  # the log travels with it

@@ -63,14 +63,21 @@ def chain(config: PipelineConfig, root: Path, start: int = 0) -> Path:
     returns the last policy folder."""
     suite = parity.ParitySuite()
     policy, predictor = root / f"policy-{start}", root / f"predictor-{start}"
-    load_step(config, policy, predictor)
+    optimizer = root / f"optimizer-{start}"
+    load_step(config, policy, predictor, optimizer)
     reference = policy
     for i in range(start + 1, start + config.train.iterations + 1):
         trees = root / f"trees-{i}"
         rollout_step(config, i, root / "prompts", policy, predictor, trees, suite=suite)
         fit_predictor_step(config, i, trees, policy, predictor, root / f"predictor-{i}")
-        update_step(config, i, trees, policy, reference, root / f"policy-{i}")
+        update_step(
+            config, i, trees, policy, reference, optimizer, root / f"policy-{i}",
+            root / f"optimizer-{i}",
+        )  # fmt: skip
+        assert not (root / f"policy-{i}" / "optimizer.safetensors").exists()  # its own artifact
+        assert (root / f"optimizer-{i}" / "optimizer.safetensors").is_file()
         policy, predictor = root / f"policy-{i}", root / f"predictor-{i}"
+        optimizer = root / f"optimizer-{i}"
     return policy
 
 
@@ -129,6 +136,7 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
     final = evaluate_step(
         config, tmp_path / "a" / "prompts", last, tmp_path / "a" / "predictor-1",
         suite=parity.ParitySuite(),  # type: ignore[arg-type]
+        optimizer_dir=tmp_path / "a" / "optimizer-1",
     )  # fmt: skip
     assert final["iteration"] == 1 and str(final["checkpoint"]).startswith(str(store))
     checkpoint = CheckpointRegistry(open_store(store)).latest("nightly")
@@ -163,21 +171,23 @@ def test_update_step_on_ray_train_matches_the_in_process_one(init: Path, tmp_pat
     writes what the in-process update step writes: policy, optimizer state, log line."""
     prep = prep_step(params(init, iterations=1), tmp_path / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     config = PipelineConfig.from_json(prep.config_json)
-    load_step(config, tmp_path / "policy-0", tmp_path / "predictor-0")
+    load_step(config, tmp_path / "policy-0", tmp_path / "predictor-0", tmp_path / "optimizer-0")
     trees = tmp_path / "trees-1"
     rollout_step(
         config, 1, tmp_path / "prompts", tmp_path / "policy-0", tmp_path / "predictor-0", trees,
         suite=parity.ParitySuite(),  # type: ignore[arg-type]
     )  # fmt: skip
     policy = tmp_path / "policy-0"
-    here = update_step(config, 1, trees, policy, policy, tmp_path / "here")
+    opt = tmp_path / "optimizer-0"
+    here = update_step(config, 1, trees, policy, policy, opt, tmp_path / "here", tmp_path / "o1")
     on_ray = replace(config, train=replace(config.train, train_workers=1))
-    there = update_step(on_ray, 1, trees, policy, policy, tmp_path / "ray")
+    there = update_step(on_ray, 1, trees, policy, policy, opt, tmp_path / "ray", tmp_path / "o2")
     assert here["paths"] == there["paths"] and here["tokens"] == there["tokens"]
     a = load_file(str(tmp_path / "here" / "model.safetensors"))
     b = load_file(str(tmp_path / "ray" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
-    assert (tmp_path / "ray" / "optimizer.safetensors").is_file()
+    assert (tmp_path / "o2" / "optimizer.safetensors").is_file()
+    assert not (tmp_path / "ray" / "optimizer.safetensors").exists()
     assert [r.iteration for r in read_log(tmp_path / "ray")] == [1]
 
 

@@ -97,7 +97,7 @@ class UpdateStats:
     logprob_gap: float
     """Mean |log π_θ − log π_old| on the first minibatch, before any step: how far the
     engine's sampling logprobs are from the trainer's recomputation (should be ~0)."""
-    logprob_gap_max: float = math.nan
+    logprob_gap_max: float = 0.0
     """The largest of those gaps."""
     passes: int = 0
     """Forward/backward passes (micro-batches) over all steps."""
@@ -342,7 +342,7 @@ def update_policy(
         policy.activation_checkpointing_enable({"use_reentrant": False})
     policy.train()
     losses, kls, clips, norms = [], [], [], []
-    gap, gap_max = math.nan, math.nan
+    gap, gap_max = math.nan, 0.0
     tokens = passes = 0
     for _ in range(config.epochs):
         order = rng.permutation(len(paths))

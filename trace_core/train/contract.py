@@ -10,8 +10,10 @@ them. The KFP pipeline (``pipelines/trace_training.py``), the Argo workflows
 
 Folders (the KFP artifacts; local paths or s3:// prefixes):
     prompts/    train.parquet, eval.parquet (``envs.prompts``; eval holds the first eval_tasks)
-    policy/     HF checkpoint + optimizer.safetensors (after the first update) + log.jsonl (one
-                ``IterationRecord`` per iteration so far, so the log travels with the policy)
+    policy/     HF checkpoint + log.jsonl (one ``IterationRecord`` per iteration so far, so the
+                log travels with the policy): what rollout, fit, evaluate and report read
+    optimizer/  optimizer.json (the iteration its state is after) + optimizer.safetensors
+                (AdamW's moments, from the first update on): only the update reads and writes it
     predictor/  a saved ``ValuePredictor`` (before the first fit: the run's fresh one)
     trees/      trees.parquet, draws.json (the iteration's random draws, ``train.draws``)
     result/     prep: config.json, start, start_iteration; evaluate: eval.json
@@ -39,23 +41,34 @@ TREES = "trees.parquet"
 METRICS = "metrics.json"
 DRAWS = "draws.json"
 OPTIMIZER = "optimizer.safetensors"
+OPTIMIZER_INFO = "optimizer.json"
 EVAL_FILE = "eval.json"
 CONFIG_FILE = "config.json"
 
 STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prep": ((), ("prompts", "result")),
-    "warmstart": ((), ("policy", "predictor")),
-    "load": ((), ("policy", "predictor")),
+    "warmstart": ((), ("policy", "predictor", "optimizer")),
+    "load": ((), ("policy", "predictor", "optimizer")),
     "rollout": (("prompts", "policy", "predictor"), ("trees",)),
     "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
-    "update": (("trees", "policy", "reference"), ("policy",)),
-    "evaluate": (("prompts", "policy", "predictor"), ("result",)),  # predictor: final only
+    "update": (("trees", "policy", "reference", "optimizer"), ("policy", "optimizer")),
+    "evaluate": (("prompts", "policy", "predictor", "optimizer"), ("result",)),  # final: all
     "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
 }
 """Input and output folders of each step (what ``trace-rl step`` and the Argo containers pass)."""
-OPTIONAL_INPUTS = {"evaluate": ("predictor",)}
+OPTIONAL_INPUTS = {"evaluate": ("predictor", "optimizer")}
 RAY_STEPS = ("rollout", "update")
 """Steps that run as a Ray job when the pipeline has a Ray dashboard address."""
+
+
+def write_optimizer_info(folder: Path, iteration: int) -> None:
+    """Mark ``folder`` as the optimizer state after ``iteration`` (an empty state before the
+    first update: the folder is never empty, so object stores keep it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    has_state = (folder / OPTIMIZER).is_file()
+    (folder / OPTIMIZER_INFO).write_text(
+        json.dumps({"iteration": iteration, "state": OPTIMIZER if has_state else None}) + "\n"
+    )
 
 
 def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]) -> None:

@@ -57,7 +57,7 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
             case "update":
                 update_step(
                     config, call.iteration, local["trees"], local["policy"],
-                    local["reference"], out["policy"],
+                    local["reference"], local["optimizer"], out["policy"], out["optimizer"],
                 )  # fmt: skip
 
 
@@ -148,9 +148,9 @@ def execute_cli_step(
             assert config is not None
             match step:
                 case "warmstart":
-                    warmstart_step(config, out["policy"], out["predictor"])
+                    warmstart_step(config, out["policy"], out["predictor"], out["optimizer"])
                 case "load":
-                    load_step(config, out["policy"], out["predictor"])
+                    load_step(config, out["policy"], out["predictor"], out["optimizer"])
                 case "fit-predictor":
                     fit_predictor_step(
                         config, iteration, local["trees"], local["policy"],
@@ -158,8 +158,9 @@ def execute_cli_step(
                     )  # fmt: skip
                 case "evaluate":
                     report = evaluate_step(
-                        config, local["prompts"], local["policy"], local.get("predictor")
-                    )
+                        config, local["prompts"], local["policy"], local.get("predictor"),
+                        optimizer_dir=local.get("optimizer"),
+                    )  # fmt: skip
                     (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
                 case "report":
                     start, final = (

@@ -3,7 +3,8 @@
 
     rollout_step(config, 1, Path("prompts"), Path("policy-0"), Path("predictor-0"), Path("trees-1"))
     fit_predictor_step(config, 1, Path("trees-1"), Path("policy-0"), Path("predictor-0"), ...)
-    update_step(config, 1, Path("trees-1"), Path("policy-0"), Path("policy-0"), Path("policy-1"))
+    update_step(config, 1, Path("trees-1"), Path("policy-0"), Path("policy-0"), Path("optimizer-0"),
+                Path("policy-1"), Path("optimizer-1"))
 
 Each draws through ``train.iteration`` exactly as ``train.loop`` does, so a pipeline run from a
 given starting policy samples and learns what ``trace-rl train`` does from it.
@@ -21,12 +22,14 @@ from trace_core.envs.base import TaskSuite
 from trace_core.policy.checkpoint import load_tokenizer
 from trace_core.train.contract import (
     OPTIMIZER,
+    OPTIMIZER_INFO,
     PROMPTS_TRAIN,
     TREES,
     PipelineConfig,
     read_draws,
     write_draws,
     write_metrics,
+    write_optimizer_info,
 )
 from trace_core.train.record import LOG, IterationRecord, read_log
 
@@ -100,10 +103,13 @@ def update_step(
     trees_dir: Path,
     policy_dir: Path,
     reference_dir: Path,
+    optimizer_dir: Path,
     policy_out: Path,
+    optimizer_out: Path,
 ) -> dict[str, float]:
-    """One policy update on this iteration's trees; the policy, its optimizer state and the
-    log with this iteration's line go to ``policy_out``."""
+    """One policy update on this iteration's trees: the policy and the log with this
+    iteration's line go to ``policy_out``, the optimizer state to ``optimizer_out``. The
+    reference policy is read only when ``kl_coef > 0``."""
     from trace_core.algo.metrics import measure
     from trace_core.policy.model import load_checkpoint, resolve_device, save_checkpoint
     from trace_core.policy.update import load_optimizer, make_optimizer, save_optimizer
@@ -114,7 +120,12 @@ def update_step(
     start = time.perf_counter()
     trees = read_trees(trees_dir / TREES)
     draws = read_draws(trees_dir, iteration)
-    optimizer_path = policy_dir / OPTIMIZER
+    optimizer_path = optimizer_dir / OPTIMIZER
+    if not optimizer_path.is_file() and not (optimizer_dir / OPTIMIZER_INFO).is_file():
+        raise FileNotFoundError(
+            f"{optimizer_dir}: not an optimizer folder (no {OPTIMIZER_INFO}); pass the "
+            "optimizer output of the previous update, warmstart or load step"
+        )
     if train.train_workers:
         from trace_core.train.ray_update import update_on_ray
 
@@ -126,10 +137,12 @@ def update_step(
             draws.update_seed,
             train.train_workers,
             optimizer_path=optimizer_path if optimizer_path.exists() else None,
-            reference_dir=reference_dir,
+            reference_dir=reference_dir if train.update.kl_coef > 0 else None,
             address=worker_address(config),
         )
         (policy_out / "update.json").unlink(missing_ok=True)  # the stats go to metrics.json
+        optimizer_out.mkdir(parents=True, exist_ok=True)
+        os.replace(policy_out / OPTIMIZER, optimizer_out / OPTIMIZER)
     else:
         model, tokenizer = load_checkpoint(policy_dir, device=resolve_device())
         optimizer = make_optimizer(model, train.update)
@@ -140,7 +153,9 @@ def update_step(
             reference = load_checkpoint(reference_dir, device=resolve_device())[0]
         stats = update(model, optimizer, trees, train, draws, tokenizer.pad_token_id, reference)
         save_checkpoint(model, tokenizer, policy_out)
-        save_optimizer(optimizer, policy_out / OPTIMIZER)
+        optimizer_out.mkdir(parents=True, exist_ok=True)
+        save_optimizer(optimizer, optimizer_out / OPTIMIZER)
+    write_optimizer_info(optimizer_out, iteration)
     rollout = measure(trees)
     history = read_log(policy_dir)
     total = history[-1].total_tokens if history else 0

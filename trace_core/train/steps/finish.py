@@ -24,6 +24,7 @@ def evaluate_step(
     policy_dir: Path,
     predictor_dir: Path | None = None,
     suite: TaskSuite | None = None,
+    optimizer_dir: Path | None = None,
 ) -> dict[str, object]:
     """Held-out pass@1 and mean@k of the policy on the eval prompts. With ``predictor_dir``
     (the final evaluation) and a run name, the policy and predictor are then registered as
@@ -46,7 +47,9 @@ def evaluate_step(
         "iteration": history[-1].iteration if history else 0,
     }
     if predictor_dir is not None and config.run_name:
-        result["checkpoint"] = register_checkpoint(config, policy_dir, predictor_dir, history)
+        result["checkpoint"] = register_checkpoint(
+            config, policy_dir, predictor_dir, history, optimizer_dir
+        )
     return result
 
 
@@ -99,11 +102,16 @@ def register_checkpoint(
     policy_dir: Path,
     predictor_dir: Path,
     history: list[IterationRecord],
+    optimizer_dir: Path | None = None,
 ) -> str:
-    """Save policy/ and predictor/ as the run's latest checkpoint; returns its folder URI."""
+    """Save policy/, predictor/ (and optimizer/, so that a resumed run keeps AdamW's
+    moments) as the run's latest checkpoint; returns its folder URI."""
     iteration = history[-1].iteration if history else 0
+    folders = [("policy", policy_dir), ("predictor", predictor_dir)]
+    if optimizer_dir is not None:
+        folders.append(("optimizer", optimizer_dir))
     with tempfile.TemporaryDirectory(prefix="trace-checkpoint-") as scratch:
-        for name, source in (("policy", policy_dir), ("predictor", predictor_dir)):
+        for name, source in folders:
             for path in sorted(p for p in source.rglob("*") if p.is_file()):
                 link = Path(scratch, name, path.relative_to(source))
                 link.parent.mkdir(parents=True, exist_ok=True)

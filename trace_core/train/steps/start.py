@@ -4,7 +4,7 @@ run's latest registered checkpoint to resume from).
 
     prep = prep_step(PipelineParameters(task="calc", iterations=2), Path("prompts"))
     config = PipelineConfig.from_json(prep.config_json)
-    warmstart_step(config, Path("policy-0"), Path("predictor-0"))   # prep.start == "warmstart"
+    warmstart_step(config, Path("policy-0"), Path("predictor-0"), Path("optimizer-0"))
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import SYNTHETIC
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import (
+    OPTIMIZER,
     PROMPTS_EVAL,
     PROMPTS_TRAIN,
     PipelineConfig,
     PipelineParameters,
     write_metrics,
+    write_optimizer_info,
 )
 
 if TYPE_CHECKING:
@@ -69,9 +71,10 @@ def prep_step(
 
 
 def warmstart_step(
-    config: PipelineConfig, policy_dir: Path, predictor_dir: Path
+    config: PipelineConfig, policy_dir: Path, predictor_dir: Path, optimizer_dir: Path
 ) -> dict[str, float]:
-    """SFT of the synthetic task's tiny policy; the fresh predictor beside it."""
+    """SFT of the synthetic task's tiny policy; the fresh predictor and an empty optimizer
+    state beside it."""
     from trace_core.policy.model import load_checkpoint
     from trace_core.train.iteration import new_predictor, warmstart_config
     from trace_core.train.warmstart import warmstart
@@ -84,6 +87,7 @@ def warmstart_step(
     report = warmstart(warmstart_config(config.train, policy_dir))
     _, tokenizer = load_checkpoint(policy_dir)
     new_predictor(config.train, tokenizer).save(predictor_dir)
+    write_optimizer_info(optimizer_dir, 0)
     success = list(report.success.values())
     metrics = {
         "warmstart_steps": float(report.steps),
@@ -95,9 +99,12 @@ def warmstart_step(
     return metrics
 
 
-def load_step(config: PipelineConfig, policy_dir: Path, predictor_dir: Path) -> dict[str, float]:
-    """The starting policy and predictor: the run's latest registry checkpoint when it has
-    one (resume), else the base model (``train.init``) and a fresh predictor."""
+def load_step(
+    config: PipelineConfig, policy_dir: Path, predictor_dir: Path, optimizer_dir: Path
+) -> dict[str, float]:
+    """The starting policy, predictor and optimizer state: the run's latest registry
+    checkpoint when it has one (resume), else the base model (``train.init``), a fresh
+    predictor and an empty optimizer state."""
     from trace_core.policy.model import load_checkpoint
     from trace_core.store.sync import download_folder
     from trace_core.train.iteration import new_predictor
@@ -109,6 +116,12 @@ def load_step(config: PipelineConfig, policy_dir: Path, predictor_dir: Path) -> 
         registry.download(checkpoint, staging)
         _move(staging / "policy", policy_dir)
         _move(staging / "predictor", predictor_dir)
+        optimizer_dir.mkdir(parents=True, exist_ok=True)
+        if (staging / "optimizer" / OPTIMIZER).is_file():
+            os.replace(staging / "optimizer" / OPTIMIZER, optimizer_dir / OPTIMIZER)
+        elif (policy_dir / OPTIMIZER).is_file():  # checkpoints registered before the split
+            os.replace(policy_dir / OPTIMIZER, optimizer_dir / OPTIMIZER)
+        write_optimizer_info(optimizer_dir, checkpoint.iteration)
         shutil.rmtree(staging)
         metrics = {"resumed_iteration": float(checkpoint.iteration)}
     elif config.train.init:
@@ -119,6 +132,7 @@ def load_step(config: PipelineConfig, policy_dir: Path, predictor_dir: Path) -> 
             shutil.copytree(source.removeprefix("file://"), policy_dir, dirs_exist_ok=True)
         _, tokenizer = load_checkpoint(policy_dir)
         new_predictor(config.train, tokenizer).save(predictor_dir)
+        write_optimizer_info(optimizer_dir, 0)
         metrics = {"resumed_iteration": 0.0}
     else:
         raise ValueError("nothing to load: no base_model_uri and no checkpoint of run_name")
