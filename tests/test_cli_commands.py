@@ -111,7 +111,13 @@ def test_warmstart_command(warmstarted: Warmstarted) -> None:
         "train_seconds",
         "demo_success",
         "success",
+        "success_all",
+        "parse_rate",
+        "success_all_before",
+        "parse_rate_before",
     }
+    assert 0 <= data["parse_rate"] <= 1 and 0 <= data["success_all"] <= 1
+    assert data["success_all_before"] is None and data["parse_rate_before"] is None  # no --init
     assert (data["task"], data["checkpoint"], data["steps"]) == (
         "calc",
         str(warmstarted.checkpoint),
