@@ -131,22 +131,16 @@ def _accumulate(
 ) -> torch.Tensor:
     """Backpropagate the batch's token-mean loss in passes of at most ``budget`` padded
     tokens (longest sequences first); returns the loss (detached)."""
-    from trace_core.policy.update import TokenScorer
+    from trace_core.policy.update import TokenScorer, pack
 
     scorer = TokenScorer(model)
     device = next(model.parameters()).device
-    order = sorted(index.tolist(), key=lambda i: len(sequences[i]), reverse=True)
-    total = sum(int(np.asarray(loss_masks[i][1:]).sum()) for i in order)
-    passes: list[list[int]] = [[]]
-    for i in order:
-        longest = len(sequences[passes[-1][0]]) if passes[-1] else len(sequences[i])
-        if passes[-1] and longest * (len(passes[-1]) + 1) > budget:
-            passes.append([])
-        passes[-1].append(i)
+    total = sum(int(np.asarray(loss_masks[i][1:]).sum()) for i in index)
     loss = torch.zeros((), device=device)
-    for part in passes:
+    for part in pack([len(sequences[i]) for i in index], budget):
+        rows = index[np.asarray(part)]
         ids, attention, targets = (
-            t.to(device) for t in _batch(sequences, loss_masks, np.asarray(part), pad_id)
+            t.to(device) for t in _batch(sequences, loss_masks, rows, pad_id)
         )
         learn = targets != -100
         part_loss = -scorer(ids, attention, learn).sum() / total

@@ -197,18 +197,22 @@ def token_logprobs(
 
 
 def micro_batches(paths: Sequence[PathTokens], budget: int) -> list[list[PathTokens]]:
-    """``paths`` cut into micro-batches of at most ``budget`` padded tokens (rows × longest
-    row), longest paths first so that rows of one micro-batch have similar lengths; 0: one
-    batch. A path longer than the budget goes alone (a sequence is never split)."""
-    if budget <= 0 or not paths:
-        return [list(paths)] if paths else []
-    ordered = sorted(paths, key=lambda p: len(p.tokens), reverse=True)
-    out: list[list[PathTokens]] = [[]]
-    for path in ordered:
-        longest = len(out[-1][0].tokens) if out[-1] else len(path.tokens)
+    """``paths`` cut into micro-batches of at most ``budget`` padded tokens (``pack``)."""
+    return [[paths[i] for i in part] for part in pack([len(p.tokens) for p in paths], budget)]
+
+
+def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of sequences of ``lengths`` in groups of at most ``budget`` padded tokens
+    (rows × longest row), longest first so that rows of a group have similar lengths; 0: one
+    group. A sequence longer than the budget goes alone (a sequence is never split)."""
+    if budget <= 0 or not lengths:
+        return [list(range(len(lengths)))] if lengths else []
+    out: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        longest = lengths[out[-1][0]] if out[-1] else lengths[i]
         if out[-1] and longest * (len(out[-1]) + 1) > budget:
             out.append([])
-        out[-1].append(path)
+        out[-1].append(i)
     return out
 
 
@@ -274,6 +278,7 @@ def minibatch_gradients(
     micro-batch synchronises (``no_sync`` before it).
     """
     parts_of = micro_batches(paths, config.micro_tokens)
+    mine = max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)  # this rank's tokens
     loss = kl = clipped = gap_sum = gap_max = 0.0
     tokens = 0
     for j, part in enumerate(parts_of):
@@ -297,7 +302,7 @@ def minibatch_gradients(
         gap = (logprobs.detach() - old).abs()
         gap_sum += float(gap.sum())
         gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
-        weight = batch.tokens / max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)
+        weight = batch.tokens / mine
         loss += float(parts.loss.detach()) * weight
         kl += float(parts.kl.detach()) * weight
         clipped += float(parts.clip_fraction) * weight
@@ -332,11 +337,10 @@ def update_policy(
         paths = [p for p in paths if np.any(p.advantages != 0)]
     if not paths:
         return UpdateStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    scorer = model if isinstance(model, TokenScorer | _Wrapped) else TokenScorer(model)
+    wrapped = isinstance(model, TokenScorer | _Wrapped)
+    scorer = model if wrapped else TokenScorer(model, config.logit_chunk)  # type: ignore[arg-type]
     policy = _policy_of(scorer)
     ref_scorer = TokenScorer(reference, config.logit_chunk) if reference is not None else None
-    if isinstance(scorer, TokenScorer):
-        scorer.chunk = config.logit_chunk
     device = next(policy.parameters()).device
     if config.checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
