@@ -27,6 +27,11 @@ BENCH = (
     "--json build/bench-update.json"
 )
 
+ENGINES = (
+    "trace-rl bench engine --checkpoint build/models/smollm2 --batch 8 --new-tokens 32 "
+    "--threads 2 --json build/bench-engine-smollm2.json"
+)
+
 
 def run(command: str) -> subprocess.CompletedProcess[str]:
     name, *args = command.split()
@@ -83,6 +88,22 @@ def test_readme_bench_update_follows_the_budget() -> None:
     rows = json.loads((ROOT / "build" / "bench-update.json").read_text())["rows"]
     assert [r["budget"] for r in rows] == [0, 1024, 256]
     assert rows[2]["update_gib"] < rows[1]["update_gib"] < rows[0]["update_gib"]
+
+
+@pytest.mark.slow
+def test_readme_bench_engine_times_smollm2() -> None:
+    smollm2_dir()
+    assert ENGINES in README
+    done = run(ENGINES)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads((ROOT / "build" / "bench-engine-smollm2.json").read_text())
+    assert data["batch"] == 8 and data["new_tokens"] == 32
+    for key in ("torch_tokens_per_s", "hf_tokens_per_s", "floor_seconds", "prefill_tokens"):
+        assert data[key] > 0, key
+    assert data["ratio_vs_hf"] == pytest.approx(
+        data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
+    )
+    assert "smollm2, batch 8 × 32 new tokens" in " ".join(done.stdout.split())
 
 
 def test_model_check_on_the_word_tokenizer_policy(tmp_path: Path) -> None:

@@ -66,3 +66,16 @@ def test_a_refused_flag_is_one_error_line(tmp_path: Path) -> None:
     assert result.output.startswith("error:") and "budget" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not out.exists()  # refused before anything was written
+
+
+def test_an_s3_init_reaches_the_store_as_given(tmp_path: Path, s3_env: dict[str, str]) -> None:
+    """``--init s3://…`` is a URI, not a path (a path would fold ``//``): the store is asked
+    for exactly that prefix, and a missing one is refused before the run folder is made."""
+    from typer.testing import CliRunner
+
+    out, uri = tmp_path / "run", f"s3://trace/{tmp_path.name}/no-model"
+    result = CliRunner().invoke(app, ["train", "--init", uri, "--output", str(out)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    assert said.startswith("error:") and f"{uri}: nothing to download" in said
+    assert not out.exists()

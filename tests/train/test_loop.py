@@ -15,8 +15,11 @@ import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
 
 from trace_core.policy.update_config import UpdateConfig
+from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
+from trace_core.store.sync import upload_folder
 from trace_core.train import loop
+from trace_core.train.base_model import SOURCE
 from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
 from trace_core.train.config import TrainConfig
 from trace_core.train.loop import train
@@ -88,6 +91,41 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     first, second = weights(out / "iterations/0001/policy"), weights(out / "iterations/0002/policy")
     assert any(not torch.equal(first[k], second[k]) for k in first)
     assert json.loads((out / "config.json").read_text())["strategy"] == "trace"
+
+
+def test_warmstart_init_fine_tunes_init_once_then_trains_from_it(
+    init: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    config = tiny(init, out, 1, task="calc", warmstart_init=True, warmstart_steps=3)
+    records = run(config)
+    warm = weights(out / "warmstart")
+    start = weights(init)
+    assert any(not torch.equal(warm[k], start[k]) for k in warm)  # SFT moved it
+    assert records[0].eval  # the start eval is of the warm-started policy
+    stamp = (out / "warmstart/model.safetensors").stat().st_mtime_ns
+    run(replace(config, iterations=2))  # resumes: no second warm start
+    assert (out / "warmstart/model.safetensors").stat().st_mtime_ns == stamp
+    assert read_latest(out) == 2
+    with pytest.raises(ValueError, match=r"warmstart_init .* needs --init"):
+        TrainConfig(task="calc", warmstart_init=True)
+
+
+def test_a_remote_init_is_downloaded_once_into_the_run(
+    init: Path, tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    uri = f"s3://trace/{tmp_path.name}/policy"
+    upload_folder(init, uri)
+    out = tmp_path / "run"
+    records = run(tiny(uri, out, 1))  # type: ignore[arg-type]
+    assert (out / "init" / SOURCE).read_text() == uri + "\n"
+    assert weights(out / "init").keys() == weights(init).keys()
+    assert json.loads((out / "config.json").read_text())["init"] == uri
+    store = open_store(uri)
+    for obj in store.list_objects(""):
+        store.delete(obj.key)
+    resumed = run(tiny(uri, out, 2))  # type: ignore[arg-type]
+    assert [r.iteration for r in resumed] == [0, 1, 2] and resumed[:2] == records
 
 
 def test_resume_gives_the_same_run_as_no_interruption(init: Path, tmp_path: Path) -> None:

@@ -18,13 +18,13 @@ from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.artifacts import open_store
 from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
-from trace_core.train.config import TrainConfig
+from trace_core.train.config import PRETRAINED, TrainConfig
 from trace_core.train.contract import PipelineConfig, PipelineParameters
 from trace_core.train.loop import train
 from trace_core.train.record import read_log
 from trace_core.train.steps.cycle import fit_predictor_step, rollout_step, update_step
 from trace_core.train.steps.finish import evaluate_step, report_step
-from trace_core.train.steps.start import load_step, prep_step
+from trace_core.train.steps.start import load_step, prep_step, warmstart_step
 
 SETTINGS = {
     "group": 2,
@@ -163,6 +163,37 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
     assert "| start | 0.250 | 0.500 | 4 |" in markdown
     assert "## Trees (first 12 rows of `trees.parquet`)" in markdown
     assert markdown.count("\n| 1 |") + markdown.count("\n| 2 |") >= 2  # two iteration lines
+
+
+def test_a_base_model_warm_starts_in_the_warmstart_step(init: Path, tmp_path: Path) -> None:
+    """``warmstart_init``: prep sends a base model to the warmstart step, which fine-tunes it
+    (not a fresh tiny policy) and reports its parse rate and success before and after."""
+    settings = json.dumps({**SETTINGS, "warmstart_init": True, "warmstart_steps": 2})
+    prep = prep_step(params(init, settings_json=settings), tmp_path / "prompts")
+    assert prep.start == "warmstart"
+    config = PipelineConfig.from_json(prep.config_json)
+    metrics = warmstart_step(config, tmp_path / "policy", tmp_path / "pred", tmp_path / "opt")
+    assert metrics["warmstart_steps"] == 2
+    for name in ("parse_rate_before", "parse_rate", "success_all_before", "success_all"):
+        assert 0.0 <= metrics[f"warmstart_{name}"] <= 1.0
+    tuned = load_file(str(tmp_path / "policy" / "model.safetensors"))
+    start = load_file(str(init / "model.safetensors"))
+    assert tuned.keys() == start.keys()  # the base model's weights, fine-tuned
+    assert any(not torch.equal(tuned[k], start[k]) for k in tuned)
+
+
+def test_a_pretrained_base_model_gets_the_pretrained_defaults(tmp_path: Path) -> None:
+    """As ``trace-rl train --init`` does: lr, turn length and pass size of ``PRETRAINED``,
+    except where ``settings_json`` sets them."""
+    from trace_test_models import smollm2_dir
+
+    base = str(smollm2_dir())
+    settings = json.dumps({"eval_tasks": 4, "update": {"lr": 3e-6}})
+    prep = prep_step(params(Path(base), settings_json=settings), tmp_path / "prompts")
+    train_config = PipelineConfig.from_json(prep.config_json).train
+    assert (train_config.update.lr, train_config.update.micro_tokens) == (3e-6, 4096)
+    assert train_config.max_tokens == PRETRAINED["max_tokens"]
+    assert prep.start == "load"
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """``trace-rl bench engine``: TorchEngine against HF ``generate``, and prefix reuse on a tree.
 
 Two measurements on a tiny random-weight Qwen3 policy (≈330-token vocabulary; the weights do
-not matter for speed):
+not matter for speed), or on the model in ``checkpoint`` (say SmolLM2-135M from ``trace-rl
+model import``; its prompts are random ids above its special tokens):
 
 * **Throughput.** ``batch`` prompts of ``prompt_tokens`` random tokens, one sample each,
   ``new_tokens`` new tokens at temperature 1 with no stop token, so both engines produce
@@ -55,7 +56,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trace_core.policy.decoder import DecoderWeights
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
-from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.model import (
+    TinyPolicyConfig,
+    create_policy,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
 from trace_core.policy.torch_engine import PASS_TOKENS, TorchEngine
 
@@ -74,6 +80,7 @@ def run_engine_bench(
     turn_tokens: int = 16,
     device: str = "cpu",
     vllm_python: Path | None = None,
+    checkpoint: Path | None = None,
 ) -> dict[str, float]:
     """Throughput of the engines and the tree workload's prefill counts (see module doc)."""
     if min(batch, new_tokens, prompt_tokens, repeats, tree_prompts, tree_samples) < 1:
@@ -86,15 +93,21 @@ def run_engine_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
-        tokenizer = build_word_tokenizer([" ".join(words[:280])])
-        model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+        if checkpoint is None:
+            words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+            tokenizer = build_word_tokenizer([" ".join(words[:280])])
+            model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+            first = len(SPECIAL_TOKENS)
+        else:
+            model, tokenizer = load_checkpoint(checkpoint)
+            model.float()
+            first = max(tokenizer.all_special_ids, default=-1) + 1
         torch.nn.Module.to(model, torch.device(device))  # in place
         rng = np.random.default_rng(seed)
         vocab = len(tokenizer)
 
         def random_tokens(n: int) -> list[int]:  # any id but the specials
-            return [int(t) for t in rng.integers(len(SPECIAL_TOKENS), vocab, size=n)]
+            return [int(t) for t in rng.integers(first, vocab, size=n)]
 
         prompts = [random_tokens(prompt_tokens) for _ in range(batch)]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens)
@@ -109,7 +122,9 @@ def run_engine_bench(
         produced = batch * new_tokens
         vllm: dict[str, float] = {}
         if vllm_python is not None:
-            vllm_s = _vllm_seconds(vllm_python, model, tokenizer, prompts, new_tokens, repeats)
+            vllm_s = _vllm_seconds(
+                vllm_python, model, tokenizer, prompts, new_tokens, repeats, checkpoint
+            )
             vllm = {
                 "vllm_tokens_per_s": produced / vllm_s,
                 "vllm_seconds": vllm_s,
@@ -172,15 +187,18 @@ def _vllm_seconds(
     prompts: list[list[int]],
     new_tokens: int,
     repeats: int,
+    checkpoint: Path | None = None,
 ) -> float:
     """Best seconds of vLLM on ``prompts``, timed in ``python`` (see module doc)."""
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
-        save_checkpoint(model, tokenizer, work / "policy")
+        if checkpoint is None:
+            save_checkpoint(model, tokenizer, work / "policy")
         (work / "prompts.json").write_text(json.dumps(prompts))
         command = [
             str(python), "-m", "trace_core.bench.vllm_timing",
-            "--checkpoint", str(work / "policy"), "--prompts", str(work / "prompts.json"),
+            "--checkpoint", str(checkpoint or work / "policy"),
+            "--prompts", str(work / "prompts.json"),
             "--max-tokens", str(new_tokens), "--repeats", str(repeats),
             "--json", str(work / "vllm.json"),
         ]  # fmt: skip

@@ -274,11 +274,19 @@ def bench_engine(
             help="A Python with vLLM to time it too (default: .venv-vllm/bin/python if it exists)."
         ),
     ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(help="Time this HF directory (build/models/smollm2), not the tiny policy."),
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy; prefill on a tree."""
+    """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy (or --checkpoint);
+    prefill on a tree."""
     from trace_core.bench.engine import run_engine_bench
+    from trace_core.policy.checkpoint import check_checkpoint
 
+    if checkpoint is not None:
+        check_checkpoint(checkpoint, "--checkpoint")
     default_vllm = Path(".venv-vllm/bin/python")
     if vllm_python is None and default_vllm.is_file():
         vllm_python = default_vllm
@@ -286,9 +294,14 @@ def bench_engine(
         console.print("vLLM: not timed (no .venv-vllm here: make test-vllm creates it)")
     with console.status("timing engines" + (" (vLLM starts in ≈20-40 s)" if vllm_python else "")):
         result = run_engine_bench(
-            batch=batch, new_tokens=new_tokens, threads=threads or None, vllm_python=vllm_python
+            batch=batch,
+            new_tokens=new_tokens,
+            threads=threads or None,
+            vllm_python=vllm_python,
+            checkpoint=checkpoint,
         )
-    table = Table(title=f"Tiny policy, batch {batch} × {new_tokens} new tokens")
+    model = checkpoint.name if checkpoint else "Tiny policy"
+    table = Table(title=f"{model}, batch {batch} × {new_tokens} new tokens")
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in result.items():

@@ -21,7 +21,7 @@ from trace_core.train.config import TrainConfig
 predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it on stored trees.")
 
 
-@config_options(TrainConfig, types={"init": Path | None})
+@config_options(TrainConfig, types={"init": str | None})  # str: a Path folds s3:// to s3:/
 def train_command(
     config: TrainConfig,
     context: typer.Context,
@@ -69,21 +69,19 @@ def train_command(
 
 
 def _pretrained_defaults(config: TrainConfig, context: typer.Context) -> TrainConfig:
-    """A local ``--init`` with a pretrained tokenizer (not the tiny policy's word-level one)
-    gets ``PRETRAINED``'s lr, turn length and pass size unless their flags were given."""
-    from trace_core.policy.checkpoint import load_tokenizer
+    """An ``--init`` with a pretrained tokenizer (not the tiny policy's word-level one) gets
+    ``PRETRAINED``'s lr, turn length, pass size (and warm-start steps) unless their flags were
+    given."""
     from trace_core.policy.format import is_word_tokenizer
-    from trace_core.train.config import with_pretrained_defaults
+    from trace_core.train.base_model import source_tokenizer
+    from trace_core.train.config import PRETRAINED, with_pretrained_defaults
 
-    init = config.init
-    if init is None or str(init).startswith("s3://"):
-        return config
-    if is_word_tokenizer(load_tokenizer(Path(init), "--init")):
+    if config.init is None or is_word_tokenizer(source_tokenizer(config.init, "--init")):
         return config
     # By name: typer's context carries its own click's ParameterSource enum.
     explicit = {
         name
-        for name in ("lr", "max_tokens", "micro_tokens")
+        for name in PRETRAINED
         if getattr(context.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
     }
     config, notes = with_pretrained_defaults(config, explicit)

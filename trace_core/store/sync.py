@@ -12,6 +12,7 @@ so a job that wrote no output is an error and never an empty artifact.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from trace_core.store.artifacts import ObjectNotFound, open_store
@@ -29,14 +30,19 @@ def upload_folder(folder: str | os.PathLike[str], uri: str) -> int:
     return len(files)
 
 
-def download_folder(uri: str, folder: str | os.PathLike[str]) -> int:
-    """Every object below ``uri`` into ``folder`` (created); returns the count."""
+def download_folder(
+    uri: str, folder: str | os.PathLike[str], keep: Callable[[str], bool] | None = None
+) -> int:
+    """Every object below ``uri`` (those whose key ``keep`` accepts, if given) into ``folder``
+    (created); returns the count."""
     store = open_store(uri)
     objects = store.list_objects("")
     if not objects:
         raise ObjectNotFound(f"{store.uri('')}: nothing to download (no such folder or prefix)")
     root = Path(folder)
     for obj in objects:
+        if keep is not None and not keep(obj.key):
+            continue
         target = root / obj.key
         target.parent.mkdir(parents=True, exist_ok=True)
         store.get_file(obj.key, target)

@@ -28,8 +28,11 @@ class TrainConfig:
     output: Path = Path("build/train/calc-trace")
     """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
     init: Path | str | None = None
-    """Policy to start from (HF directory; in the pipeline also an s3:// URI); None warm-starts
-    the tiny policy (calc, multihop)."""
+    """Policy to start from: an HF directory or an s3:// prefix (downloaded once into the run's
+    ``init/``); None warm-starts the tiny policy (calc, multihop)."""
+    warmstart_init: bool = False
+    """Fine-tune ``init`` on the task's reference solutions before the first iteration, so a
+    pretrained model learns the action grammar (``train.warmstart``; calc, multihop)."""
     strategy: str = "trace"
     """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
     iterations: int = 12
@@ -56,7 +59,7 @@ class TrainConfig:
     eval_every: int = 2
     """Evaluate after every this many iterations (and before the first, and after the last)."""
     warmstart_steps: int = 1000
-    """SFT steps of the warm start (when ``init`` is None)."""
+    """SFT steps of the warm start (of the tiny policy, or of ``init`` with ``warmstart_init``)."""
     predictor: str = "hashed"
     """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
     train_workers: int = 0
@@ -94,6 +97,12 @@ class TrainConfig:
                 f"task {self.task!r} has no built-in warm start: pass a policy with --init "
                 f"(warm starts exist for {', '.join(SYNTHETIC)})"
             )
+        if self.warmstart_init and (self.init is None or self.task not in SYNTHETIC):
+            raise ValueError(
+                "warmstart_init fine-tunes --init on the task's reference solutions: it needs "
+                f"--init and a task with them ({', '.join(SYNTHETIC)}), got init {self.init}, "
+                f"task {self.task!r}"
+            )
 
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
@@ -118,14 +127,15 @@ class TrainConfig:
             raise ValueError(f"train config: {err}") from None
 
 
-PRETRAINED = {"lr": 1e-6, "max_tokens": 256, "micro_tokens": 4096}
+PRETRAINED = {"lr": 1e-6, "max_tokens": 256, "micro_tokens": 4096, "warmstart_steps": 40}
 """Where a run from a pretrained model departs from the tiny policy's defaults. lr: RL
 fine-tuning of 1–8B instruct models runs at about 1e-6 (DAPO, Dr. GRPO, the paper's setups); the
 tiny model's 1e-4, tuned on a 370k-parameter model trained from scratch, would wreck a pretrained
 one in a few steps. max_tokens: a real model writes a thought before its action; 48 tokens fit
 the tiny model's one-line actions only. micro_tokens: a 135M model's unbatched update over a few
 dozen paths of real turns holds tens of GB of activations; 4,096 tokens per pass keeps it to a
-few GB (``trace-rl bench update``)."""
+few GB (``trace-rl bench update``). warmstart_steps: with ``warmstart_init``, the short SFT of
+``train.warmstart.PRETRAINED_SFT`` (the tiny policy's 1,000 steps learn the task from scratch)."""
 
 
 def with_pretrained_defaults(
@@ -134,7 +144,7 @@ def with_pretrained_defaults(
     """``config`` with ``PRETRAINED``'s values for the fields not in ``explicit`` (the ones the
     user set), and a line per change saying so."""
     notes = []
-    update, max_tokens = config.update, config.max_tokens
+    update, max_tokens, steps = config.update, config.max_tokens, config.warmstart_steps
     if "lr" not in explicit:
         update = replace(update, lr=PRETRAINED["lr"])
         notes.append(f"lr {PRETRAINED['lr']:g} (tiny policy: {UpdateConfig().lr:g})")
@@ -144,7 +154,11 @@ def with_pretrained_defaults(
     if "max_tokens" not in explicit:
         max_tokens = int(PRETRAINED["max_tokens"])
         notes.append(f"max_tokens {max_tokens} (tiny policy: {TrainConfig().max_tokens})")
-    return replace(config, update=update, max_tokens=max_tokens), notes
+    if config.warmstart_init and "warmstart_steps" not in explicit:
+        steps = int(PRETRAINED["warmstart_steps"])
+        notes.append(f"warmstart_steps {steps} (tiny policy: {TrainConfig().warmstart_steps})")
+    changed = replace(config, update=update, max_tokens=max_tokens, warmstart_steps=steps)
+    return changed, notes
 
 
 def _checked(kind: type, name: str, values: dict[str, object]) -> dict[str, object]:

@@ -36,21 +36,28 @@ from trace_core.rollout.phase import RolloutResult, run_rollout
 from trace_core.train.config import TrainConfig
 from trace_core.train.draws import IterationDraws
 from trace_core.train.evaluate import EvalReport, evaluate_policy
-from trace_core.train.warmstart import WarmstartConfig
+from trace_core.train.warmstart import PRETRAINED_SFT, WarmstartConfig
 
 
-def warmstart_config(config: TrainConfig, output: Path) -> WarmstartConfig:
-    """The warm start of a run without ``init``: the SFT steps come from the run's config, and
-    a short warm start plays no more demonstrations than its steps can see (steps × batch)."""
-    sft = replace(WarmstartConfig().sft, steps=config.warmstart_steps)
+def warmstart_config(
+    config: TrainConfig, output: Path, init: Path | None = None
+) -> WarmstartConfig:
+    """The run's warm start: of the tiny policy, or (``init``: the local folder of
+    ``config.init``, with ``warmstart_init``) the short SFT of a pretrained model on reference
+    solutions (``PRETRAINED_SFT``) in the run's turn length. Its steps come from the run's
+    config, and it plays no more demonstrations than its steps can see (steps × batch)."""
+    base = PRETRAINED_SFT if init else WarmstartConfig().sft
+    sft = replace(base, steps=config.warmstart_steps, seed=config.seed if init else base.seed)
     return WarmstartConfig(
         task=config.task,
         output=output,
         seed=config.seed,
         demos=min(WarmstartConfig().demos, sft.steps * sft.batch_size),
         sft=sft,
-        eval_tasks=50,
+        eval_tasks=16 if init else 50,
         eval_samples=1,
+        init=init,
+        max_tokens=config.max_tokens if init else WarmstartConfig().max_tokens,
     )
 
 

@@ -12,7 +12,9 @@ every tree seen so far, and takes a policy-gradient step on the new trees
       config.json                  the run's config (what a resumed run is checked against)
       log.jsonl                    one line per iteration: rollout metrics, update stats, eval
       curves.png                   held-out accuracy and effective ratio vs generated tokens
-      warmstart/                   the warm-started policy (synthetic tasks without --init)
+      init/                        a remote --init (s3://), downloaded once
+      warmstart/                   the warm-started policy (synthetic tasks without --init, or
+                                   --init with --warmstart-init)
       iterations/0003/
         trees.parquet  metrics.json
         policy/                    HF checkpoint (loads in TorchEngine and vLLM)
@@ -50,6 +52,7 @@ from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer
 from trace_core.policy.value import ValuePredictor
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
+from trace_core.train.base_model import fetch_model, local_path
 from trace_core.train.config import TrainConfig
 from trace_core.train.draws import draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
@@ -64,9 +67,11 @@ from trace_core.train.run_folder import (
     resume_point,
     write_atomic,
 )
-from trace_core.train.warmstart import warmstart
+from trace_core.train.warmstart import WarmstartReport, warmstart
 
 PREDICTOR = "predictor"
+INIT = "init"
+"""Where a remote ``init`` is downloaded inside the run folder."""
 
 
 def train(
@@ -85,8 +90,8 @@ def train(
     say = progress or (lambda _message: None)
     out = config.output
     suite = suite or make_suite(config.task, config.data, config.seed)
-    if config.init:
-        check_checkpoint(config.init, "--init")
+    if config.init and local_path(config.init):
+        check_checkpoint(local_path(config.init), "--init")  # type: ignore[arg-type]
     if restart and (removed := discard_run(out)):
         say(f"--restart: discarded {', '.join(removed)} in {out}")
     point = resume_point(out)
@@ -95,20 +100,20 @@ def train(
         say(f"{note}; resuming after iteration {done}, the newest complete one")
     _check_config(out, config, done)
     records = _resumed_log(out, done)
+    init = _fetch_init(config, say)
+    start_dir = init if init and not config.warmstart_init else out / "warmstart"
+    if not done and start_dir == out / "warmstart" and not (start_dir / "config.json").exists():
+        say(f"warm start of the {config.task} policy" + (f" from {config.init}" if init else ""))
+        report = warmstart(iteration.warmstart_config(config, start_dir, init))
+        if init:
+            say(f"warm start: {_warmstart_line(report)}")
+    policy_dir = iteration_dir(out, done) / "policy" if done else start_dir
     if done:
-        policy_dir = iteration_dir(out, done) / "policy"
         say(f"resuming after iteration {done} from {policy_dir}")
-    elif config.init:
-        policy_dir = Path(config.init)
-    else:
-        policy_dir = out / "warmstart"
-        if not (policy_dir / "config.json").exists():
-            say(f"warm start of the {config.task} policy")
-            warmstart(iteration.warmstart_config(config, policy_dir))
     model, tokenizer = load_checkpoint(policy_dir)
     reference = None
     if config.update.kl_coef > 0:  # KL to the policy the run started from, resumed or not
-        reference, _ = load_checkpoint(Path(config.init or out / "warmstart"))
+        reference, _ = load_checkpoint(start_dir)
     fmt = iteration.turn_format(config, suite, tokenizer)
     optimizer = make_optimizer(model, config.update)
     predictor = iteration.new_predictor(config, tokenizer)
@@ -169,6 +174,24 @@ def train(
             f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}"
         )
     return records
+
+
+def _fetch_init(config: TrainConfig, say: Callable[[str], None]) -> Path | None:
+    """The local folder of ``config.init``: itself, or its download into the run's ``init/``."""
+    if not config.init:
+        return None
+    folder = config.output / INIT
+    if local_path(config.init) is None and not folder.exists():
+        say(f"downloading {config.init} to {folder}")
+    return fetch_model(config.init, folder)
+
+
+def _warmstart_line(report: WarmstartReport) -> str:
+    return (
+        f"action parse rate {report.parse_rate_before:.3f} → {report.parse_rate:.3f}, held-out "
+        f"success {report.success_all_before:.3f} → {report.success_all:.3f} "
+        f"({report.steps} steps, final loss {report.final_loss:.3f})"
+    )
 
 
 # --- run folder ------------------------------------------------------------------------

@@ -30,7 +30,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 KIND = "trace.iteration"
-RUN_FILES = (CONFIG, LOG, LATEST, "curves.png", "warmstart", "iterations")
+RUN_FILES = (CONFIG, LOG, LATEST, "curves.png", "init", "warmstart", "iterations")
 """What a run writes in its folder, and what ``--restart`` discards (nothing else is touched)."""
 
 

@@ -48,6 +48,7 @@ from trace_core.policy.sft import SFTConfig, sft_train
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.flat import rollout_flat
+from trace_core.train.config import PRETRAINED
 
 
 def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
@@ -60,7 +61,9 @@ def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
     raise ValueError(f"warm start needs a synthetic task ({', '.join(SYNTHETIC)}), got {name!r}")
 
 
-PRETRAINED_SFT = SFTConfig(steps=40, batch_size=8, lr=1e-4, warmup=5, micro_tokens=2048)
+PRETRAINED_SFT = SFTConfig(
+    steps=int(PRETRAINED["warmstart_steps"]), batch_size=8, lr=1e-4, warmup=5, micro_tokens=2048
+)
 """The SFT of a pretrained ``init``: a few steps at a fine-tuning rate, enough to teach the
 action grammar (not the task), in passes of 2,048 tokens. Not tuned yet."""
 

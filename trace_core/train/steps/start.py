@@ -1,6 +1,7 @@
 """The steps that start a run: prep (parameters → config, prompts, where the policy starts),
-then warmstart (the synthetic tasks' tiny policy from scratch) or load (a base model, or the
-run's latest registered checkpoint to resume from).
+then warmstart (the synthetic tasks' tiny policy from scratch, or a base model fine-tuned on the
+task's reference solutions with ``warmstart_init``) or load (a base model, or the run's latest
+registered checkpoint to resume from).
 
     prep = prep_step(PipelineParameters(task="calc", iterations=2), Path("prompts"))
     config = PipelineConfig.from_json(prep.config_json)
@@ -9,9 +10,12 @@ run's latest registered checkpoint to resume from).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +59,14 @@ def prep_step(
     from trace_core.envs.prompts import write_prompts
     from trace_core.envs.suites import make_suite
 
-    config = params.config()
+    config = _base_model_defaults(params.config(), params)
     train = config.train
     suite = suite or make_suite(train.task, train.data, train.seed)
     train_tasks = suite.tasks("train")
     eval_tasks = suite.tasks("eval")[: train.eval_tasks]
     write_prompts(prompts_dir / PROMPTS_TRAIN, train.task, train_tasks)
     write_prompts(prompts_dir / PROMPTS_EVAL, train.task, eval_tasks)
-    start, done = ("load" if train.init else "warmstart"), 0
+    start, done = ("load" if train.init and not train.warmstart_init else "warmstart"), 0
     if config.run_name:
         checkpoint = open_registry(config).latest(config.run_name, say=log.warning)
         if checkpoint is not None:
@@ -70,12 +74,33 @@ def prep_step(
     return PrepResult(config.to_json(), start, done, len(train_tasks), len(eval_tasks))
 
 
+def _base_model_defaults(config: PipelineConfig, params: PipelineParameters) -> PipelineConfig:
+    """A pretrained base model (not the tiny policy's word-level tokenizer) gets ``PRETRAINED``'s
+    values for the fields ``settings_json`` does not set, as ``trace-rl train --init`` does."""
+    from trace_core.policy.format import is_word_tokenizer
+    from trace_core.train.base_model import source_tokenizer
+    from trace_core.train.config import with_pretrained_defaults
+
+    if not params.base_model_uri:
+        return config
+    if is_word_tokenizer(source_tokenizer(params.base_model_uri, "base_model_uri")):
+        return config
+    settings = json.loads(params.settings_json or "{}")
+    update = settings.get("update")
+    explicit = set(settings) | (set(update) if isinstance(update, dict) else set())
+    train, notes = with_pretrained_defaults(config.train, explicit)
+    for note in notes:
+        log.info("pretrained base model: %s; set it in settings_json", note)
+    return dataclasses.replace(config, train=train)
+
+
 def warmstart_step(
     config: PipelineConfig, policy_dir: Path, predictor_dir: Path, optimizer_dir: Path
 ) -> dict[str, float]:
-    """SFT of the synthetic task's tiny policy; the fresh predictor and an empty optimizer
-    state beside it."""
+    """SFT of the synthetic task's tiny policy, or of the base model (``warmstart_init``) on the
+    task's reference solutions; the fresh predictor and an empty optimizer state beside it."""
     from trace_core.policy.model import load_checkpoint
+    from trace_core.train.base_model import fetch_model
     from trace_core.train.iteration import new_predictor, warmstart_config
     from trace_core.train.warmstart import warmstart
 
@@ -84,7 +109,10 @@ def warmstart_step(
             f"task {config.train.task!r} has no warm start: set base_model_uri "
             f"(warm starts exist for {', '.join(SYNTHETIC)})"
         )
-    report = warmstart(warmstart_config(config.train, policy_dir))
+    with tempfile.TemporaryDirectory(prefix="base-model-") as scratch:
+        init = config.train.init
+        base = fetch_model(init, Path(scratch) / "base", "base_model_uri") if init else None
+        report = warmstart(warmstart_config(config.train, policy_dir, base))
     _, tokenizer = load_checkpoint(policy_dir)
     new_predictor(config.train, tokenizer).save(predictor_dir)
     write_optimizer_info(optimizer_dir, 0)
@@ -95,6 +123,13 @@ def warmstart_step(
         "warmstart_seconds": report.train_seconds,
         "warmstart_success": sum(success) / len(success) if success else 0.0,
     }
+    if base is not None and report.parse_rate_before is not None:
+        metrics |= {
+            "warmstart_parse_rate_before": report.parse_rate_before,
+            "warmstart_parse_rate": report.parse_rate,
+            "warmstart_success_all_before": float(report.success_all_before or 0.0),
+            "warmstart_success_all": report.success_all,
+        }
     write_metrics(policy_dir, metrics)
     return metrics
 
