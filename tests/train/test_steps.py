@@ -5,6 +5,7 @@ the report writes the HTML tree view and the Markdown summary."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -142,6 +143,9 @@ def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None
     checkpoint = CheckpointRegistry(open_store(store)).latest("nightly")
     assert checkpoint is not None and checkpoint.iteration == 1
 
+    other = shutil.copytree(init, tmp_path / "other-base")
+    with pytest.raises(ValueError, match=f"start from base model {init}, but this run has"):
+        prep_step(replace(first, base_model_uri=str(other)), tmp_path / "c" / "prompts")
     again = prep_step(first, tmp_path / "b" / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
     assert (again.start, again.start_iteration) == ("load", 1)
     resumed = chain(PipelineConfig.from_json(again.config_json), tmp_path / "b", start=1)

@@ -265,14 +265,19 @@ def run_local_command(
     ] = "",
 ) -> None:
     """The training pipeline through KFP's local runner: the same components as on a cluster.
-    ``--settings-json`` fields go over make run's (prompts, eval_tasks, eval_k, warmstart_steps)."""
+    ``--settings-json`` fields go over make run's (prompts, eval_tasks, eval_k, warmstart_steps;
+    with --base-model-uri, the warm start's steps are the pretrained default)."""
     from pipelines.local import LocalRun, print_result, run_local
+    from trace_core.train.config import PRETRAINED
 
     with expected_errors(RuntimeError):  # a bad setting, or a step that failed
         settings = json.loads(params.settings_json or "{}")
         if not isinstance(settings, dict):
             raise ValueError("--settings-json must be a JSON object")
-        merged = {**MAKE_RUN_SETTINGS, **settings}
+        defaults = dict(MAKE_RUN_SETTINGS)
+        if params.base_model_uri:  # a base model's warm start is PRETRAINED's, not make run's
+            defaults = {k: v for k, v in defaults.items() if k not in PRETRAINED}
+        merged = {**defaults, **settings}
         run = LocalRun(output, replace(params, settings_json=json.dumps(merged)), s3_endpoint)
         result = run_local(run, say=console.print)
     print_result(result, say=lambda line: console.print(line, highlight=False, soft_wrap=True))

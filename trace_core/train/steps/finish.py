@@ -15,7 +15,7 @@ from trace_core.algo.tree import ROOT, RolloutTree, leaf_counts, success_counts
 from trace_core.envs.base import TaskSuite
 from trace_core.train.contract import PROMPTS_EVAL, TREES, PipelineConfig
 from trace_core.train.record import IterationRecord, read_log
-from trace_core.train.steps.start import open_registry
+from trace_core.train.steps.start import BASE_MODEL, open_registry
 
 
 def evaluate_step(
@@ -118,7 +118,13 @@ def register_checkpoint(
                 link.symlink_to(path.resolve())
         registry = open_registry(config)
         checkpoint = registry.save(
-            config.run_name, iteration, scratch, metadata={"strategy": config.train.strategy}
+            config.run_name,
+            iteration,
+            scratch,
+            metadata={
+                "strategy": config.train.strategy,
+                BASE_MODEL: str(config.train.init or ""),
+            },
         )
     return registry.store.uri(checkpoint.key)
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+BASE_MODEL = "base_model"
+"""The registry metadata that records what a run started from (its ``base_model_uri``)."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,22 @@ def prep_step(
     if config.run_name:
         checkpoint = open_registry(config).latest(config.run_name, say=log.warning)
         if checkpoint is not None:
+            _check_same_base(checkpoint.metadata, config)
             start, done = "load", checkpoint.iteration
     return PrepResult(config.to_json(), start, done, len(train_tasks), len(eval_tasks))
+
+
+def _check_same_base(metadata: Mapping[str, str], config: PipelineConfig) -> None:
+    """A run name resumes only the run of the same base model (checkpoints that predate the
+    record pass)."""
+    stored, given = metadata.get(BASE_MODEL), str(config.train.init or "")
+    if stored is not None and stored != given:
+        started = f"base model {stored}" if stored else "the warm-started tiny policy"
+        asked = f"base_model_uri {given}" if given else "no base_model_uri"
+        raise ValueError(
+            f"run_name {config.run_name!r}: its checkpoints start from {started}, but this run "
+            f"has {asked}; give it another run_name (or the same base model to resume)"
+        )
 
 
 def _base_model_defaults(config: PipelineConfig, params: PipelineParameters) -> PipelineConfig:
