@@ -148,9 +148,16 @@ def evaluate(
     config: TrainConfig,
     device: str = "cpu",
 ) -> EvalReport:
-    """Held-out pass@1 and mean@k of ``model`` on ``tasks``."""
+    """Held-out pass@1 and mean@k of ``model`` on ``tasks``, on an engine pool of the run's
+    size (``engine.max_rows``, ``engine.cache_tokens``)."""
+    engine = TorchEngine(
+        model,  # type: ignore[arg-type]
+        device=device,
+        max_batch=config.engine.max_rows,
+        cache_tokens=config.engine.cache_tokens,
+    )
     return evaluate_policy(
-        TorchEngine(model, device=device),  # type: ignore[arg-type]
+        engine,
         fmt,
         make_env,
         tasks,

@@ -90,8 +90,9 @@ def train(
     say = progress or (lambda _message: None)
     out = config.output
     suite = suite or make_suite(config.task, config.data, config.seed)
-    if config.init and local_path(config.init):
-        check_checkpoint(local_path(config.init), "--init")  # type: ignore[arg-type]
+    local_init = local_path(config.init) if config.init else None
+    if local_init:  # a remote one is checked once downloaded
+        check_checkpoint(local_init, "--init")
     if restart and (removed := discard_run(out)):
         say(f"--restart: discarded {', '.join(removed)} in {out}")
     point = resume_point(out)

@@ -216,7 +216,7 @@ def warmstart(
         model.float()  # fp32 master weights
         fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
         before = sampled_success(
-            TorchEngine(model, cache_tokens=16_384), fmt, suite, eval_tasks,
+            TorchEngine(model), fmt, suite, eval_tasks,
             config.eval_samples, config.seed, config.max_tokens,
         )  # fmt: skip
     rng = np.random.default_rng(config.seed)
@@ -231,7 +231,7 @@ def warmstart(
     losses = sft_train(model, sequences, masks, config.sft, tokenizer.pad_token_id, progress)
     seconds = time.perf_counter() - start
     save_checkpoint(model, tokenizer, config.output)
-    engine = TorchEngine(model, cache_tokens=16_384 if config.init else 65_536)
+    engine = TorchEngine(model)
     after = sampled_success(
         engine, fmt, suite, eval_tasks, config.eval_samples, config.seed, config.max_tokens
     )
