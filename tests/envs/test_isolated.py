@@ -8,6 +8,7 @@ import operator
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,19 @@ def test_a_call_past_its_bound_is_killed_not_abandoned(call: IsolatedCall) -> No
 def test_a_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="seconds must be > 0"):
         IsolatedCall(0)
+
+
+def test_a_slow_start_is_not_counted_in_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child imports ``preload`` (here a module that takes 2 s, as sympy may on a loaded
+    machine) before the first call is timed: a 0.5 s bound still holds for the call itself."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(2.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets the parent's sys.path
+    isolated = IsolatedCall(seconds=0.5, preload=("slow_to_import",))
+    try:
+        assert isolated(operator.add, 2, 3) == 5
+        with pytest.raises(ToolTimeout):
+            isolated(time.sleep, 2.0)
+    finally:
+        isolated.close()

@@ -60,7 +60,7 @@ _CHECKERS: dict[float, IsolatedCall] = {}
 def _checker(seconds: float) -> IsolatedCall:
     """One checking process per time bound, per process, started on first use."""
     if seconds not in _CHECKERS:
-        _CHECKERS[seconds] = IsolatedCall(seconds)
+        _CHECKERS[seconds] = IsolatedCall(seconds, preload=(__name__, "math_verify"))
     return _CHECKERS[seconds]
 
 
