@@ -101,7 +101,7 @@ def train(
         say(f"{note}; resuming after iteration {done}, the newest complete one")
     _check_config(out, config, done)
     records = _resumed_log(out, done)
-    init = _fetch_init(config, say)
+    init = local_init or _fetch_init(config, say)  # a local one was checked above
     start_dir = init if init and not config.warmstart_init else out / "warmstart"
     if not done and start_dir == out / "warmstart" and not (start_dir / "config.json").exists():
         say(f"warm start of the {config.task} policy" + (f" from {config.init}" if init else ""))
@@ -178,11 +178,11 @@ def train(
 
 
 def _fetch_init(config: TrainConfig, say: Callable[[str], None]) -> Path | None:
-    """The local folder of ``config.init``: itself, or its download into the run's ``init/``."""
+    """A remote ``config.init``'s download into the run's ``init/`` (made once, then checked)."""
     if not config.init:
         return None
     folder = config.output / INIT
-    if local_path(config.init) is None and not folder.exists():
+    if not folder.exists():
         say(f"downloading {config.init} to {folder}")
     return fetch_model(config.init, folder)
 
