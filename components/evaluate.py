@@ -35,6 +35,7 @@ def evaluate(
     metrics.log_metric("accuracy_pass1", result["pass1"]["all"])
     if result["mean_k"]:
         metrics.log_metric(f"accuracy_mean_at_{result['k']}", result["mean_k"]["all"])
+    metrics.log_metric("action_parse_rate", result["parse_rate"])
     metrics.log_metric("eval_tokens", result["tokens"])
     metrics.log_metric("iteration", result["iteration"])
     return json.dumps(result)

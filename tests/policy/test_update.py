@@ -162,6 +162,8 @@ def test_update_moves_probability_toward_rewarded_paths(rollouts) -> None:  # ty
         assert stats.steps == 1 and stats.paths == len(paths)
         assert stats.clip_fraction == 0.0  # one on-policy step: every ratio is exactly 1
         assert stats.logprob_gap < 1e-4
+        # Its own peak (policy.peak): at least what the process held, the model included.
+        assert stats.peak_gib * 2**30 >= sum(p.numel() * 4 for p in model.parameters())
         with torch.no_grad():
             after = token_logprobs(model, batch.ids, batch.attention)
         delta = after - batch.old_logprobs

@@ -121,6 +121,8 @@ def test_pass1_and_mean_k_by_hand() -> None:
         "k": 4,
         "pass1": {D1: 1.0, D2: 0.5, ALL: 0.75},
         "mean_k": {D1: 0.75, D2: 0.125, ALL: 0.4375},
+        "parse_rate": 1.0,  # right, wrong and stall are all actions
+        "truncated": 0.0,  # every turn ended with <|im_end|>
     }
     # First call greedy (one sample), then the k samples at temperature 1; each stalling
     # episode's 5 later turns come one sample at a time; every call stops at <|im_end|>.
@@ -145,3 +147,31 @@ def test_rejects_no_tasks_and_negative_k() -> None:
         evaluate_policy(KnownAnswers(), FMT, SUITE.make_env, [], k=1, seed=0)
     with pytest.raises(ValueError, match="k must be >= 0, got -1"):
         evaluate_policy(KnownAnswers(), FMT, SUITE.make_env, TASKS, k=-1, seed=0)
+
+
+@dataclass
+class CutFirstTurn(KnownAnswers):
+    """``KnownAnswers``, but task 10's greedy first turn is "answer" cut by the token limit:
+    no action, no end-of-turn token."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[list[Completion]]:
+        out = super().generate(prompts, params, seed)
+        for i, prompt in enumerate(prompts):
+            first = len(prompt) == len(FMT.prompt_ids(task_of(prompt).prompt))
+            if first and params.temperature == 0 and task_of(prompt).id == "calc-eval-00010":
+                ids = np.asarray(FMT.tokenizer.encode("answer"), np.int32)
+                out[i] = [Completion(ids, np.zeros(len(ids), np.float32), finished=False)]
+        return out
+
+
+def test_parse_rate_and_cut_turns_by_hand() -> None:
+    report = evaluate_policy(CutFirstTurn(), FMT, SUITE.make_env, TASKS, k=0, seed=0)
+    # Tasks 0, 9 and 1 answer in one parsable turn each (3 turns). Task 10's first turn is cut
+    # and unparsable; the env answers it with an error and the episode goes on, every later
+    # turn a stall (calc[1+1], parsable) up to the 6-turn limit: 1 + 5 turns.
+    #   parse rate: (3 + 5) / 9 = 8/9;  cut: 1/9
+    assert report.parse_rate == pytest.approx(8 / 9)
+    assert report.truncated == pytest.approx(1 / 9)
+    assert report.pass1 == {D1: 1.0, D2: 0.5, ALL: 0.75}

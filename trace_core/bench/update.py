@@ -5,9 +5,9 @@
 One minibatch of ``paths`` synthetic paths (a ``prompt_tokens`` prompt and a
 ``generated_tokens`` turn each, random ids and mixed rewards: memory does not depend on what
 the tokens say) goes through ``update_policy`` once per budget, each in a fresh process, so
-that each peak is its own. The peak is the process's peak RSS on CPU
-(``getrusage``), ``torch.cuda.max_memory_allocated`` on CUDA; the update's part is that peak
-minus what the process held after loading the model. Budget 0 is the unbatched update, the
+that each peak is its own. The peak is the update's own (``UpdateStats.peak_gib``: the
+process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA); the update's part is
+that peak minus what the process held after loading the model. Budget 0 is the unbatched update, the
 baseline every other row is a ratio of. Each row also carries ``policy.memory``'s estimate for
 the same pass size, so the estimate printed for 1.7B, 8B and 14B models can be judged
 against a measurement.
@@ -15,12 +15,10 @@ against a measurement.
 
 from __future__ import annotations
 
-import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
-from pathlib import Path
 
 import numpy as np
 
@@ -77,31 +75,23 @@ def run_update_bench(config: UpdateBenchConfig) -> list[UpdateRow]:
 
 def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     """One update at ``budget`` in this (fresh) process."""
-    import torch
-
     from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.peak import held_bytes
     from trace_core.policy.update import UpdateConfig, make_optimizer, update_policy
 
-    cuda = config.device == "cuda"
     model, tokenizer = load_checkpoint(config.checkpoint, config.device)
     model.float()  # fp32 master weights (bf16 autocast on CUDA)
     trees = synthetic_trees(config, model.config.vocab_size)
     update = UpdateConfig(
         lr=1e-6, minibatch=config.paths, micro_tokens=budget, checkpointing=config.checkpointing
     )
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        loaded = torch.cuda.memory_allocated()
-    else:
-        loaded = _rss_bytes()
+    loaded = held_bytes(config.device) / GIB
     start = time.perf_counter()
     stats = update_policy(
         model, make_optimizer(model, update), trees, update, np.random.default_rng(config.seed),
         tokenizer.pad_token_id or 0,
     )  # fmt: skip
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()
     tokens = config.prompt_tokens + config.generated_tokens
     pass_tokens = budget or config.paths * tokens
     estimate = estimate_update(
@@ -110,9 +100,9 @@ def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     return UpdateRow(
         budget=budget,
         passes=stats.passes,
-        loaded_gib=loaded / GIB,
-        peak_gib=peak / GIB,
-        update_gib=(peak - loaded) / GIB,
+        loaded_gib=loaded,
+        peak_gib=stats.peak_gib,
+        update_gib=stats.peak_gib - loaded,
         estimate_gib=estimate.total / GIB,
         seconds=seconds,
         logprob_gap=stats.logprob_gap,
@@ -164,12 +154,3 @@ def rows_to_json(config: UpdateBenchConfig, rows: list[UpdateRow]) -> dict[str, 
             "no_checkpointing": {k: dict(v) for k, v in estimates(False).items()},
         },
     }
-
-
-def _rss_bytes() -> int:
-    with Path("/proc/self/statm").open() as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

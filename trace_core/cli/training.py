@@ -55,15 +55,20 @@ def train_command(
     first, last = records[0].eval, next(r.eval for r in reversed(records) if r.eval)
     assert first is not None and last is not None
     table = Table(title=f"{task} · {strategy}: held-out success before and after")
-    for head in ("", "pass@1", f"mean@{eval_k}", "generated tokens"):
+    for head in ("", "pass@1", f"mean@{eval_k}", "action parse rate", "generated tokens"):
         table.add_column(head, justify="right")
-    table.add_row("start", f"{first['pass1']['all']:.3f}", _mean_k(first), "0")  # type: ignore[index]
-    table.add_row(
-        f"iteration {records[-1].iteration}",
-        f"{last['pass1']['all']:.3f}",  # type: ignore[index]
-        _mean_k(last),
-        f"{records[-1].total_tokens:,}",
-    )
+    for label, result, tokens in (
+        ("start", first, 0),
+        (f"iteration {records[-1].iteration}", last, records[-1].total_tokens),
+    ):
+        parsed = result.get("parse_rate")  # absent from logs written before it was recorded
+        table.add_row(
+            label,
+            f"{result['pass1']['all']:.3f}",  # type: ignore[index]
+            _mean_k(result),
+            f"{parsed:.3f}" if isinstance(parsed, float) else "-",
+            f"{tokens:,}",
+        )
     console.print(table)
     console.print(f"wrote {output}/log.jsonl and {output}/curves.png")
 

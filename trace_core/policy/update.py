@@ -34,7 +34,7 @@ import contextlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +51,7 @@ from trace_core.algo.advantage import (
 )
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.checkpoint import check_safetensors
+from trace_core.policy.peak import measure_peak
 from trace_core.policy.update_config import UpdateConfig
 
 _Wrapped = torch.nn.parallel.DistributedDataParallel
@@ -101,6 +102,9 @@ class UpdateStats:
     """The largest of those gaps."""
     passes: int = 0
     """Forward/backward passes (micro-batches) over all steps."""
+    peak_gib: float = 0.0
+    """Peak memory of the update (``policy.peak``): CUDA's max allocated, or on CPU the
+    process's peak RSS from the update's start (the model and optimizer state included)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -341,6 +345,27 @@ def update_policy(
     scorer = model if wrapped else TokenScorer(model, config.logit_chunk)  # type: ignore[arg-type]
     policy = _policy_of(scorer)
     ref_scorer = TokenScorer(reference, config.logit_chunk) if reference is not None else None
+    device = next(policy.parameters()).device
+    with measure_peak(device) as peak:
+        stats = _update_steps(
+            scorer, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
+        )
+    return replace(stats, peak_gib=peak.gib)
+
+
+def _update_steps(
+    scorer: torch.nn.Module,
+    ref_scorer: TokenScorer | None,
+    optimizer: torch.optim.Optimizer,
+    paths: Sequence[PathTokens],
+    config: UpdateConfig,
+    rng: np.random.Generator,
+    pad_id: int,
+    rank: int,
+    world: int,
+) -> UpdateStats:
+    """``update_policy``'s epochs of minibatch steps over ``paths``."""
+    policy = _policy_of(scorer)
     device = next(policy.parameters()).device
     if config.checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trace_core.envs.base import Env, Task
+from trace_core.algo.tree import RolloutTree
+from trace_core.envs.base import Env, Task, parse_action
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.flat import rollout_flat
@@ -33,9 +34,20 @@ class EvalReport:
     """Mean success of k samples at temperature 1 per difficulty, and under ``"all"``."""
     tokens: int
     """Generated tokens the evaluation took (not part of any training budget)."""
+    parse_rate: float = float("nan")
+    """Share of the evaluation's turns (greedy and sampled) that end in a parsable action."""
+    truncated: float = float("nan")
+    """Share of those turns cut by ``max_tokens`` before their end-of-turn token."""
 
     def as_dict(self) -> dict[str, object]:
-        return {"tasks": self.tasks, "k": self.k, "pass1": self.pass1, "mean_k": self.mean_k}
+        return {
+            "tasks": self.tasks,
+            "k": self.k,
+            "pass1": self.pass1,
+            "mean_k": self.mean_k,
+            "parse_rate": self.parse_rate,
+            "truncated": self.truncated,
+        }
 
 
 def evaluate_policy(
@@ -54,7 +66,7 @@ def evaluate_policy(
     greedy = rollout_flat(
         engine, fmt, make_env, tasks, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed
     )
-    tokens = sum(t.generated_tokens for t in greedy)
+    played = list(greedy)
     pass1 = _by_difficulty(tasks, [float(t.reward[t.leaf_mask].mean()) for t in greedy])
     mean_k: dict[str, float] = {}
     if k:
@@ -66,9 +78,18 @@ def evaluate_policy(
             SamplingParams(n=k, temperature=1.0, max_tokens=max_tokens),
             seed + 1,
         )
-        tokens += sum(t.generated_tokens for t in sampled)
+        played += sampled
         mean_k = _by_difficulty(tasks, [float(t.reward[t.leaf_mask].mean()) for t in sampled])
-    return EvalReport(len(tasks), k, pass1, mean_k, tokens)
+    tokens = sum(t.generated_tokens for t in played)
+    truncated = [bool(cut) for t in played for cut in t.truncated[1:]]
+    cut = float(np.mean(truncated)) if truncated else 0.0
+    return EvalReport(len(tasks), k, pass1, mean_k, tokens, parse_rate(played), cut)
+
+
+def parse_rate(trees: Sequence[RolloutTree]) -> float:
+    """Share of turns (every non-root node) whose text ends in an action the parser reads."""
+    turns = [text for tree in trees for text in tree.text[1:]]
+    return float(np.mean([parse_action(t) is not None for t in turns])) if turns else 0.0
 
 
 def _by_difficulty(tasks: Sequence[Task], scores: Sequence[float]) -> dict[str, float]:

@@ -123,9 +123,11 @@ def train(
         predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
     eval_tasks = iteration.eval_tasks(suite, config)
     if not records:
-        say("evaluating the starting policy")
+        say(f"evaluating the starting policy on {len(eval_tasks)} held-out tasks")
+        start = time.perf_counter()
         report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
-        records = [IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), {})]
+        seconds = {"eval": time.perf_counter() - start}
+        records = [IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)]
         _append_log(out, records[0], fresh=True)
     train_tasks = suite.tasks("train")
     for i in range(done + 1, config.iterations + 1):

@@ -3,10 +3,11 @@
     text = summary_markdown("TRACE run nightly", {"task": "calc"}, read_log(policy_dir),
                             start_eval, final_eval, Path("trees/trees.parquet"))
 
-Sections: the settings, held-out accuracy before and after (pass@1 greedy, mean@k sampled), one
-line per iteration (prompt and anchor effective ratios, mixed groups, units, generated tokens,
-update loss), and the head of the last iteration's trees Parquet. The KFP UI renders Markdown
-but not Parquet, so the head is turned into a table here.
+Sections: the settings, held-out accuracy before and after (pass@1 greedy, mean@k sampled, the
+share of turns whose action parses), one line per iteration (prompt and anchor effective
+ratios, mixed groups, units, generated tokens, update loss), and the head of the last
+iteration's trees Parquet. The KFP UI renders Markdown but not Parquet, so the head is turned
+into a table here.
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def summary_markdown(
     lines += ["## Held-out accuracy", ""]
     k = final_eval.get("k", start_eval.get("k", 0))
     lines += _table(
-        ["policy", "pass@1", f"mean@{k}", "eval tasks"],
+        ["policy", "pass@1", f"mean@{k}", "action parse rate", "eval tasks"],
         [
-            [label, _all(report, "pass1"), _all(report, "mean_k"), str(report.get("tasks", "-"))]
+            [
+                label,
+                _all(report, "pass1"),
+                _all(report, "mean_k"),
+                _rate(report.get("parse_rate")),
+                str(report.get("tasks", "-")),
+            ]
             for label, report in (("start", start_eval), ("final", final_eval))
         ],
     )
@@ -102,6 +109,11 @@ def _all(report: Mapping[str, object], key: str) -> str:
     if isinstance(values, Mapping) and "all" in values:
         return f"{float(values['all']):.3f}"
     return "-"
+
+
+def _rate(value: object) -> str:
+    """A share, or "-" for a report written before it was recorded."""
+    return f"{value:.3f}" if isinstance(value, float) else "-"
 
 
 def _cell(value: object) -> str:

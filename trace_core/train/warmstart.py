@@ -31,8 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trace_core.algo.tree import RolloutTree
-from trace_core.envs.base import DemoSuite, Task, parse_action, replay
+from trace_core.envs.base import DemoSuite, Task, replay
 from trace_core.envs.calc import CalcSuite
 from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.suites import SYNTHETIC
@@ -49,6 +48,7 @@ from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.flat import rollout_flat
 from trace_core.train.config import PRETRAINED
+from trace_core.train.evaluate import parse_rate
 
 
 def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
@@ -193,12 +193,6 @@ def sampled_success(
         float(np.mean(rewards)),
         parse_rate(trees),
     )
-
-
-def parse_rate(trees: Sequence[RolloutTree]) -> float:
-    """Share of turns (every non-root node) whose text ends in an action the parser reads."""
-    turns = [text for tree in trees for text in tree.text[1:]]
-    return float(np.mean([parse_action(t) is not None for t in turns])) if turns else 0.0
 
 
 def warmstart(

@@ -1,0 +1,92 @@
+"""The peak memory of one block of work, measured (the estimate is ``policy.memory``).
+
+    with measure_peak(device) as peak:
+        update_policy(...)
+    peak.gib, peak.held_gib   # the block's high-water mark; what was held when it began
+
+On CUDA the peak is ``torch.cuda.max_memory_allocated`` after resetting CUDA's counter at the
+start. On CPU it is the process's peak resident set (``VmHWM``) after resetting the kernel's
+high-water mark through ``/proc/self/clear_refs`` (Linux ≥ 4.0), so a block that follows a
+larger one (a rollout before an update) reports its own peak. Where the mark cannot be reset
+(not Linux, or the file is not writable) the peak is the process's since it started, and
+``Peak.scope`` says ``"process"``.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trace_core.policy.memory import GIB
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass
+class Peak:
+    held: int = 0
+    """Bytes held when the block began (RSS on CPU, allocated on CUDA)."""
+    peak: int = 0
+    """The block's high-water mark in bytes."""
+    scope: str = "block"
+    """``block``: the mark was reset at the start; ``process``: it could not be."""
+
+    @property
+    def gib(self) -> float:
+        return self.peak / GIB
+
+    @property
+    def held_gib(self) -> float:
+        return self.held / GIB
+
+
+@contextmanager
+def measure_peak(device: torch.device | str = "cpu") -> Iterator[Peak]:
+    """Measure the peak memory of the ``with`` block on ``device``; read it after the block."""
+    peak = Peak()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        peak.held = held_bytes(device)
+        yield peak
+        torch.cuda.synchronize()
+        peak.peak = torch.cuda.max_memory_allocated()
+        return
+    peak.scope = "block" if _reset_high_water_mark() else "process"
+    peak.held = held_bytes(device)
+    yield peak
+    peak.peak = peak_rss_bytes()
+
+
+def held_bytes(device: torch.device | str = "cpu") -> int:
+    """What is held now: CUDA's allocated bytes, or the process's resident set on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.memory_allocated()
+    with Path("/proc/self/statm").open() as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since its high-water mark was last reset."""
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        match = None
+    if match:
+        return int(match.group(1)) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")  # 5: reset the peak RSS to the current RSS
+    except OSError:
+        return False
+    return True
