@@ -191,7 +191,9 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
         pass1, mean_k = report["pass1"], report["mean_k"]
         assert isinstance(pass1, dict) and isinstance(mean_k, dict)
         sampled = f", mean@{k} {mean_k['all']:.3f}" if mean_k else ""
-        say(f"  held-out accuracy ({label}): pass@1 {pass1['all']:.3f}{sampled}")
+        parsed = report.get("parse_rate")
+        parsed_text = f", action parse rate {parsed:.3f}" if isinstance(parsed, float) else ""
+        say(f"  held-out accuracy ({label}): pass@1 {pass1['all']:.3f}{sampled}{parsed_text}")
     if "checkpoint" in result.final_eval:
         say(f"  checkpoint: {result.final_eval['checkpoint']}")
     say(f"trees: {result.trees_dir}")

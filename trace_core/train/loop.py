@@ -174,9 +174,26 @@ def train(
         accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
         say(
             f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "
-            f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}"
+            f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}; {_phases_line(seconds, stats)}"
         )
     return records
+
+
+def _phases_line(seconds: dict[str, float], stats: UpdateStats) -> str:
+    """Seconds per phase, and what the update measured: "rollout 41 s, predictor 0 s, update
+    3 s (12 paths, peak 2.1 GiB, logprob gap 3e-05), eval 20 s"."""
+    parts = []
+    for phase, value in seconds.items():
+        part = f"{phase} {value:.0f} s"
+        if phase == "update":
+            part += (
+                f" ({stats.paths} paths, peak {stats.peak_gib:.1f} GiB, "
+                f"logprob gap {stats.logprob_gap:.1e})"
+                if stats.paths
+                else " (no path with an advantage: every group was all-success or all-failure)"
+            )
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def _fetch_init(config: TrainConfig, say: Callable[[str], None]) -> Path | None:
