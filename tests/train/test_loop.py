@@ -93,17 +93,19 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     assert any(not torch.equal(first[k], second[k]) for k in first)
     # Every evaluation is timed, the starting one too; an update that trained measured its peak.
     assert records[0].seconds["eval"] > 0 and records[2].seconds["eval"] > 0
-    assert all(r.update["peak_gib"] > 0 for r in records[1:] if r.update["paths"])
+    assert all(
+        r.update["peak_gib"] >= r.update["held_gib"] > 0 for r in records[1:] if r.update["paths"]
+    )
     assert 0 <= records[2].eval["parse_rate"] <= 1  # type: ignore[index,operator]
     assert json.loads((out / "config.json").read_text())["strategy"] == "trace"
 
 
 def test_the_iteration_line_gives_each_phase_and_the_update_measurements() -> None:
     seconds = {"rollout": 41.2, "predictor": 0.1, "update": 3.4, "eval": 19.6}
-    stats = UpdateStats(12, 300, 1, 0.1, 0.0, 0.0, 1.0, 3e-5, 1e-4, 2, peak_gib=2.14)
+    stats = UpdateStats(12, 300, 1, 0.1, 0.0, 0.0, 1.0, 3e-5, 1e-4, 2, peak_gib=2.14, held_gib=1.5)
     assert loop._phases_line(seconds, stats) == (
-        "rollout 41 s, predictor 0 s, update 3 s (12 paths, peak 2.1 GiB, logprob gap 3.0e-05), "
-        "eval 20 s"
+        "rollout 41 s, predictor 0 s, update 3 s (12 paths, peak 2.1 GiB of which 1.5 held before "
+        "it, logprob gap 3.0e-05), eval 20 s"
     )
     flat = UpdateStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
     assert "no path with an advantage" in loop._phases_line({"update": 0.0}, flat)

@@ -76,7 +76,6 @@ def run_update_bench(config: UpdateBenchConfig) -> list[UpdateRow]:
 def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     """One update at ``budget`` in this (fresh) process."""
     from trace_core.policy.model import load_checkpoint
-    from trace_core.policy.peak import held_bytes
     from trace_core.policy.update import UpdateConfig, make_optimizer, update_policy
 
     model, tokenizer = load_checkpoint(config.checkpoint, config.device)
@@ -85,7 +84,6 @@ def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     update = UpdateConfig(
         lr=1e-6, minibatch=config.paths, micro_tokens=budget, checkpointing=config.checkpointing
     )
-    loaded = held_bytes(config.device) / GIB
     start = time.perf_counter()
     stats = update_policy(
         model, make_optimizer(model, update), trees, update, np.random.default_rng(config.seed),
@@ -100,9 +98,9 @@ def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     return UpdateRow(
         budget=budget,
         passes=stats.passes,
-        loaded_gib=loaded,
+        loaded_gib=stats.held_gib,
         peak_gib=stats.peak_gib,
-        update_gib=stats.peak_gib - loaded,
+        update_gib=stats.peak_gib - stats.held_gib,
         estimate_gib=estimate.total / GIB,
         seconds=seconds,
         logprob_gap=stats.logprob_gap,

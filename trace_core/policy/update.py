@@ -105,6 +105,9 @@ class UpdateStats:
     peak_gib: float = 0.0
     """Peak memory of the update (``policy.peak``): CUDA's max allocated, or on CPU the
     process's peak RSS from the update's start (the model and optimizer state included)."""
+    held_gib: float = 0.0
+    """What the process held when the update began (allocated on CUDA, RSS on CPU): the
+    update's own part is ``peak_gib - held_gib``."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -350,7 +353,7 @@ def update_policy(
         stats = _update_steps(
             scorer, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
         )
-    return replace(stats, peak_gib=peak.gib)
+    return replace(stats, peak_gib=peak.gib, held_gib=peak.held_gib)
 
 
 def _update_steps(

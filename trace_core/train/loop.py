@@ -181,14 +181,14 @@ def train(
 
 def _phases_line(seconds: dict[str, float], stats: UpdateStats) -> str:
     """Seconds per phase, and what the update measured: "rollout 41 s, predictor 0 s, update
-    3 s (12 paths, peak 2.1 GiB, logprob gap 3e-05), eval 20 s"."""
+    3 s (12 paths, peak 2.1 GiB of which 1.5 held before it, logprob gap 3.0e-05), eval 20 s"."""
     parts = []
     for phase, value in seconds.items():
         part = f"{phase} {value:.0f} s"
         if phase == "update":
             part += (
-                f" ({stats.paths} paths, peak {stats.peak_gib:.1f} GiB, "
-                f"logprob gap {stats.logprob_gap:.1e})"
+                f" ({stats.paths} paths, peak {stats.peak_gib:.1f} GiB of which "
+                f"{stats.held_gib:.1f} held before it, logprob gap {stats.logprob_gap:.1e})"
                 if stats.paths
                 else " (no path with an advantage: every group was all-success or all-failure)"
             )
