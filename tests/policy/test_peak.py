@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 from trace_core.policy.peak import held_bytes, measure_peak
 
 MIB = 2**20
@@ -29,3 +33,33 @@ def test_held_bytes_follow_what_the_process_holds() -> None:
     block = touched(128)
     assert held_bytes("cpu") - before >= 120 * MIB
     del block
+
+
+FRAGMENTED_HEAP = """
+import json, torch
+from trace_core.policy.peak import held_bytes, release_freed_memory
+MIB = 2**20
+block = torch.ones(8 * MIB // 4)  # a freed 8 MiB block raises glibc's mmap threshold, so
+del block                         # the 1 MiB tensors below come from the heap
+start = held_bytes()
+pairs = [(torch.ones(MIB // 4), torch.ones(64)) for _ in range(256)]
+kept = [small for _, small in pairs]
+del pairs
+held = held_bytes()
+released = release_freed_memory()
+print(json.dumps({"start": start, "held": held, "after": held_bytes(), "released": released,
+                  "kept": all(float(t.sum()) == 64.0 for t in kept)}))
+"""
+
+
+def test_freed_memory_below_a_live_allocation_is_handed_back() -> None:
+    # In a fresh process (a heap without holes from other tests): 256 MiB of 1 MiB tensors,
+    # each followed by a small one that stays alive. Freeing the large ones leaves holes the
+    # heap cannot shrink past, so the process still holds them until they are handed back.
+    done = subprocess.run(
+        [sys.executable, "-c", FRAGMENTED_HEAP], capture_output=True, text=True, check=True
+    )
+    rss = json.loads(done.stdout)
+    assert rss["held"] - rss["start"] > 200 * MIB  # freed, still held
+    assert rss["released"] and rss["held"] - rss["after"] > 200 * MIB  # handed back
+    assert rss["kept"]  # the live tensors are as they were

@@ -51,7 +51,7 @@ from trace_core.algo.advantage import (
 )
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.checkpoint import check_safetensors
-from trace_core.policy.peak import measure_peak
+from trace_core.policy.peak import measure_peak, release_freed_memory
 from trace_core.policy.update_config import UpdateConfig
 
 _Wrapped = torch.nn.parallel.DistributedDataParallel
@@ -353,6 +353,8 @@ def update_policy(
         stats = _update_steps(
             scorer, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
         )
+    if device.type == "cpu":  # the activations are freed; let the next phase have their pages
+        release_freed_memory()
     return replace(stats, peak_gib=peak.gib, held_gib=peak.held_gib)
 
 
