@@ -19,6 +19,9 @@ def prep(
     iterations: int,
     seed: int,
     ray_address: str,
+    engine: str,
+    rollout_workers: int,
+    gpus_per_worker: float,
     run_name: str,
     store_uri: str,
     settings_json: str,
@@ -34,7 +37,7 @@ def prep(
 
     parameters = PipelineParameters(
         task, dataset_uri, base_model_uri, strategy, budget, continuations, iterations, seed,
-        ray_address, run_name, store_uri, settings_json,
+        ray_address, engine, rollout_workers, gpus_per_worker, run_name, store_uri, settings_json,
     )  # fmt: skip
     result = prep_step(parameters, Path(prompts.path))
     prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})

@@ -12,9 +12,11 @@ The K iterations are unrolled when the pipeline is built (KFP v2 has no loops th
 state), so K is a build option, not a run parameter: the committed YAML has K = 4, and
 ``trace-rl run-local`` builds its own. Everything else is a run parameter set in the KFP UI:
 task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N), seed, ray_address,
-run_name (resume from / register under this name), store_uri, settings_json (any other
-``TrainConfig`` field, as JSON), the GPU pods' request and placement (gpus, accelerator,
-gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret, ray_auth_secret).
+the rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors;
+gpus_per_worker: the GPUs each asks for), run_name (resume from / register under this name),
+store_uri, settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' request and
+placement (gpus, accelerator, gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret,
+ray_auth_secret).
 
 Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
 the local run must be this same pipeline; so the warm-start branch and the load branch each
@@ -107,6 +109,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         continuations: int = 2,
         seed: int = 0,
         ray_address: str = "",
+        engine: str = "torch",
+        rollout_workers: int = 0,
+        gpus_per_worker: float = 0.0,
         run_name: str = "",
         store_uri: str = "",
         settings_json: str = "{}",
@@ -144,6 +149,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 iterations=opts.iterations,
                 seed=seed,
                 ray_address=ray_address,
+                engine=engine,
+                rollout_workers=rollout_workers,
+                gpus_per_worker=gpus_per_worker,
                 run_name=run_name,
                 store_uri=store_uri,
                 settings_json=settings_json,

@@ -27,11 +27,12 @@ CLUSTER_ONLY = {
     "ray_auth_secret",
 }
 """Pod placement and Secrets: KFP run parameters that are not training settings."""
-KFP_TYPES = {int: "Integer", str: "String"}
+KFP_TYPES = {int: "Integer", float: "Float", str: "String"}
 
 
 def kind(name: str) -> type:
-    return int if FIELDS[name].type in ("int", int) else str
+    kinds = {"int": int, int: int, "float": float, float: float}
+    return kinds.get(FIELDS[name].type, str)  # type: ignore[call-overload]
 
 
 def test_the_kfp_pipeline_signature_is_the_run_parameters() -> None:
@@ -65,6 +66,9 @@ def test_local_run_and_its_flags_are_the_run_parameters() -> None:
 
 
 def test_parsed_strings_take_the_fields_types() -> None:
-    params = parse_parameters({"budget": "16", "task": "multihop", "seed": "3"})
+    params = parse_parameters(
+        {"budget": "16", "task": "multihop", "seed": "3", "gpus_per_worker": "0.5"}
+    )
     assert (params.budget, params.task, params.seed) == (16, "multihop", 3)
+    assert params.gpus_per_worker == 0.5
     assert params.continuations == FIELDS["continuations"].default

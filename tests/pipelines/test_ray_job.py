@@ -80,7 +80,7 @@ def inputs(tmp_path: Path) -> tuple[Path, Path]:
     return base, tmp_path
 
 
-def config_for(base: Path, address: str, root: Path) -> PipelineConfig:
+def config_for(base: Path, address: str, root: Path, rollout_workers: int = 0) -> PipelineConfig:
     parameters = PipelineParameters(
         task="calc",
         base_model_uri=str(base),
@@ -88,6 +88,7 @@ def config_for(base: Path, address: str, root: Path) -> PipelineConfig:
         continuations=2,
         iterations=1,
         ray_address=address,
+        rollout_workers=rollout_workers,
         store_uri=f"s3://{BUCKET}/ray-test",
         settings_json='{"prompts": 12, "max_tokens": 8, "eval_tasks": 4, "group": 2}',
     )
@@ -164,3 +165,33 @@ def test_a_failed_job_fails_the_step_with_its_log(
     assert "last log lines" in str(failed.value)
     assert "".join(lines).startswith("submitted Ray job trace-pipeline-rollout-0001-")
     assert not (tmp_path / "trees").exists()  # nothing was fetched from a failed job
+
+
+@pytest.mark.usefixtures("client_env")
+def test_engine_actors_of_a_ray_job_are_the_clusters(
+    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """rollout_workers = 2 on a cluster: the job's driver grows the trees and its two engine
+    actors run on the head's cluster with the resources asked (1 CPU, no GPU each), not in a
+    private Ray the driver would start inside its own pod."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
+
+    base, root = inputs
+    config = config_for(base, ray_dashboard, root, rollout_workers=2)
+    call = StepCall(
+        "rollout",
+        1,
+        {name: str(root / name) for name in ("prompts", "policy", "predictor")},
+        {"trees": str(tmp_path / "trees")},
+    )
+    job_id = submit_step(call, config, log=lambda _text: None)
+    trees = read_trees(tmp_path / "trees" / "trees.parquet")
+    assert sum(t.units for t in trees) == 6 * (1 + 2 / 2)
+    driver = JobSubmissionClient(ray_dashboard).get_job_info(job_id).job_id
+    actors = list_actors(
+        address=ray_dashboard, filters=[("class_name", "=", "EngineWorker")], detail=True
+    )
+    mine = [a for a in actors if a.job_id == driver]
+    assert len(mine) == 2
+    assert all(a.required_resources == {"CPU": 1.0} for a in mine)

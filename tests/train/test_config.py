@@ -41,8 +41,31 @@ def test_from_json_names_the_field(body: dict[str, object], message: str) -> Non
 
 
 def test_the_pipeline_carries_the_engine_settings() -> None:
-    params = PipelineParameters(settings_json='{"engine": {"workers": 2, "gpus_per_worker": 1}}')
-    assert params.config().train.engine == EngineConfig(workers=2, gpus_per_worker=1)
+    """engine, rollout_workers and gpus_per_worker are run parameters (the KFP UI's fields);
+    the rest of ``EngineConfig`` comes through settings_json."""
+    params = PipelineParameters(
+        engine="vllm",
+        rollout_workers=2,
+        gpus_per_worker=1.0,
+        settings_json='{"engine": {"tensor_parallel": 2, "memory_fraction": 0.8}}',
+    )
+    assert params.config().train.engine == EngineConfig(
+        "vllm", workers=2, gpus_per_worker=1.0, tensor_parallel=2, memory_fraction=0.8
+    )
+    assert PipelineParameters().config().train.engine == EngineConfig()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ('{"engine": {"workers": 2}}', "engine sets workers: use the pipeline parameter"),
+        ('{"engine": {"engine": "hf"}}', "engine sets engine: use the pipeline parameter"),
+        ('{"engine": 4}', "engine must be a JSON object"),
+    ],
+)
+def test_settings_json_may_not_override_the_engine_parameters(settings: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PipelineParameters(settings_json=settings).config()
 
 
 def test_train_flags_are_the_config_fields_with_their_docstrings() -> None:

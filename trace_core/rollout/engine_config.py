@@ -1,7 +1,8 @@
 """Which engine samples the rollouts, and how many of them: a config value, importable without
 torch, so it travels in the training config through every pipeline step (``train.config``)
-and the KFP UI can set it (``settings_json``: ``{"engine": {"engine": "vllm", "workers": 4,
-"gpus_per_worker": 1}}``). ``rollout.engines.open_engine`` turns it into an ``Engine``.
+and the KFP UI can set it (the run parameters ``engine``, ``rollout_workers`` and
+``gpus_per_worker``; the other fields in ``settings_json``: ``{"engine": {"tensor_parallel":
+2}}``). ``rollout.engines.open_engine`` turns it into an ``Engine``.
 
     EngineConfig()                                        # one TorchEngine in this process
     EngineConfig(workers=2)                               # two TorchEngine Ray actors

@@ -198,6 +198,12 @@ class PipelineParameters:
     """Seed of pools, plans, sampling and updates."""
     ray_address: str = ""
     """Ray dashboard http://HEAD:8265: rollout and update run there as Ray jobs."""
+    engine: str = "torch"
+    """Rollout engine: torch, hf or vllm."""
+    rollout_workers: int = 0
+    """Ray engine actors of the rollout (0: one engine in the step's own process)."""
+    gpus_per_worker: float = 0.0
+    """GPUs each Ray engine actor asks for (with rollout_workers >= 1)."""
     run_name: str = ""
     """Checkpoint registry name: resume from its latest checkpoint, register the final one."""
     store_uri: str = ""
@@ -220,6 +226,22 @@ class PipelineParameters:
             )
         if "output" in settings or "ray_address" in settings:
             raise ValueError("settings_json may not set output or ray_address")
+        engine = settings.get("engine", {})
+        if not isinstance(engine, dict):
+            raise ValueError("settings_json's engine must be a JSON object of EngineConfig fields")
+        clash = sorted(set(ENGINE_PARAMETERS) & set(engine))
+        if clash:
+            names = ", ".join(ENGINE_PARAMETERS[name] for name in clash)
+            raise ValueError(
+                f"settings_json's engine sets {', '.join(clash)}: use the pipeline parameter(s) "
+                f"{names} instead"
+            )
+        engine = {
+            **engine,
+            "engine": self.engine,
+            "workers": self.rollout_workers,
+            "gpus_per_worker": float(self.gpus_per_worker),
+        }
         if not self.base_model_uri and self.task not in SYNTHETIC:
             raise ValueError(
                 f"task {self.task!r} has no built-in warm start: set base_model_uri "
@@ -228,6 +250,7 @@ class PipelineParameters:
         train = TrainConfig.from_json(
             {
                 **settings,
+                "engine": engine,
                 "task": self.task,
                 "data": self.dataset_uri or None,
                 "init": self.base_model_uri or None,
@@ -240,6 +263,14 @@ class PipelineParameters:
             }
         )
         return PipelineConfig(train, self.run_name, self.store_uri, self.ray_address)
+
+
+ENGINE_PARAMETERS = {
+    "engine": "engine",
+    "workers": "rollout_workers",
+    "gpus_per_worker": "gpus_per_worker",
+}
+"""``EngineConfig`` fields that are pipeline parameters of their own → the parameter's name."""
 
 
 def parse_parameters(params: Mapping[str, str]) -> PipelineParameters:
@@ -255,6 +286,11 @@ def parse_parameters(params: Mapping[str, str]) -> PipelineParameters:
                 values[name] = int(text)
             except ValueError:
                 raise ValueError(f"--param {name}={text!r}: expected an integer") from None
+        elif fields[name].type in ("float", float):
+            try:
+                values[name] = float(text)
+            except ValueError:
+                raise ValueError(f"--param {name}={text!r}: expected a number") from None
         else:
             values[name] = text
     return PipelineParameters(**values)  # type: ignore[arg-type]
