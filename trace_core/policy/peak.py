@@ -15,7 +15,8 @@ On CPU, memory a block freed is not always handed back to the system: glibc's ma
 freed heap pages when a live allocation sits above them, so after one update a process can
 hold several GB of activations it no longer uses (measured on SmolLM2: 6.7 GiB resident after
 an update whose live tensors were under 2 GiB, 2.5 GiB after a trim). ``release_freed_memory``
-hands them back (``malloc_trim``); the update calls it when it ends.
+hands them back (``malloc_trim``); the update calls it before it starts (the rollout's
+freed pages) and when it ends (its own).
 """
 
 from __future__ import annotations

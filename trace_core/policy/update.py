@@ -349,11 +349,14 @@ def update_policy(
     policy = _policy_of(scorer)
     ref_scorer = TokenScorer(reference, config.logit_chunk) if reference is not None else None
     device = next(policy.parameters()).device
+    cpu = device.type == "cpu"
+    if cpu:  # what the rollout freed goes back first: the update starts from what is live
+        release_freed_memory()
     with measure_peak(device) as peak:
         stats = _update_steps(
             scorer, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
         )
-    if device.type == "cpu":  # the activations are freed; let the next phase have their pages
+    if cpu:  # and its own activations after it, for the next phase
         release_freed_memory()
     return replace(stats, peak_gib=peak.gib, held_gib=peak.held_gib)
 
