@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from trace_core.policy.peak import held_bytes, measure_peak
+from trace_core.policy.peak import held_bytes
 
 MIB = 2**20
 
@@ -16,16 +16,36 @@ def touched(mib: int) -> bytearray:
     return bytearray(mib * MIB)
 
 
+LATER_SMALLER_BLOCK = """
+import json
+from trace_core.policy.peak import measure_peak
+MIB = 2**20
+big = bytearray(384 * MIB)
+del big  # freed back to the system: a block this large is its own mapping
+with measure_peak("cpu") as peak:
+    small = bytearray(64 * MIB)
+    del small
+print(json.dumps({"held": peak.held, "peak": peak.peak, "scope": peak.scope,
+                  "gib": peak.gib, "held_gib": peak.held_gib}))
+"""
+
+
+def run_fresh(script: str) -> dict[str, object]:
+    """``script``'s JSON line, run in a fresh process: what a heap holds, and whether a new
+    allocation touches new pages, depends on what the process did before."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
 def test_a_block_after_a_larger_one_reports_its_own_peak() -> None:
-    big = touched(384)
-    del big  # freed back to the system: a large block is its own mapping
-    with measure_peak("cpu") as peak:
-        small = touched(64)
-        del small
-    assert peak.scope == "block"  # Linux: /proc/self/clear_refs reset the high-water mark
+    rss = run_fresh(LATER_SMALLER_BLOCK)
+    assert rss["scope"] == "block"  # Linux: /proc/self/clear_refs reset the high-water mark
     # The 64 MiB is in the block's peak, the 384 MiB before it is not.
-    assert 60 * MIB <= peak.peak - peak.held < 300 * MIB
-    assert peak.gib == peak.peak / 2**30 and peak.held_gib == peak.held / 2**30
+    grown = rss["peak"] - rss["held"]  # type: ignore[operator]
+    assert 60 * MIB <= grown < 300 * MIB
+    assert rss["gib"] == rss["peak"] / 2**30  # type: ignore[operator]
 
 
 def test_held_bytes_follow_what_the_process_holds() -> None:
@@ -56,10 +76,7 @@ def test_freed_memory_below_a_live_allocation_is_handed_back() -> None:
     # In a fresh process (a heap without holes from other tests): 256 MiB of 1 MiB tensors,
     # each followed by a small one that stays alive. Freeing the large ones leaves holes the
     # heap cannot shrink past, so the process still holds them until they are handed back.
-    done = subprocess.run(
-        [sys.executable, "-c", FRAGMENTED_HEAP], capture_output=True, text=True, check=True
-    )
-    rss = json.loads(done.stdout)
+    rss = run_fresh(FRAGMENTED_HEAP)
     assert rss["held"] - rss["start"] > 200 * MIB  # freed, still held
     assert rss["released"] and rss["held"] - rss["after"] > 200 * MIB  # handed back
     assert rss["kept"]  # the live tensors are as they were
