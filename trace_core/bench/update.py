@@ -7,8 +7,9 @@ One minibatch of ``paths`` synthetic paths (a ``prompt_tokens`` prompt and a
 the tokens say) goes through ``update_policy`` once per budget, each in a fresh process, so
 that each peak is its own. The peak is the update's own (``UpdateStats.peak_gib``: the
 process's peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA); the update's part is
-that peak minus what the process held after loading the model. Budget 0 is the unbatched update, the
-baseline every other row is a ratio of. Each row also carries ``policy.memory``'s estimate for
+that peak minus what the process held when the update began, the model loaded
+(``UpdateStats.held_gib``). Budget 0 is the unbatched update, the baseline every other row is
+a ratio of. Each row also carries ``policy.memory``'s estimate for
 the same pass size, so the estimate printed for 1.7B, 8B and 14B models can be judged
 against a measurement.
 """

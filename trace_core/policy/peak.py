@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import re
 import resource
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,12 +105,18 @@ def _reset_high_water_mark() -> bool:
 def release_freed_memory() -> bool:
     """Return the heap pages the C allocator holds free to the system (glibc's
     ``malloc_trim(0)``); False where there is no glibc. What is live is not touched."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
-        trim = None
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` may run ``ldconfig``)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim with
+        return None

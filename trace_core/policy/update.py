@@ -354,7 +354,7 @@ def update_policy(
         release_freed_memory()
     with measure_peak(device) as peak:
         stats = _update_steps(
-            scorer, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
+            scorer, policy, device, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
         )
     if cpu:  # and its own activations after it, for the next phase
         release_freed_memory()
@@ -363,6 +363,8 @@ def update_policy(
 
 def _update_steps(
     scorer: torch.nn.Module,
+    policy: PreTrainedModel,
+    device: torch.device,
     ref_scorer: TokenScorer | None,
     optimizer: torch.optim.Optimizer,
     paths: Sequence[PathTokens],
@@ -372,9 +374,8 @@ def _update_steps(
     rank: int,
     world: int,
 ) -> UpdateStats:
-    """``update_policy``'s epochs of minibatch steps over ``paths``."""
-    policy = _policy_of(scorer)
-    device = next(policy.parameters()).device
+    """``update_policy``'s epochs of minibatch steps over ``paths`` (``policy``: the model
+    inside ``scorer``, on ``device``)."""
     if config.checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
     policy.train()
