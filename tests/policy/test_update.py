@@ -90,6 +90,12 @@ def test_token_level_average_weights_long_turns_by_length() -> None:
         ({"clip": 1.5}, "clip"),
         ({"kl_coef": -1.0}, "kl_coef"),
         ({"minibatch": 0}, "minibatch"),
+        ({"old_logprobs": "trainer"}, "old_logprobs"),
+        ({"tis_cap": -1.0}, "tis_cap"),
+        ({"tis_cap": 0.5}, "tis_cap"),  # below 1 it would cut weights where the two agree
+        ({"tis_cap": math.nan}, "tis_cap"),
+        ({"tis_cap": math.inf}, "tis_cap"),
+        ({"tis_cap": 2.0, "old_logprobs": "engine"}, "old_logprobs"),  # TIS needs the recompute
     ],
 )
 def test_config_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
@@ -121,7 +127,8 @@ def rollouts():  # type: ignore[no-untyped-def]
 
 
 def test_engine_logprobs_match_the_training_forward(rollouts) -> None:  # type: ignore[no-untyped-def]
-    """π_old is read from the tree, never recomputed: it must be what the trainer computes."""
+    """In float32 on CPU, π_old is read from the tree ("auto" does not recompute it): it must be
+    what the trainer computes."""
     model, tokenizer, trees = rollouts
     batch = collate_paths(tree_paths(trees, "grpo"), tokenizer.pad_token_id)
     with torch.no_grad():

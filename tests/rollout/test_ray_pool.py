@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 from trace_core.algo.plan import Budget, plan
 from trace_core.algo.tree import RolloutTree
-from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+from trace_core.bench.reload import ReloadBenchConfig, run_reload_bench
+from trace_core.bench.workers import (
+    WorkersBenchConfig,
+    WorkersBenchResult,
+    WorkersRun,
+    run_workers_bench,
+)
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.format import TurnFormat
@@ -34,16 +40,12 @@ from trace_core.policy.model import (
 )
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
+from trace_core.rollout.engine_config import EngineConfig
+from trace_core.rollout.engines import EngineSession
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
-from trace_core.rollout.ray_pool import (
-    PrefixOwners,
-    RayEnginePool,
-    SubBatch,
-    ray_session,
-    split_work,
-    sub_batch_seed,
-)
+from trace_core.rollout.ray_pool import RayEnginePool, ray_session
+from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
 
 SUITE = CalcSuite(seed=3, train_size=40, eval_size=10)
 BUDGET = Budget(roots=8, continuations=2, group=4)  # 8 × (1 + 2/2) = 16 units
@@ -306,7 +308,7 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     )
     result = run_workers_bench(config)
     local, one, two = result.runs
-    assert [r.engine for r in result.runs] == ["in-process", "ray×1", "ray×2"]
+    assert [r.engine for r in result.runs] == ["in-process", "torch ray×1", "torch ray×2"]
     assert [r.workers for r in result.runs] == [0, 1, 2]
     for run in result.runs:
         assert run.units == 8.0  # 4 × (1 + 2/2): the same workload on every engine
@@ -316,8 +318,9 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     assert result.ratio == pytest.approx(two.tokens_per_s / one.tokens_per_s)
     result.write_json(tmp_path / "bench.json")
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert set(data) == {"config", "runs", "ratio", "load_average", "cpus"}
+    assert set(data) == {"config", "runs", "ratio", "ratios", "load_average", "cpus"}
     assert data["ratio"] == result.ratio
+    assert data["ratios"] == {"torch ray×2 / torch ray×1": result.ratio}
     assert [r["generated_tokens"] for r in data["runs"]] == [
         r.generated_tokens for r in (local, one, two)
     ]
@@ -328,3 +331,58 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
         WorkersBenchConfig(tmp_path, workers=(1,))
     with pytest.raises(ValueError, match="two or more worker counts"):
         WorkersBenchConfig(tmp_path, workers=(2, 2))
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_a_run_keeps_its_pool_and_puts_each_new_policy_in_place(
+    ray_cluster: None, checkpoint: Path, tmp_path: Path
+) -> None:
+    new = save_sharpened_policy(tmp_path / "new", seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    with EngineSession(EngineConfig(workers=1)) as session:
+        with session.engine(checkpoint) as first:
+            pids = first.worker_pids()  # type: ignore[attr-defined]
+        with session.engine(checkpoint) as same:
+            assert same is first and session.reloads == 0  # the same policy: nothing to load
+        with session.engine(new) as second:
+            assert second is first and second.worker_pids() == pids  # type: ignore[attr-defined]
+            ours = second.generate(prompts, greedy, seed=1)
+        assert session.reloads == 1 and session.reload_seconds > 0
+    reference = TorchEngine(load_checkpoint(new)[0])
+    assert_same_greedy_answers(ours, [reference.generate([p], greedy, seed=1)[0] for p in prompts])
+
+
+def test_workers_bench_ratios_compare_worker_counts_and_engine_kinds() -> None:
+    def run(engine: str, workers: int, tokens_per_s: float) -> WorkersRun:
+        return WorkersRun(engine, workers, 1.0, 1, tokens_per_s, 1, 1.0, 0.0, 0, 0, 8.0)
+
+    result = WorkersBenchResult(
+        config={},
+        runs=[
+            run("in-process", 0, 50.0),
+            run("torch ray×1", 1, 100.0),
+            run("torch ray×2", 2, 150.0),
+            run("vllm ray×1", 1, 300.0),
+            run("vllm ray×2", 2, 600.0),
+        ],
+    )
+    assert result.ratio == 1.5  # the first kind's 2 workers over 1
+    assert result.ratios() == {
+        "torch ray×2 / torch ray×1": 1.5,
+        "vllm ray×2 / vllm ray×1": 2.0,
+        "vllm ray×1 / torch ray×1": 3.0,
+        "vllm ray×2 / torch ray×2": 4.0,
+    }
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_reload_bench_times_fresh_starts_and_reloads(
+    ray_cluster: None, checkpoint: Path, tmp_path: Path
+) -> None:
+    result = run_reload_bench(ReloadBenchConfig(checkpoint, repeats=1))
+    (run,) = result.runs
+    assert run.engine == "torch" and run.fresh_seconds > 0 and run.reload_seconds > 0
+    assert result.ratios == {"torch": run.fresh_seconds / run.reload_seconds}
+    result.write_json(tmp_path / "reload.json")
+    assert json.loads((tmp_path / "reload.json").read_text())["ratios"] == result.ratios

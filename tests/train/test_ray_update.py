@@ -3,6 +3,7 @@ update it must reproduce."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import make_optimizer, update_policy
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.flat import rollout_flat
+from trace_core.store.artifacts import open_store
 from trace_core.store.schema import write_trees
+from trace_core.store.sync import download_folder, upload_folder
 from trace_core.train.ray_update import update_on_ray
 
 pytestmark = pytest.mark.slow
@@ -68,11 +71,32 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
 def test_ray_train_reproduces_the_in_process_update(setup, tmp_path: Path, workers: int) -> None:  # type: ignore[no-untyped-def]
     policy, trees, expected = setup
     stats = update_on_ray(policy, trees, tmp_path / "out", CONFIG, seed=7, workers=workers)
+    check_update(stats, policy, tmp_path / "out", expected)
+
+
+@pytest.mark.cluster  # the session's S3 server
+def test_ray_train_workers_read_and_write_s3(setup, s3_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Every location an s3:// URI, as in a Ray job on a cluster whose pods share no disk:
+    the worker downloads its inputs, rank 0 uploads the result, the update is the same."""
+    policy, trees, expected = setup
+    root = f"s3://trace/ray-update/{uuid.uuid4().hex[:8]}"
+    upload_folder(policy, f"{root}/policy")
+    open_store(f"{root}/trees").put_file("trees.parquet", trees)
+    stats = update_on_ray(
+        f"{root}/policy", f"{root}/trees/trees.parquet", f"{root}/out", CONFIG, seed=7, workers=1
+    )
+    download_folder(f"{root}/out", tmp_path / "out")
+    check_update(stats, policy, tmp_path / "out", expected)
+
+
+def check_update(  # type: ignore[no-untyped-def]
+    stats, policy: Path, out: Path, expected: dict[str, torch.Tensor]
+) -> None:
     assert stats.steps == 3 and stats.paths == 40  # 40 paths in minibatches of 16
-    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    got = load_file(str(out / "model.safetensors"))
     before = load_file(str(policy / "model.safetensors"))
     for name, value in got.items():
         key = name if name in expected else f"model.{name}"
         assert torch.allclose(value, expected.get(name, expected.get(key)), atol=2e-5), name
     assert any(not torch.equal(got[k], before[k]) for k in got)
-    assert (tmp_path / "out" / "optimizer.safetensors").is_file()
+    assert (out / "optimizer.safetensors").is_file()

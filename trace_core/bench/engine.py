@@ -16,7 +16,7 @@ model import``; its prompts are random ids above its special tokens):
   torch kernels could reach against HF at best, in this run on this machine; ``torch_vs_floor``
   is how far TorchEngine is from it.
 * **vLLM** (when ``vllm_python`` names a Python with vLLM, e.g. ``.venv-vllm/bin/python``
-  from ``make test-vllm``): the same policy, saved as a checkpoint, and the same prompts and
+  from ``make setup-vllm``): the same policy, saved as a checkpoint, and the same prompts and
   sampling, timed by ``trace_core.bench.vllm_timing`` in that Python (vLLM pins its own torch
   and transformers, so it cannot share this process). ``ratio_vs_vllm`` is vLLM's time over
   TorchEngine's. vLLM's CPU build runs its own threads, whatever ``threads`` says.
@@ -88,7 +88,7 @@ def run_engine_bench(
     if tree_turns < 1 or obs_tokens < 1 or turn_tokens < 2:
         raise ValueError("tree_turns and obs_tokens must be >= 1 and turn_tokens >= 2")
     if vllm_python is not None and not vllm_python.is_file():
-        raise FileNotFoundError(f"vllm_python: {vllm_python} is not a file (make test-vllm?)")
+        raise FileNotFoundError(f"vllm_python: {vllm_python} is not a file (make setup-vllm?)")
     saved_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

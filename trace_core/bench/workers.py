@@ -1,4 +1,5 @@
-"""``trace-rl bench workers``: rollout throughput with 1 and 2 Ray engine workers.
+"""``trace-rl bench workers``: rollout throughput with 1 and 2 Ray engine workers, of one
+engine kind or several (``--engines torch,vllm``: vLLM against the TorchEngine).
 
 One workload, run once per worker count: ``grow_trees`` with strategy ``trace`` on the calc
 task, a fixed pool and budget, a constant predictor, through a ``RayEnginePool`` whose
@@ -61,6 +62,12 @@ class WorkersBenchConfig:
     """Timed runs per engine; the best counts."""
     workers: tuple[int, ...] = (1, 2)
     """Worker counts to time; the ratio is the last over the first."""
+    engines: tuple[str, ...] = ("torch",)
+    """Engine kinds of the Ray workers (torch, hf, vllm), each timed at every worker count."""
+    eager: bool = False
+    """vLLM: no torch.compile or CUDA graphs (starts faster, decodes slower on GPU)."""
+    kv_cache_gib: float = 0.0
+    """vLLM: KV cache per engine in GiB (0: vLLM's default, 4 GiB on CPU)."""
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.max_tokens, self.repeats) < 1:
@@ -71,12 +78,15 @@ class WorkersBenchConfig:
                 f"with the fewest), got {self.workers}"
             )
         Budget(self.roots, self.continuations)  # validates roots and continuations
+        unknown = sorted(set(self.engines) - {"torch", "hf", "vllm"})
+        if unknown or not self.engines:
+            raise ValueError(f"engines must be among torch, hf, vllm; got {self.engines}")
 
 
 @dataclass(frozen=True)
 class WorkersRun:
     engine: str
-    """``in-process`` or ``ray×W``."""
+    """``in-process``, or ``KIND ray×W`` (``torch ray×2``, ``vllm ray×1``)."""
     workers: int
     """0 for the in-process engine."""
     seconds: float
@@ -105,15 +115,35 @@ class WorkersBenchResult:
 
     @property
     def ratio(self) -> float:
-        """Tokens/s of the most workers over the fewest."""
-        ray_runs = [r for r in self.runs if r.workers]
-        return ray_runs[-1].tokens_per_s / ray_runs[0].tokens_per_s
+        """Tokens/s of the most workers over the fewest, of the first engine kind."""
+        first = [r for r in self.runs if r.workers and r.engine.startswith(self.kinds[0])]
+        return first[-1].tokens_per_s / first[0].tokens_per_s
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(r.engine.split()[0] for r in self.runs if r.workers))
+
+    def ratios(self) -> dict[str, float]:
+        """Every kind's most-over-fewest workers, and every kind over the first kind at each
+        worker count: ``vllm ray×2 / torch ray×2``."""
+        speed = {r.engine: r.tokens_per_s for r in self.runs if r.workers}
+        counts = sorted({r.workers for r in self.runs if r.workers})
+        out = {}
+        for kind in self.kinds:
+            most, fewest = f"{kind} ray×{counts[-1]}", f"{kind} ray×{counts[0]}"
+            out[f"{most} / {fewest}"] = speed[most] / speed[fewest]
+        for kind in self.kinds[1:]:
+            for w in counts:
+                base = f"{self.kinds[0]} ray×{w}"
+                out[f"{kind} ray×{w} / {base}"] = speed[f"{kind} ray×{w}"] / speed[base]
+        return out
 
     def to_json(self) -> dict[str, object]:
         return {
             "config": self.config,
             "runs": [asdict(r) for r in self.runs],
             "ratio": self.ratio,
+            "ratios": self.ratios(),
             "load_average": list(self.load_average),
             "cpus": self.cpus,
         }
@@ -178,14 +208,22 @@ def run_workers_bench(
         engines: list[tuple[Engine, Callable[[], None], str, int]] = [
             (local, functools.partial(local.update_weights, model), "in-process", 0)
         ]
-        stack.enter_context(ray_session(num_cpus=sum(config.workers)))
-        for w in config.workers:
-            say(f"starting {w} Ray workers")
-            ray_pool = stack.enter_context(
-                RayEnginePool(config.checkpoint, workers=w, threads_per_worker=1)
-            )
-            reset = functools.partial(ray_pool.update_weights, config.checkpoint)
-            engines.append((ray_pool, reset, f"ray×{w}", w))
+        stack.enter_context(ray_session(num_cpus=sum(config.workers) * len(config.engines)))
+        for kind in config.engines:
+            for w in config.workers:
+                say(f"starting {w} Ray workers ({kind})")
+                ray_pool = stack.enter_context(
+                    RayEnginePool(
+                        config.checkpoint,
+                        workers=w,
+                        threads_per_worker=1,
+                        engine=kind,  # type: ignore[arg-type]  # checked by the config
+                        eager=config.eager,
+                        kv_cache_bytes=int(config.kv_cache_gib * 2**30) or None,
+                    )
+                )
+                reset = functools.partial(ray_pool.update_weights, config.checkpoint)
+                engines.append((ray_pool, reset, f"{kind} ray×{w}", w))
         for engine, *_ in engines:
             say("warm-up")
             grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)

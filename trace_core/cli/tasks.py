@@ -277,7 +277,7 @@ def rollout_command(
     tasks = file_tasks if file_tasks is not None else suite.tasks(split)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
-    where = f"{config.workers} Ray engine workers" if config.workers else "the engine"
+    where = f"{config.workers} Ray {config.engine} workers" if config.workers else config.engine
     with expected_errors(RuntimeError, ConnectionError), progress() as bar:
         job = bar.add_task(f"rollout units ({where})", total=grow.budget.units)
         result = run_rollout(

@@ -7,16 +7,20 @@ comes from one of the foundation's estimators (``grpo``, ``drgrpo``, ``treepo``,
 
 Per generated token t, with ρ_t = exp(log π_θ(t) − log π_old(t)):
 
-    loss_t = −min(ρ_t · A_t, clip(ρ_t, 1 − ε, 1 + ε) · A_t) + β · k3_t
+    loss_t = −w_t · min(ρ_t · A_t, clip(ρ_t, 1 − ε, 1 + ε) · A_t) + β · k3_t
     k3_t   = exp(log π_ref(t) − log π_θ(t)) − (log π_ref(t) − log π_θ(t)) − 1
 
 and the minibatch loss is the mean over its generated tokens (token-level averaging, as in
-DAPO and Dr. GRPO: a long turn weighs by its length, not as one sequence). The old logprobs
-are the engine's sampling logprobs, stored on the tree — no second forward pass. They are
-log-softmax of the raw logits, so they are π_old only for rollouts sampled at temperature 1
-without top-p — the training loop refuses any other rollout sampling — and the tests check
-that they match a recomputation with the training forward pass (``UpdateStats.logprob_gap``
-reports the gap on every update).
+DAPO and Dr. GRPO: a long turn weighs by its length, not as one sequence).
+
+π_old (``UpdateConfig.old_logprobs``) is the engine's sampling logprobs stored on the tree
+("engine": log-softmax of the raw logits, so π_old only at temperature 1 without top-p, which
+the loop enforces; in float32 on CPU the tests check they match the training forward), or the
+trainer's own no-grad forward before the first step ("recompute": in bf16 or with vLLM's kernels
+they differ); "auto" recomputes unless the model is float32 on CPU. ``logprob_gap`` reports
+|trainer − engine| either way. w_t is 1, or with truncated importance sampling (``tis_cap`` C,
+Yao et al. 2025) min(exp(log π_trainer_old − log π_engine), C), detached: it corrects for the
+engine having sampled while the ratio stays the trainer's.
 
     from trace_core.policy.update_config import UpdateConfig
     from trace_core.policy.update import update_policy
@@ -26,21 +30,19 @@ Departures, stated plainly: paths that carry no advantage on any token (every le
 group had the same reward) are dropped from the policy-gradient batch by default
 (``skip_flat_paths``), which changes the token normaliser exactly as DAPO's dynamic sampling
 does; with ``kl_coef > 0`` such paths would still carry a KL term, so they are then kept.
+Not yet measured on a GPU: how much recompute and TIS change learning with vLLM in bf16.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -50,7 +52,8 @@ from trace_core.algo.advantage import (
     turn_advantages,
 )
 from trace_core.algo.tree import RolloutTree
-from trace_core.policy.checkpoint import check_safetensors
+from trace_core.policy.optimizer_state import load_optimizer as load_optimizer
+from trace_core.policy.optimizer_state import save_optimizer as save_optimizer
 from trace_core.policy.peak import measure_peak, release_freed_memory
 from trace_core.policy.update_config import UpdateConfig
 
@@ -66,7 +69,8 @@ class PathBatch:
     attention: torch.Tensor  # (P, T) long, 1 on real tokens
     mask: torch.Tensor  # (P, T-1) bool, True where ids[:, t+1] was generated
     advantages: torch.Tensor  # (P, T-1) float32
-    old_logprobs: torch.Tensor  # (P, T-1) float32, sampling logprob of ids[:, t+1]
+    old_logprobs: torch.Tensor  # (P, T-1) float32, π_old of ids[:, t+1] (the PPO ratio's)
+    engine_logprobs: torch.Tensor  # (P, T-1) float32, sampling logprob of ids[:, t+1]
 
     @property
     def tokens(self) -> int:
@@ -96,8 +100,9 @@ class UpdateStats:
     grad_norm: float
     """Mean gradient norm before clipping."""
     logprob_gap: float
-    """Mean |log π_θ − log π_old| on the first minibatch, before any step: how far the
-    engine's sampling logprobs are from the trainer's recomputation (should be ~0)."""
+    """Mean |log π_θ − log π_engine| on the first minibatch, before any step: how far the
+    engine's sampling logprobs are from the trainer's forward (~0 in float32 on CPU; with
+    ``old_recomputed`` the ratio does not see it)."""
     logprob_gap_max: float = 0.0
     """The largest of those gaps."""
     passes: int = 0
@@ -108,6 +113,14 @@ class UpdateStats:
     held_gib: float = 0.0
     """What the process held when the update began (allocated on CUDA, RSS on CPU): the
     update's own part is ``peak_gib - held_gib``."""
+    old_recomputed: bool = False
+    """π_old was the trainer's recomputation (``old_logprobs`` recompute, or auto on a model
+    that is not float32 on CPU, or TIS); False: the engine's sampling logprobs."""
+    tis_weight: float = 1.0
+    """Mean truncated importance weight min(π_trainer_old / π_engine, tis_cap) over the tokens
+    trained on (1 without TIS)."""
+    tis_truncated: float = 0.0
+    """Share of those tokens whose weight was cut to ``tis_cap`` (0 without TIS)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -124,25 +137,37 @@ def tree_paths(trees: Sequence[RolloutTree], estimator: str) -> list[PathTokens]
     return paths
 
 
-def collate_paths(paths: Sequence[PathTokens], pad_id: int) -> PathBatch:
-    """Pad paths on the right into one batch (padding is masked out of the loss)."""
+def collate_paths(
+    paths: Sequence[PathTokens],
+    pad_id: int,
+    old: Sequence[npt.NDArray[np.float32]] | None = None,
+) -> PathBatch:
+    """Pad paths on the right into one batch (padding is masked out of the loss). ``old``: π_old
+    per path, aligned with ``path.logprobs`` (``trainer_logprobs``); None: the engine's."""
     if not paths:
         raise ValueError("no paths to collate")
+    if old is not None and len(old) != len(paths):
+        raise ValueError(f"{len(old)} old logprob arrays for {len(paths)} paths")
     length = max(len(p.tokens) for p in paths)
     ids = torch.full((len(paths), length), pad_id, dtype=torch.long)
     attention = torch.zeros((len(paths), length), dtype=torch.long)
     mask = torch.zeros((len(paths), length), dtype=torch.bool)
     adv = torch.zeros((len(paths), length), dtype=torch.float32)
-    old = torch.zeros((len(paths), length), dtype=torch.float32)
+    engine = torch.zeros((len(paths), length), dtype=torch.float32)
     for row, path in enumerate(paths):
         n = len(path.tokens)
         ids[row, :n] = torch.from_numpy(path.tokens.astype(np.int64))
         attention[row, :n] = 1
         mask[row, :n] = torch.from_numpy(path.loss_mask)
         adv[row, :n] = torch.from_numpy(path.advantages.astype(np.float32))
-        old[row, :n] = torch.from_numpy(path.logprobs)
+        engine[row, :n] = torch.from_numpy(path.logprobs)
+    trainer = engine
+    if old is not None:
+        trainer = torch.zeros_like(engine)
+        for row, values in enumerate(old):
+            trainer[row, : len(values)] = torch.from_numpy(values)
     # Column t of the logits predicts token t+1: shift every per-token field by one.
-    return PathBatch(ids, attention, mask[:, 1:], adv[:, 1:], old[:, 1:])
+    return PathBatch(ids, attention, mask[:, 1:], adv[:, 1:], trainer[:, 1:], engine[:, 1:])
 
 
 class TokenScorer(torch.nn.Module):
@@ -203,6 +228,40 @@ def token_logprobs(
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
+def trainer_logprobs(
+    scorer: TokenScorer,
+    paths: Sequence[PathTokens],
+    micro_tokens: int,
+    pad_id: int,
+    device: torch.device,
+) -> list[npt.NDArray[np.float32]]:
+    """The trainer's log π of each path's generated tokens, aligned with ``path.logprobs`` (0
+    elsewhere): ``scorer``'s forward under no_grad, in the loss's micro-batches (``pack``) and
+    logit chunks, so that a path scored in the same micro-batch gets the same numbers."""
+    out: list[npt.NDArray[np.float32]] = [np.zeros(0, np.float32)] * len(paths)
+    with torch.no_grad():
+        for part in pack([len(p.tokens) for p in paths], micro_tokens):
+            batch = collate_paths([paths[i] for i in part], pad_id)
+            mask = batch.mask.to(device)
+            full = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (P, T-1)
+            full[mask] = scorer(batch.ids.to(device), batch.attention.to(device), mask)
+            rows = full.cpu().numpy()
+            for row, i in enumerate(part):
+                n = len(paths[i].tokens)
+                out[i] = np.concatenate([np.zeros(1, np.float32), rows[row, : n - 1]])
+    return out
+
+
+def resolve_old_logprobs(mode: str, tis_cap: float, dtype: torch.dtype, device: str) -> str:
+    """``UpdateConfig.old_logprobs`` made "engine" or "recompute" for a model whose parameters
+    have ``dtype`` on ``device`` (its type: "cpu", "cuda"): "auto" trusts the engine only where
+    the trainer does the TorchEngine's arithmetic, float32 on CPU; TIS always recomputes."""
+    if mode == "auto":
+        same = dtype == torch.float32 and device == "cpu"
+        return "engine" if same and tis_cap == 0 else "recompute"
+    return mode
+
+
 def micro_batches(paths: Sequence[PathTokens], budget: int) -> list[list[PathTokens]]:
     """``paths`` cut into micro-batches of at most ``budget`` padded tokens (``pack``)."""
     return [[paths[i] for i in part] for part in pack([len(p.tokens) for p in paths], budget)]
@@ -231,14 +290,19 @@ def policy_loss(
     clip: float,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> LossParts:
-    """The clipped surrogate plus β·k3, averaged over the masked tokens. All inputs (P, T)."""
+    """The clipped surrogate plus β·k3, averaged over the masked tokens. All inputs (P, T);
+    ``weights``: per-token factors of the surrogate (TIS), taken as constants."""
     maskf = mask.float()
     count = maskf.sum().clamp(min=1.0)
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
-    policy = -(torch.minimum(unclipped, clipped) * maskf).sum() / count
+    surrogate = torch.minimum(unclipped, clipped)
+    if weights is not None:
+        surrogate = surrogate * weights.detach()
+    policy = -(surrogate * maskf).sum() / count
     kl = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if ref_logprobs is not None and kl_coef > 0:
         delta = ref_logprobs - logprobs
@@ -259,11 +323,15 @@ class MinibatchStats:
     kl: float
     clip_fraction: float
     gap_sum: float
-    """Σ |log π_θ − log π_old| over this rank's tokens (before the step)."""
+    """Σ |log π_θ − log π_engine| over this rank's tokens (before the step)."""
     gap_max: float
     tokens: int
     passes: int
     """Forward/backward passes (micro-batches) it took."""
+    tis_sum: float = 0.0
+    """Σ of the TIS weights over this rank's tokens (0 without TIS)."""
+    tis_truncated: int = 0
+    """This rank's tokens whose TIS weight was cut to the cap."""
 
 
 def minibatch_gradients(
@@ -275,38 +343,50 @@ def minibatch_gradients(
     device: torch.device,
     reference: TokenScorer | None = None,
     world: int = 1,
+    old: Sequence[npt.NDArray[np.float32]] | None = None,
 ) -> MinibatchStats:
     """Accumulate the gradient of one minibatch's loss (this rank's ``paths``) into ``.grad``,
-    one micro-batch of at most ``config.micro_tokens`` padded tokens at a time.
+    one micro-batch of at most ``config.micro_tokens`` padded tokens at a time. ``old``: π_old
+    per path (``trainer_logprobs``); None: the engine's sampling logprobs.
 
     Each micro-batch's token-mean loss is weighted by its share of the minibatch's
     ``minibatch_tokens`` (all ranks), times ``world`` for DDP's average, so the summed
     gradient is the single-pass token mean whatever the split. Under DDP only the last
     micro-batch synchronises (``no_sync`` before it).
     """
-    parts_of = micro_batches(paths, config.micro_tokens)
+    parts_of = pack([len(p.tokens) for p in paths], config.micro_tokens)
     mine = max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)  # this rank's tokens
-    loss = kl = clipped = gap_sum = gap_max = 0.0
-    tokens = 0
+    loss = kl = clipped = gap_sum = gap_max = tis_sum = 0.0
+    tokens = tis_truncated = 0
     for j, part in enumerate(parts_of):
-        batch = collate_paths(part, pad_id)
+        part_old = [old[i] for i in part] if old is not None else None
+        batch = collate_paths([paths[i] for i in part], pad_id, part_old)
         mask = batch.mask.to(device)
         ids, attention = batch.ids.to(device), batch.attention.to(device)
         last = j == len(parts_of) - 1
         no_sync = getattr(scorer, "no_sync", None)
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             logprobs = scorer(ids, attention, mask)  # (N,)
-            old = batch.old_logprobs.to(device)[mask]
+            old_lp = batch.old_logprobs.to(device)[mask]
+            engine = batch.engine_logprobs.to(device)[mask]
             ref = None
             if reference is not None and config.kl_coef > 0:
                 with torch.no_grad():
                     ref = reference(ids, attention, mask)
-            flat = torch.ones_like(old, dtype=torch.bool)
+            weights = None
+            if config.tis_cap > 0:  # the sampler was the engine: weigh by π_trainer_old / π_engine
+                raw = torch.exp(old_lp - engine)
+                weights = raw.clamp(max=config.tis_cap)
+                tis_sum += float(weights.sum())
+                tis_truncated += int((raw > config.tis_cap).sum())
+            flat = torch.ones_like(old_lp, dtype=torch.bool)
             advantages = batch.advantages.to(device)[mask]
-            parts = policy_loss(logprobs, old, advantages, flat, config.clip, ref, config.kl_coef)
+            parts = policy_loss(
+                logprobs, old_lp, advantages, flat, config.clip, ref, config.kl_coef, weights
+            )
             share = batch.tokens * world / max(minibatch_tokens, 1)
             (parts.loss * share).backward()
-        gap = (logprobs.detach() - old).abs()
+        gap = (logprobs.detach() - engine).abs()
         gap_sum += float(gap.sum())
         gap_max = max(gap_max, float(gap.max()) if gap.numel() else 0.0)
         weight = batch.tokens / mine
@@ -314,7 +394,9 @@ def minibatch_gradients(
         kl += float(parts.kl.detach()) * weight
         clipped += float(parts.clip_fraction) * weight
         tokens += batch.tokens
-    return MinibatchStats(loss, kl, clipped, gap_sum, gap_max, tokens, len(parts_of))
+    return MinibatchStats(
+        loss, kl, clipped, gap_sum, gap_max, tokens, len(parts_of), tis_sum, tis_truncated
+    )
 
 
 def update_policy(
@@ -335,7 +417,9 @@ def update_policy(
     the same ``rng`` state, draws the same minibatches, and trains on the slice
     ``minibatch[rank::world]``. Its loss is its token sum divided by the minibatch's token
     count over all ranks, times ``world``, so DDP's average is exactly the single-process
-    token mean: one worker or many, the same step up to float rounding.
+    token mean: one worker or many, the same step up to float rounding. With π_old recomputed
+    (``config.old_logprobs``), each rank scores only the paths of its own slices, before the
+    first step and without any collective.
     """
     if config.kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference model")
@@ -379,37 +463,55 @@ def _update_steps(
     if config.checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
     policy.train()
-    losses, kls, clips, norms = [], [], [], []
-    gap, gap_max = math.nan, 0.0
-    tokens = passes = 0
+    # Every epoch's minibatches are drawn first (the same draws as one epoch at a time), so
+    # that π_old can be recomputed for every path this rank will train on before any step.
+    minibatches = []
     for _ in range(config.epochs):
         order = rng.permutation(len(paths))
         for start in range(0, len(paths), config.minibatch):
             picked = order[start : start + config.minibatch]
-            if len(picked) < world:  # every rank needs a slice; all ranks skip it alike
-                continue
-            minibatch_tokens = sum(int(paths[i].loss_mask[1:].sum()) for i in picked)
-            optimizer.zero_grad(set_to_none=True)
-            stats = minibatch_gradients(
-                scorer,
-                [paths[i] for i in picked[rank::world]],
-                minibatch_tokens,
-                config,
-                pad_id,
-                device,
-                ref_scorer,
-                world,
-            )
-            if math.isnan(gap):
-                gap, gap_max = stats.gap_sum / max(stats.tokens, 1), stats.gap_max
-            norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
-            optimizer.step()
-            losses.append(stats.loss)
-            kls.append(stats.kl)
-            clips.append(stats.clip_fraction)
-            norms.append(float(norm))
-            tokens += stats.tokens
-            passes += stats.passes
+            if len(picked) >= world:  # every rank needs a slice; all ranks skip it alike
+                minibatches.append(picked)
+    parameter = next(policy.parameters())
+    mode = resolve_old_logprobs(
+        config.old_logprobs, config.tis_cap, parameter.dtype, parameter.device.type
+    )
+    old = None
+    if mode == "recompute":  # π_old by the trainer, before the first step
+        old = _recompute_old(
+            scorer, paths, minibatches, config.micro_tokens, pad_id, device, rank, world
+        )
+    losses, kls, clips, norms = [], [], [], []
+    gap, gap_max = math.nan, 0.0
+    tokens = passes = tis_truncated = 0
+    tis_sum = 0.0
+    for picked in minibatches:
+        mine = [int(i) for i in picked[rank::world]]
+        minibatch_tokens = sum(int(paths[i].loss_mask[1:].sum()) for i in picked)
+        optimizer.zero_grad(set_to_none=True)
+        stats = minibatch_gradients(
+            scorer,
+            [paths[i] for i in mine],
+            minibatch_tokens,
+            config,
+            pad_id,
+            device,
+            ref_scorer,
+            world,
+            [old[i] for i in mine] if old is not None else None,
+        )
+        if math.isnan(gap):
+            gap, gap_max = stats.gap_sum / max(stats.tokens, 1), stats.gap_max
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        optimizer.step()
+        losses.append(stats.loss)
+        kls.append(stats.kl)
+        clips.append(stats.clip_fraction)
+        norms.append(float(norm))
+        tokens += stats.tokens
+        passes += stats.passes
+        tis_sum += stats.tis_sum
+        tis_truncated += stats.tis_truncated
     if config.checkpointing:
         policy.activation_checkpointing_disable()
     policy.eval()
@@ -424,47 +526,39 @@ def _update_steps(
         logprob_gap=gap,
         logprob_gap_max=gap_max,
         passes=passes,
+        old_recomputed=old is not None,
+        tis_weight=tis_sum / max(tokens, 1) if config.tis_cap > 0 else 1.0,
+        tis_truncated=tis_truncated / max(tokens, 1),
     )
 
 
-def _policy_of(scorer: torch.nn.Module) -> PreTrainedModel:
+def _recompute_old(
+    scorer: torch.nn.Module,
+    paths: Sequence[PathTokens],
+    minibatches: Sequence[npt.NDArray[np.int64]],
+    micro_tokens: int,
+    pad_id: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> dict[int, npt.NDArray[np.float32]]:
+    """π_old by the trainer of every path this rank trains on (index → ``trainer_logprobs``),
+    before any step. Slice by slice, so that the first epoch's passes are the loss's own; with
+    the bare scorer, not DDP's wrapper: ranks score different paths, with no collective."""
+    own = _scorer_of(scorer)
+    old: dict[int, npt.NDArray[np.float32]] = {}
+    for picked in minibatches:
+        new = [int(i) for i in picked[rank::world] if int(i) not in old]
+        scored = trainer_logprobs(own, [paths[i] for i in new], micro_tokens, pad_id, device)
+        old.update(zip(new, scored, strict=True))
+    return old
+
+
+def _scorer_of(scorer: torch.nn.Module) -> TokenScorer:
     inner = scorer.module if isinstance(scorer, _Wrapped) else scorer
     assert isinstance(inner, TokenScorer), "update_policy takes a model or a DDP TokenScorer"
-    return inner.model
+    return inner
 
 
-# --- optimizer state as safetensors (resumable runs never unpickle) ----------------------
-def save_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """AdamW's moments and step counts as tensors; the hyper-parameters in the metadata."""
-    state = optimizer.state_dict()
-    tensors = {
-        f"state.{index}.{key}": value if torch.is_tensor(value) else torch.tensor(value)
-        for index, slots in state["state"].items()
-        for key, value in slots.items()
-    }
-    meta = {"param_groups": json.dumps(state["param_groups"])}
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path), meta)
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, path: str | Path) -> None:
-    """AdamW moments ``save_optimizer`` wrote; a missing, damaged or foreign file is named."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no optimizer state (a run's optimizer.safetensors)")
-    check_safetensors(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            groups = json.loads((f.metadata() or {})["param_groups"])
-            for group in groups:  # JSON turned tuples (AdamW's betas) into lists
-                group.update(
-                    {k: tuple(v) for k, v in group.items() if isinstance(v, list) and k != "params"}
-                )
-            state: dict[int, dict[str, torch.Tensor]] = {}
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                _, index, key = name.split(".", 2)
-                state.setdefault(int(index), {})[key] = f.get_tensor(name)
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(
-            f"{path}: not this policy's optimizer state ({type(err).__name__}: {err})"
-        ) from None
+def _policy_of(scorer: torch.nn.Module) -> PreTrainedModel:
+    return _scorer_of(scorer).model

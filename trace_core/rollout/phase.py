@@ -28,7 +28,7 @@ from trace_core.envs.base import Env, Task
 from trace_core.policy.checkpoint import load_tokenizer
 from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.rollout.engine_config import EngineConfig
-from trace_core.rollout.engines import open_engine
+from trace_core.rollout.engines import EngineSession, open_engine
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor, Predictor
 
@@ -53,6 +53,7 @@ def run_rollout(
     tokenizer: PreTrainedTokenizerBase | None = None,
     progress: Callable[[float], None] | None = None,
     style: TurnStyle | None = None,
+    session: EngineSession | None = None,
 ) -> RolloutResult:
     """Grow one tree per rolled-out prompt of ``pool`` with the policy at ``checkpoint``.
 
@@ -60,12 +61,18 @@ def run_rollout(
     ``model``/``tokenizer``: the same policy already in memory (the loop's), so an in-process
     engine need not read it back. ``address``: the Ray head of an engine pool.
     ``progress`` is called with the rollout units spent so far; ``style``: the system prompt
-    and thinking switch the chat template gets (``policy.format``).
+    and thinking switch the chat template gets (``policy.format``). ``session``: a run's kept
+    engine (its config and address replace ``engine`` and ``address``), which takes this
+    checkpoint in place instead of starting again.
     """
     start = time.perf_counter()
     tokenizer = tokenizer or load_tokenizer(checkpoint)
     scorer = load_predictor(predictor, tokenizer)
-    with open_engine(engine, checkpoint, model, address) as sampler:
+    if session is not None:
+        opened = session.engine(checkpoint, model)
+    else:
+        opened = open_engine(engine, checkpoint, model, address)
+    with opened as sampler:
         trees = grow_trees(
             sampler,
             TurnFormat(tokenizer, style or TurnStyle()),

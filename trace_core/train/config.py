@@ -64,6 +64,8 @@ class TrainConfig:
     """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
     train_workers: int = 0
     """Ray Train workers for the policy update (0: in this process)."""
+    train_gpus: bool = False
+    """Each Ray Train worker takes one GPU (DDP over NCCL): train_workers = GPUs used."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The rollout engine: kind, Ray engine workers and their GPUs (``rollout.engine_config``)."""
     ray_address: str | None = None
@@ -87,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"predictor must be hashed or embedding, got {self.predictor!r}")
         if self.train_workers < 0:
             raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
+        if self.train_gpus and not self.train_workers:
+            raise ValueError("train_gpus needs train_workers >= 1 (one Ray Train worker per GPU)")
         for name in ("eval_tasks", "eval_k", "max_tokens", "warmstart_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -14,10 +14,11 @@ import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 from trace_core.store.uri import is_remote
+from trace_core.train.base_model import WEIGHT_SUFFIXES
 from trace_core.train.contract import (
     CONFIG_FILE,
     EVAL_FILE,
@@ -47,25 +48,40 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
 
 def execute_step(call: StepCall, config: PipelineConfig) -> None:
     """Run ``call`` in this process; s3:// folders are fetched first and published after."""
-    with _staged(call.step, call.inputs, call.outputs) as (local, out):
+    # Engine actors read a remote policy from object storage themselves (each node once): the
+    # driver fetches only its tokenizer and config, and stays light.
+    # So do Ray Train workers; the update's driver reads the trees and the policy's log.
+    policy = call.inputs.get("policy", "")
+    actors_read = call.step == "rollout" and is_remote(policy) and config.train.engine.workers > 0
+    light = {"policy"} if actors_read else set()
+    remote = {name: uri for name, uri in call.inputs.items() if is_remote(uri)}
+    if call.step == "update" and config.train.train_workers and remote:
+        light = {"policy", "reference"}
+    with _staged(call.step, call.inputs, call.outputs, light) as (local, out):
         match call.step:
             case "rollout":
                 rollout_step(
                     config, call.iteration, local["prompts"], local["policy"],
                     local["predictor"], out["trees"],
+                    engine_checkpoint=policy if actors_read else None,
                 )  # fmt: skip
             case "update":
                 update_step(
                     config, call.iteration, local["trees"], local["policy"],
                     local["reference"], local["optimizer"], out["policy"], out["optimizer"],
+                    input_uris=remote,
                 )  # fmt: skip
 
 
 @contextlib.contextmanager
 def _staged(
-    step: str, inputs: Mapping[str, str], outputs: Mapping[str, str]
+    step: str,
+    inputs: Mapping[str, str],
+    outputs: Mapping[str, str],
+    light: Collection[str] = (),
 ) -> Iterator[tuple[dict[str, Path], dict[str, Path]]]:
-    """Local folders for a step's folders. s3:// inputs are downloaded into a scratch folder.
+    """Local folders for a step's folders. s3:// inputs are downloaded into a scratch folder
+    (those named in ``light`` without their weight files).
     Outputs are written to fresh folders and published once the step has succeeded: uploaded
     (s3://), or renamed into place (a local folder). A step that fails leaves no output
     behind, and never writes into a folder or prefix that already holds something."""
@@ -82,7 +98,8 @@ def _staged(
         for name, uri in inputs.items():
             local[name] = Path(scratch, "in", name) if is_remote(uri) else Path(uri)
             if is_remote(uri):
-                download_folder(uri, local[name])
+                keep = _not_weights if name in light else None
+                download_folder(uri, local[name], keep=keep)
             elif not local[name].is_dir():
                 raise FileNotFoundError(f"step {step}: input {name}={uri}: no such folder")
         out, fresh = {}, []
@@ -108,6 +125,10 @@ def _staged(
         finally:
             for folder in fresh:  # gone once published; a failed step's half output
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _not_weights(key: str) -> bool:
+    return not key.endswith(WEIGHT_SUFFIXES)
 
 
 def _holds_files(uri: str) -> bool:

@@ -31,6 +31,7 @@ from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import UpdateStats, update_policy
 from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
+from trace_core.rollout.engines import EngineSession
 from trace_core.rollout.grow import GrowConfig
 from trace_core.rollout.phase import RolloutResult, run_rollout
 from trace_core.train.config import TrainConfig
@@ -83,7 +84,7 @@ def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Va
 
 
 def roll_out(
-    checkpoint: Path,
+    checkpoint: str | Path,
     tasks: Sequence[Task],
     suite: TaskSuite,
     predictor: ValuePredictor,
@@ -94,9 +95,11 @@ def roll_out(
     model: PreTrainedModel | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     address: str | None = None,
+    session: EngineSession | None = None,
 ) -> RolloutResult:
     """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``,
-    with the policy at ``checkpoint`` (or already in memory) on ``config.engine``."""
+    with the policy at ``checkpoint`` (or already in memory) on ``config.engine``, or on the
+    run's kept engine (``session``)."""
     grow = GrowConfig(
         config.strategy,
         Budget(config.budget, config.continuations, config.group),
@@ -109,7 +112,7 @@ def roll_out(
     pool = [tasks[j] for j in draws.pool]
     return run_rollout(
         checkpoint, pool, suite.make_env, predictor, grow, config.engine, address, model,
-        tokenizer, style=turn_style(config, suite),
+        tokenizer, style=turn_style(config, suite), session=session,
     )  # fmt: skip
 
 

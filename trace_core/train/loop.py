@@ -50,6 +50,7 @@ from trace_core.policy.checkpoint import check_checkpoint
 from trace_core.policy.model import load_checkpoint, save_checkpoint
 from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
 from trace_core.policy.value import ValuePredictor
+from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
 from trace_core.train.base_model import fetch_model, local_path
@@ -130,52 +131,58 @@ def train(
         records = [IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)]
         _append_log(out, records[0], fresh=True)
     train_tasks = suite.tasks("train")
-    for i in range(done + 1, config.iterations + 1):
-        draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
-        seconds: dict[str, float] = {}
-        rollout = iteration.roll_out(
-            policy_dir, train_tasks, suite, predictor, config, i, draws,
-            run_id=out.name, model=model, tokenizer=tokenizer, address=config.ray_address,
-        )  # fmt: skip
-        trees, metrics = rollout.trees, rollout.metrics
-        seconds["rollout"] = rollout.seconds
-        start = time.perf_counter()
-        fit = iteration.fit_predictor(predictor, trees, draws)
-        seconds["predictor"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if config.train_workers:
-            stats = _update_on_ray(
-                config, out, i, policy_dir, trees, draws.update_seed, model, optimizer
-            )
-        else:
-            stats = iteration.update(
-                model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference
-            )
-        seconds["update"] = time.perf_counter() - start
-        report = None
-        if i % config.eval_every == 0 or i == config.iterations:
+    # Ray engine pools and vLLM start once and take each new policy in place.
+    with EngineSession(config.engine, config.ray_address) as session:
+        for i in range(done + 1, config.iterations + 1):
+            draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
+            seconds: dict[str, float] = {}
+            reloaded = session.reload_seconds
+            rollout = iteration.roll_out(
+                policy_dir, train_tasks, suite, predictor, config, i, draws,
+                run_id=out.name, model=model, tokenizer=tokenizer, session=session,
+            )  # fmt: skip
+            trees, metrics = rollout.trees, rollout.metrics
+            seconds["rollout"] = rollout.seconds
+            if session.reload_seconds > reloaded:  # the kept engine took this policy in place
+                seconds["reload"] = session.reload_seconds - reloaded
             start = time.perf_counter()
-            report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
-            seconds["eval"] = time.perf_counter() - start
-        record = IterationRecord(
-            iteration=i,
-            strategy=config.strategy,
-            tokens=metrics.tokens,
-            total_tokens=records[-1].total_tokens + metrics.tokens,
-            rollout=metrics.as_dict(),
-            update=stats.as_dict(),
-            eval=_eval_dict(report) if report else None,
-            seconds=seconds,
-            predictor={k: float(v) for k, v in asdict(fit).items()},
-        )
-        _commit_iteration(out, i, model, tokenizer, optimizer, predictor, trees, record)
-        policy_dir = iteration_dir(out, i) / "policy"
-        records.append(record)
-        accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
-        say(
-            f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "
-            f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}; {_phases_line(seconds, stats)}"
-        )
+            fit = iteration.fit_predictor(predictor, trees, draws)
+            seconds["predictor"] = time.perf_counter() - start
+            start = time.perf_counter()
+            if config.train_workers:
+                stats = _update_on_ray(
+                    config, out, i, policy_dir, trees, draws.update_seed, model, optimizer
+                )
+            else:
+                stats = iteration.update(
+                    model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference
+                )
+            seconds["update"] = time.perf_counter() - start
+            report = None
+            if i % config.eval_every == 0 or i == config.iterations:
+                start = time.perf_counter()
+                report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
+                seconds["eval"] = time.perf_counter() - start
+            record = IterationRecord(
+                iteration=i,
+                strategy=config.strategy,
+                tokens=metrics.tokens,
+                total_tokens=records[-1].total_tokens + metrics.tokens,
+                rollout=metrics.as_dict(),
+                update=stats.as_dict(),
+                eval=_eval_dict(report) if report else None,
+                seconds=seconds,
+                predictor={k: float(v) for k, v in asdict(fit).items()},
+            )
+            _commit_iteration(out, i, model, tokenizer, optimizer, predictor, trees, record)
+            policy_dir = iteration_dir(out, i) / "policy"
+            records.append(record)
+            accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
+            phases = _phases_line(seconds, stats)
+            say(
+                f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "
+                f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}; {phases}"
+            )
     return records
 
 
@@ -313,6 +320,7 @@ def _update_on_ray(
         optimizer_path=previous if i > 1 else None,
         reference_dir=Path(config.init or out / "warmstart"),
         address=config.ray_address,
+        use_gpu=config.train_gpus,
     )
     updated, _ = load_checkpoint(staging / "policy")
     model.load_state_dict(updated.state_dict())  # same Parameter objects: the optimizer's

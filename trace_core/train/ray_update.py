@@ -2,15 +2,20 @@
 
     stats = update_on_ray(policy_dir, trees_path, out_dir, UpdateConfig(), seed=3, workers=2)
 
-Each worker loads the policy (and the optimizer state, when there is one) from shared paths,
-wraps the model in DDP (``prepare_model``: gloo on CPU, NCCL on GPU), and runs the same
-``update_policy`` on its slice of every minibatch; the token-count scaling there makes the
-averaged gradient the single-process one, so one worker reproduces the in-process update.
-Rank 0 writes the updated policy (an HF directory) and the optimizer state to ``out_dir``.
+Each worker loads the policy (and the optimizer state, when there is one), wraps the model in
+DDP (``prepare_model``: gloo on CPU, NCCL on GPU), and runs the same ``update_policy`` on its
+slice of every minibatch; the token-count scaling there makes the averaged gradient the
+single-process one, so one worker reproduces the in-process update. Rank 0 writes the updated
+policy (an HF directory) and the optimizer state to ``out_dir``.
+
+Every location is a local path or an ``s3://`` URI. Workers on a cluster's other pods cannot
+see the caller's disk: each downloads remote inputs to its own scratch folder, and rank 0
+uploads the result when ``out_dir`` is remote (the caller publishes it from there). With
+``use_gpu`` every worker asks Ray for one GPU, so the cluster's GPU group starts for it.
 
 This is the only module of the training layer that imports Ray. Without an address Ray
-starts in this process; with one (``host:port`` of a head, or ``ray://``) the workers run on
-the cluster, and every path must then be on storage all nodes share.
+starts in this process; with one (``host:port`` of a head, ``auto`` inside a Ray job) the
+workers run on the cluster.
 """
 
 from __future__ import annotations
@@ -24,24 +29,30 @@ import numpy as np
 
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
+from trace_core.store.uri import is_remote
 
 OPTIMIZER = "optimizer.safetensors"
 STATS = "update.json"
 
 
+Location = str | Path
+"""A local path, or an ``s3://`` URI of the same file or folder."""
+
+
 def update_on_ray(
-    policy_dir: Path,
-    trees_path: Path,
-    out_dir: Path,
+    policy_dir: Location,
+    trees_path: Location,
+    out_dir: Location,
     config: UpdateConfig,
     seed: int,
     workers: int,
-    optimizer_path: Path | None = None,
-    reference_dir: Path | None = None,
+    optimizer_path: Location | None = None,
+    reference_dir: Location | None = None,
     address: str | None = None,
     use_gpu: bool = False,
 ) -> UpdateStats:
-    """One update of the policy in ``policy_dir`` on the trees in ``trees_path``."""
+    """One update of the policy in ``policy_dir`` on the trees in ``trees_path`` (a Parquet
+    file); ``optimizer_path`` is a file, the others folders."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -50,11 +61,11 @@ def update_on_ray(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     loop_config = {
-        "policy": str(policy_dir.resolve()),
-        "trees": str(trees_path.resolve()),
-        "out": str(out_dir.resolve()),
-        "optimizer": str(optimizer_path.resolve()) if optimizer_path else None,
-        "reference": str(reference_dir.resolve()) if reference_dir else None,
+        "policy": _absolute(policy_dir),
+        "trees": _absolute(trees_path),
+        "out": _absolute(out_dir),
+        "optimizer": _absolute(optimizer_path) if optimizer_path else None,
+        "reference": _absolute(reference_dir) if reference_dir else None,
         "update": asdict(config),
         "seed": seed,
     }
@@ -66,11 +77,42 @@ def update_on_ray(
             run_config=ray.train.RunConfig(name="update", storage_path=storage),
         )
         trainer.fit()
-    return UpdateStats(**json.loads((out_dir / STATS).read_text()))
+    if is_remote(str(out_dir)):
+        from trace_core.store.artifacts import open_store
+
+        return UpdateStats(**json.loads(open_store(str(out_dir)).get_bytes(STATS)))
+    return UpdateStats(**json.loads((Path(out_dir) / STATS).read_text()))
+
+
+def _absolute(location: Location) -> str:
+    text = str(location)
+    return text if is_remote(text) else str(Path(text).resolve())
+
+
+def _fetched(location: str, scratch: Path, name: str, folder: bool) -> str:
+    """A worker's local copy of an input: the path itself, or its download into ``scratch``."""
+    if not is_remote(location):
+        return location
+    from trace_core.store.artifacts import open_store
+    from trace_core.store.sync import download_folder
+
+    target = scratch / name
+    if folder:
+        download_folder(location, target)
+        return str(target)
+    parent, _, key = location.rstrip("/").rpartition("/")
+    target.mkdir(parents=True, exist_ok=True)
+    open_store(parent).get_file(key, target / key)
+    return str(target / key)
 
 
 def _train_worker(loop_config: dict[str, object]) -> None:
-    """Runs on every Ray Train worker."""
+    """Runs on every Ray Train worker, in a scratch folder of its own."""
+    with tempfile.TemporaryDirectory(prefix="trace-update-") as scratch:
+        _update_worker(loop_config, Path(scratch))
+
+
+def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     import ray.train
     import ray.train.torch
     import torch
@@ -85,22 +127,25 @@ def _train_worker(loop_config: dict[str, object]) -> None:
     )
     from trace_core.store.schema import read_trees
 
+    def fetched(name: str, folder: bool = True) -> str:
+        return _fetched(str(loop_config[name]), scratch, name, folder)
+
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     config = UpdateConfig(**loop_config["update"])  # type: ignore[arg-type]
     device = ray.train.torch.get_device()
-    model, tokenizer = load_checkpoint(str(loop_config["policy"]), device=device)
+    model, tokenizer = load_checkpoint(fetched("policy"), device=device)
     reference = None
     if loop_config["reference"] and config.kl_coef > 0:
-        reference, _ = load_checkpoint(str(loop_config["reference"]), device=device)
+        reference, _ = load_checkpoint(fetched("reference"), device=device)
     optimizer = make_optimizer(model, config)  # on the bare module: DDP shares its parameters
     if loop_config["optimizer"]:
-        load_optimizer(optimizer, str(loop_config["optimizer"]))
+        load_optimizer(optimizer, fetched("optimizer", folder=False))
     # DDP wraps the scorer (decoder + chunked head), the module each pass calls.
     ddp = ray.train.torch.prepare_model(
         TokenScorer(model, config.logit_chunk), move_to_device=False
     )
-    trees = read_trees(str(loop_config["trees"]))
+    trees = read_trees(fetched("trees", folder=False))
     stats = update_policy(
         ddp,
         optimizer,
@@ -113,10 +158,15 @@ def _train_worker(loop_config: dict[str, object]) -> None:
         world=world,
     )
     if rank == 0:
-        out = Path(str(loop_config["out"]))
+        target = str(loop_config["out"])
+        out = scratch / "out" if is_remote(target) else Path(target)
         save_checkpoint(model, tokenizer, out)
         save_optimizer(optimizer, out / OPTIMIZER)
         (out / STATS).write_text(json.dumps(asdict(stats)))
+        if is_remote(target):
+            from trace_core.store.sync import upload_folder
+
+            upload_folder(out, target)
     if world > 1:
         torch.distributed.barrier()  # the files are whole before any worker reports
     ray.train.report({"paths": stats.paths, "loss": stats.loss})

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,8 +44,11 @@ def rollout_step(
     predictor_dir: Path,
     trees_dir: Path,
     suite: TaskSuite | None = None,
+    engine_checkpoint: str | None = None,
 ) -> dict[str, float]:
-    """Grow iteration ``iteration``'s trees with the policy; ``trees_dir/trees.parquet``."""
+    """Grow iteration ``iteration``'s trees with the policy; ``trees_dir/trees.parquet``.
+    ``engine_checkpoint``: where the engine actors load the policy from (its ``s3://`` URI),
+    when ``policy_dir`` holds only its tokenizer and config."""
     from trace_core.envs.prompts import read_prompts
     from trace_core.envs.suites import make_suite
     from trace_core.policy.value import ValuePredictor
@@ -58,7 +63,7 @@ def rollout_step(
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
     result = roll_out(
-        policy_dir, tasks, suite, predictor, train, iteration, draws,
+        engine_checkpoint or policy_dir, tasks, suite, predictor, train, iteration, draws,
         run_id=config.run_id, tokenizer=tokenizer, address=worker_address(config),
     )  # fmt: skip
     trees_dir.mkdir(parents=True, exist_ok=True)
@@ -106,10 +111,13 @@ def update_step(
     optimizer_dir: Path,
     policy_out: Path,
     optimizer_out: Path,
+    input_uris: Mapping[str, str] | None = None,
 ) -> dict[str, float]:
     """One policy update on this iteration's trees: the policy and the log with this
     iteration's line go to ``policy_out``, the optimizer state to ``optimizer_out``. The
-    reference policy is read only when ``kl_coef > 0``."""
+    reference policy is read only when ``kl_coef > 0``. ``input_uris``: where the inputs lie
+    in object storage (a step sent as a Ray job): Ray Train workers read them there, and rank 0
+    writes the result to the run's staging prefix, so no worker needs this process's disk."""
     from trace_core.algo.metrics import measure
     from trace_core.policy.model import load_checkpoint, resolve_device, save_checkpoint
     from trace_core.policy.update import load_optimizer, make_optimizer, save_optimizer
@@ -129,17 +137,33 @@ def update_step(
     if train.train_workers:
         from trace_core.train.ray_update import update_on_ray
 
+        uris = dict(input_uris or {})
+        at = {
+            "policy": uris.get("policy", policy_dir),
+            "trees": uris.get("trees", trees_dir),
+            "optimizer": uris.get("optimizer", optimizer_dir),
+            "reference": uris.get("reference", reference_dir),
+        }
+        result: str | Path = policy_out
+        if uris and config.store:  # else the workers share this disk (a local run)
+            run = f"{config.run_id}-update-{iteration:04d}-{uuid.uuid4().hex[:8]}"
+            result = f"{config.store.rstrip('/')}/staging/{run}/out/policy"
         stats = update_on_ray(
-            policy_dir,
-            trees_dir / TREES,
-            policy_out,
+            at["policy"],
+            f"{at['trees']}/{TREES}",
+            result,
             train.update,
             draws.update_seed,
             train.train_workers,
-            optimizer_path=optimizer_path if optimizer_path.exists() else None,
-            reference_dir=reference_dir if train.update.kl_coef > 0 else None,
+            optimizer_path=f"{at['optimizer']}/{OPTIMIZER}" if optimizer_path.exists() else None,
+            reference_dir=at["reference"] if train.update.kl_coef > 0 else None,
             address=worker_address(config),
+            use_gpu=train.train_gpus,
         )
+        if result != policy_out:
+            from trace_core.store.sync import download_folder
+
+            download_folder(str(result), policy_out)
         (policy_out / "update.json").unlink(missing_ok=True)  # the stats go to metrics.json
         optimizer_out.mkdir(parents=True, exist_ok=True)
         os.replace(policy_out / OPTIMIZER, optimizer_out / OPTIMIZER)
