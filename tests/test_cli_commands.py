@@ -195,7 +195,7 @@ def test_bench_engine_json(tmp_path: Path) -> None:
     assert data["floor_ratio_vs_hf"] == pytest.approx(data["hf_seconds"] / data["floor_seconds"])
     assert data["torch_vs_floor"] == pytest.approx(data["torch_seconds"] / data["floor_seconds"])
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
-    assert "vLLM: not timed (no .venv-vllm here" in said(run) and "vllm_seconds" not in data
+    assert "vLLM: not timed (--vllm-python" in said(run) and "vllm_seconds" not in data
 
 
 def test_bench_engine_names_a_missing_vllm_python(tmp_path: Path) -> None:

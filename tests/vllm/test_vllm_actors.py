@@ -4,9 +4,9 @@ server (tests/conftest.py starts both and stops them by pid):
 
 - ``trace-rl rollout --engine vllm --workers 2`` on the head: every planned tree, the budget
   exactly, and two engine actors with the resources asked;
-- a pool of vLLM actors takes new weights without new actors (the same processes, the new
+- a vLLM actor takes new weights without a new actor (the same processes, the new
   policy's greedy answers; on CPU vLLM's engine restarts inside the actor, see
-  ``policy.vllm_engine``), and a worker killed mid-rollout still gives every tree once;
+  ``policy.vllm_engine``), and killed mid-rollout it still gives every tree once;
 - the pipeline's rollout step (KFP's local runner) as a Ray job with ``engine=vllm``: its actor
   reads the policy from S3 into the node's checkpoint cache.
 
@@ -153,12 +153,14 @@ def greedy_answers(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.usefixtures("client_env")
-def test_vllm_actors_reload_in_place_and_survive_a_killed_worker(head: Any, tmp_path: Path) -> None:
+def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
+    head: Any, tmp_path: Path
+) -> None:
     first = sharpened_policy(tmp_path / "first", seed=0)
     second = sharpened_policy(tmp_path / "second", seed=1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 11)]
-    with KillingPool(first, workers=2, address=head.address, max_restarts=1, **VLLM) as pool:
+    with KillingPool(first, workers=1, address=head.address, max_restarts=1, **VLLM) as pool:
         assert all(w["engine"] == "VLLMEngine" for w in pool.placement())
         reference = TorchEngine(load_checkpoint(first)[0])
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
@@ -170,13 +172,13 @@ def test_vllm_actors_reload_in_place_and_survive_a_killed_worker(head: Any, tmp_
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
         assert pool.stats.extra["reloads"] == 1
 
-        # A worker killed in the rollout's third call: Ray restarts it (it boots on the first
+        # The worker killed in the rollout's third call: Ray restarts it (it boots on the first
         # checkpoint and reloads the second before it answers) and reruns its sub-batch.
         pool.at_call = pool.stats.calls + 3
         fmt = TurnFormat(load_checkpoint(second)[1])
         pool_tasks = SUITE.tasks("train")
         trees = grow_trees(pool, fmt, SUITE.make_env, pool_tasks, ConstantPredictor(), GROW)
-        assert pool.killed[0] not in pool.worker_pids() and pool.workers == 2
+        assert pool.killed[0] not in pool.worker_pids() and pool.workers == 1
     check_trees_are_the_planned_ones(trees, len(pool_tasks))
 
 

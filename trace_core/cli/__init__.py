@@ -11,7 +11,15 @@ from typing import Annotated
 
 import typer
 
-from trace_core.cli import bench, models, pipeline, tasks, training, trees
+from trace_core.cli import (
+    bench,
+    bench_ray,  # noqa: F401  (its commands join the bench group)
+    models,
+    pipeline,
+    tasks,
+    training,
+    trees,
+)
 from trace_core.cli.output import DEBUG_ENV, CommandGroup
 
 app = typer.Typer(

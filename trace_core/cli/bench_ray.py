@@ -1,0 +1,143 @@
+"""``trace-rl bench workers|reload|gpu``: the benchmarks of Ray engine actors and GPUs, on the
+``bench`` command group (``cli.bench``).
+
+    trace-rl bench workers --checkpoint build/policy/calc --engines torch,vllm
+    trace-rl bench reload --checkpoint build/policy/calc --engines torch,vllm
+    trace-rl bench gpu --json build/gpu-check.json     # on a GPU machine: bash scripts/gpu_check.sh
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from trace_core.cli.bench import app
+from trace_core.cli.output import console, fail, write_json
+
+
+@app.command("gpu")
+def bench_gpu(
+    device: Annotated[str, typer.Option(help="cuda (refused without a GPU) or cpu.")] = "cuda",
+    shape: Annotated[
+        str, typer.Option(help="Model shape: smollm2-135m, qwen3-0.6b or small.")
+    ] = "smollm2-135m",
+    small: Annotated[bool, typer.Option(help="Same as --shape small: a CPU smoke run.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """TorchEngine in a Ray actor with a GPU, the update on Ray Train with use_gpu, TorchEngine
+    in process: tokens/s, update seconds, peak memory (scripts/gpu_check.sh runs this)."""
+    from trace_core.bench.gpu_check import GpuCheckConfig, run_gpu_check
+
+    config = GpuCheckConfig(device=device, shape="small" if small else shape)
+    result = run_gpu_check(
+        config,
+        say=lambda line: console.print(line, markup=False, highlight=False),
+        output=json_path,
+    )
+    if json_path is not None:
+        console.print(f"wrote {json_path}")
+    if result.errors:
+        raise fail(f"failed: {', '.join(result.errors)} (their tracebacks are above)")
+
+
+@app.command("workers")
+def bench_workers(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    prompts: Annotated[int, typer.Option(help="Candidate prompts in the pool.")] = 256,
+    budget: Annotated[int, typer.Option(help="M: root rollouts.")] = 256,
+    continuations: Annotated[int, typer.Option(help="N: continuations per root.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    repeats: Annotated[int, typer.Option(help="Timed runs per engine; the best counts.")] = 3,
+    engines: Annotated[
+        str, typer.Option(help="Engine kinds of the workers, comma-separated: torch, hf, vllm.")
+    ] = "torch",
+    eager: Annotated[bool, typer.Option(help="vLLM: no torch.compile (starts faster).")] = False,
+    kv_cache_gib: Annotated[
+        float, typer.Option(help="vLLM: KV cache per engine in GiB (0: vLLM's default).")
+    ] = 0.0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), per engine kind,
+    and the ratios (2 workers over 1; each kind over the first)."""
+    from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
+
+    try:
+        config = WorkersBenchConfig(
+            checkpoint,
+            prompts=prompts,
+            roots=budget,
+            continuations=continuations,
+            max_tokens=max_tokens,
+            repeats=repeats,
+            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            eager=eager,
+            kv_cache_gib=kv_cache_gib,
+        )
+    except ValueError as err:
+        raise fail(f"--engines/--repeats/...: {err}") from None
+    with console.status("timing rollouts") as status:
+        result = run_workers_bench(config, progress=lambda msg: status.update(msg))
+    table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")
+    heads = ("engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved")
+    for head in heads:
+        table.add_column(head, justify="right")
+    for r in result.runs:
+        table.add_row(
+            r.engine,
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.generated_tokens:,}",
+            f"{r.seconds:.2f}",
+            f"{r.engine_calls}",
+            f"{r.busy_share:.2f}",
+            f"{r.imbalance_share:.2f}",
+            f"{r.affinity_moved}",
+        )
+    console.print(table)
+    for name, ratio in result.ratios().items():
+        console.print(f"{name}: {ratio:.2f}×")
+    console.print(
+        f"load average {result.load_average[0]:.1f} → {result.load_average[1]:.1f} "
+        f"on {result.cpus} CPUs"
+    )
+    write_json(json_path, result.to_json())
+
+
+@app.command("reload")
+def bench_reload(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    engines: Annotated[
+        str, typer.Option(help="Engine kinds, comma-separated: torch, hf, vllm.")
+    ] = "torch",
+    repeats: Annotated[int, typer.Option(help="Timed starts and reloads; the best counts.")] = 3,
+    eager: Annotated[bool, typer.Option(help="vLLM: no torch.compile (starts faster).")] = False,
+    kv_cache_gib: Annotated[
+        float, typer.Option(help="vLLM: KV cache in GiB (0: vLLM's default).")
+    ] = 0.0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """New weights into a running Ray engine actor vs starting one afresh, and the ratio."""
+    from trace_core.bench.reload import ReloadBenchConfig, run_reload_bench
+
+    try:
+        config = ReloadBenchConfig(
+            checkpoint,
+            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            repeats=repeats,
+            eager=eager,
+            kv_cache_gib=kv_cache_gib,
+        )
+    except ValueError as err:
+        raise fail(f"--engines/--repeats: {err}") from None
+    with console.status("timing engine starts and reloads") as status:
+        result = run_reload_bench(config, progress=lambda msg: status.update(msg))
+    table = Table(title=f"new weights into one Ray engine actor: {checkpoint}")
+    for head in ("engine", "fresh start s", "reload s", "fresh / reload"):
+        table.add_column(head, justify="right")
+    for r in result.runs:
+        fresh, reload = f"{r.fresh_seconds:.2f}", f"{r.reload_seconds:.2f}"
+        table.add_row(r.engine, fresh, reload, f"{r.ratio:.1f}×")
+    console.print(table)
+    write_json(json_path, result.to_json())
