@@ -44,7 +44,7 @@ def run_script(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # Ray Train starts in ≈30 s idle, minutes on a loaded 2-core machine
     )
 
 
