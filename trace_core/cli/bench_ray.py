@@ -72,7 +72,7 @@ def bench_workers(
             continuations=continuations,
             max_tokens=max_tokens,
             repeats=repeats,
-            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            engines=engine_kinds(engines),
             eager=eager,
             kv_cache_gib=kv_cache_gib,
         )
@@ -124,7 +124,7 @@ def bench_reload(
     try:
         config = ReloadBenchConfig(
             checkpoint,
-            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            engines=engine_kinds(engines),
             repeats=repeats,
             eager=eager,
             kv_cache_gib=kv_cache_gib,
@@ -141,3 +141,8 @@ def bench_reload(
         table.add_row(r.engine, fresh, reload, f"{r.ratio:.1f}×")
     console.print(table)
     write_json(json_path, result.to_json())
+
+
+def engine_kinds(text: str) -> tuple[str, ...]:
+    """``--engines torch,vllm`` as the configs take it (checked there)."""
+    return tuple(kind.strip() for kind in text.split(",") if kind.strip())
