@@ -6,7 +6,7 @@ from kfp.dsl import Artifact, Dataset, Input, Metrics, Model, Output
 from components.images import image
 
 
-@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+@dsl.component(base_image=image("TRACE_GPU_IMAGE"), install_kfp_package=False)
 def evaluate(
     config_json: str,
     prompts: Input[Dataset],
@@ -15,27 +15,27 @@ def evaluate(
     predictor: Input[Model] = None,
     optimizer: Input[Artifact] = None,
 ) -> str:
-    """pass@1 (greedy) and mean@k on the eval prompts; returns the report as JSON. Given the
+    """pass@1 (greedy) and mean@k on the eval prompts, on the run's engine (with a Ray dashboard
+    address, as a Ray job on its engine actors); returns the report as JSON. Given the
     predictor and a run name, registers policy + predictor (+ the optimizer state) as the
     run's latest checkpoint."""
-    import json
+    import tempfile
     from pathlib import Path
 
-    from trace_core.train.contract import PipelineConfig
-    from trace_core.train.steps.finish import evaluate_step
+    from trace_core.train.contract import EVAL_FILE, PipelineConfig, StepCall
+    from trace_core.train.dispatch import run_step
 
     config = PipelineConfig.from_json(config_json)
-    result = evaluate_step(
-        config,
-        Path(prompts.path),
-        Path(policy.path),
-        Path(predictor.path) if predictor else None,
-        optimizer_dir=Path(optimizer.path) if optimizer else None,
-    )
-    metrics.log_metric("accuracy_pass1", result["pass1"]["all"])
-    if result["mean_k"]:
-        metrics.log_metric(f"accuracy_mean_at_{result['k']}", result["mean_k"]["all"])
-    metrics.log_metric("action_parse_rate", result["parse_rate"])
-    metrics.log_metric("eval_tokens", result["tokens"])
-    metrics.log_metric("iteration", result["iteration"])
-    return json.dumps(result)
+    inputs = {"prompts": prompts, "policy": policy, "predictor": predictor, "optimizer": optimizer}
+    given = {name: artifact for name, artifact in inputs.items() if artifact}
+    with tempfile.TemporaryDirectory(prefix="trace-evaluate-") as scratch:
+        call = StepCall(
+            "evaluate",
+            0,
+            {name: artifact.path for name, artifact in given.items()},
+            {"result": str(Path(scratch, "result"))},
+            input_uris={name: artifact.uri for name, artifact in given.items()},
+        )
+        for key, value in run_step(call, config).items():
+            metrics.log_metric(key, value)
+        return Path(scratch, "result", EVAL_FILE).read_text()

@@ -29,8 +29,9 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
   workflow continues where the last complete one ended; ``concurrencyPolicy: Forbid`` keeps two
   from training the same run at once (KFP's ``max_concurrency=1``), and Argo never backfills
   missed schedules (KFP's ``no_catchup``).
-- rollout and update-policy run in TRACE_GPU_IMAGE with ``nvidia.com/gpu`` limits on GPU nodes
-  (the node label and taint of ``manifests/base/gpu-nodes.yaml``); the others in TRACE_IMAGE.
+- rollout, update-policy and the evaluations run in TRACE_GPU_IMAGE with ``nvidia.com/gpu``
+  limits on GPU nodes (the node label and taint of ``manifests/base/gpu-nodes.yaml``); the
+  others in TRACE_IMAGE.
   With ``ray_address`` set they submit Ray jobs to the KubeRay head instead and their GPUs idle:
   regenerate with ``ArgoOptions(gpus=0)`` for that setup.
 - Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``trace-s3`` and
@@ -82,7 +83,7 @@ S3_SECRET = "trace-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (manifes
 RAY_SECRET = "trace-ray-auth"  # key auth_token (manifests/secrets/ray-auth)
 SETTINGS = "trace-rl-settings"  # ConfigMap: AWS_ENDPOINT_URL_S3, AWS_REGION (manifests/base)
 SERVICE_ACCOUNT = "trace-pipeline"  # may only report step outputs (manifests/base/rbac.yaml)
-GPU_STEPS = ("rollout", "update-policy")
+GPU_STEPS = ("rollout", "update-policy", "evaluate-start", "evaluate")
 OUT = "/tmp/outputs"  # where steps write the small values Argo reads as output parameters
 
 # The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list),
@@ -118,7 +119,7 @@ class ArgoOptions:
     iterations: int = 4
     """K: rollout → fit/update iterations, unrolled into the DAG (as in the KFP pipeline)."""
     gpus: int = 1
-    """GPUs of each rollout and update-policy pod (0: they only submit Ray jobs)."""
+    """GPUs of each rollout, update-policy and evaluate pod (0: they only submit Ray jobs)."""
     name: str = "trace-training"
     schedule: str = "0 3 * * *"
     """Argo's cron: 5 fields, no seconds (KFP's has 6)."""

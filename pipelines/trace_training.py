@@ -23,9 +23,9 @@ the local run must be this same pipeline; so the warm-start branch and the load 
 carry the iterations (the UI shows the one that ran).
 
 Cluster settings:
-- rollout and update_policy request ``gpus`` accelerators of type ``accelerator`` and take the
-  node selector and tolerations given at run time; they use TRACE_GPU_IMAGE, the other steps
-  TRACE_IMAGE (``images/images.env``). With a ``ray_address`` the GPUs are the Ray cluster's:
+- rollout, update_policy and evaluate request ``gpus`` accelerators of type ``accelerator`` and
+  take the node selector and tolerations given at run time; they use TRACE_GPU_IMAGE, the other
+  steps TRACE_IMAGE (``images/images.env``). With a ``ray_address`` the GPUs are the Ray cluster's:
   run with gpus=0 then. They also get RAY_AUTH_TOKEN from the Secret ``ray_auth_secret`` (key
   auth_token, optional), which a Ray job submission to a token-auth cluster needs.
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
@@ -67,7 +67,7 @@ class PipelineOptions:
     iterations: int = 4
     """K: rollout → fit/update iterations, unrolled into the DAG."""
     gpu_requests: bool = True
-    """Give rollout and update_policy the GPU request of the run parameters ``gpus`` and
+    """Give rollout, update_policy and evaluate the GPU request of the run parameters ``gpus`` and
     ``accelerator``. KFP's local runner cannot resolve run parameters in a resource request
     (and ignores GPU requests anyway): ``run_local`` builds with False, nothing else differs."""
     s3_endpoint: str = "http://seaweedfs.kubeflow:9000"
@@ -167,7 +167,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
             policy, predictor = start.outputs["policy"], start.outputs["predictor"]
             optimizer = start.outputs["optimizer"]
             start_eval = place(
-                evaluate(config_json=config, prompts=prompts, policy=policy), "evaluate start"
+                evaluate(config_json=config, prompts=prompts, policy=policy),
+                "evaluate start",
+                gpu=True,
             ).set_caching_options(False)
             for i in range(1, opts.iterations + 1):
                 grown = place(
@@ -217,6 +219,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                     optimizer=optimizer,
                 ),
                 "evaluate",
+                gpu=True,
             ).set_caching_options(False)
             place(
                 report(

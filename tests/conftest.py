@@ -71,6 +71,7 @@ HELPERS = {
     "trace_manifest_render": "manifests/render.py",
     "trace_train_parity": "train/parity.py",
     "trace_test_models": "policy/models.py",
+    "trace_test_rollouts": "rollout/planned.py",
 }
 
 

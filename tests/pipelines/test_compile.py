@@ -45,7 +45,7 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
         )
         env = {e.env_var for secret in config.secret_as_env for e in secret.key_to_env}
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, name
-        gpu = name.startswith(("exec-rollout", "exec-update-policy"))
+        gpu = name.startswith(("exec-rollout", "exec-update-policy", "exec-evaluate"))
         assert ("RAY_AUTH_TOKEN" in env) == gpu, name
         assert bool(config.tolerations) == gpu and config.HasField("node_selector") == gpu
 
@@ -72,7 +72,7 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
         container = executors[task["componentRef"]["name"].replace("comp-", "exec-", 1)][
             "container"
         ]
-        gpu = kind in ("rollout", "update-policy")
+        gpu = kind in ("rollout", "update-policy", "evaluate")
         assert container["image"] == images["TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE"], name
         assert ("accelerator" in container.get("resources", {})) == gpu, name
         cached = task.get("cachingOptions", {}).get("enableCache", False)

@@ -9,7 +9,9 @@ environment, as a KubeRay cluster's pods would get them from a Secret; it is sto
 """
 
 # No ``from __future__ import annotations``: KFP reads the test pipeline's annotations as types.
+import dataclasses
 import hashlib
+import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -26,8 +28,15 @@ from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.server import SeaweedServer
-from trace_core.train.contract import PipelineConfig, PipelineParameters, StepCall
+from trace_core.train.contract import (
+    EVAL_FILE,
+    PipelineConfig,
+    PipelineParameters,
+    StepCall,
+    read_metrics,
+)
 from trace_core.train.rayjob import RayJobFailed, submit_step
+from trace_core.train.steps.finish import evaluate_step
 from trace_core.train.steps.start import load_step, prep_step
 
 pytestmark = [
@@ -195,3 +204,38 @@ def test_engine_actors_of_a_ray_job_are_the_clusters(
     mine = [a for a in actors if a.job_id == driver]
     assert len(mine) == 2
     assert all(a.required_resources == {"CPU": 1.0} for a in mine)
+
+
+@pytest.mark.usefixtures("client_env")
+def test_evaluate_runs_on_the_engine_actors_of_its_ray_job(
+    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The evaluate step with rollout_workers = 1: a Ray job whose driver fetches the policy
+    without its weights and plays the eval episodes on one engine actor of the cluster, which
+    loads the policy from S3; greedy pass@1 is what the step gives in one process."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors
+
+    base, root = inputs
+    config = config_for(base, ray_dashboard, root, rollout_workers=1)
+    call = StepCall(
+        "evaluate",
+        0,
+        {name: str(root / name) for name in ("prompts", "policy")},
+        {"result": str(tmp_path / "result")},
+    )
+    job_id = submit_step(call, config, log=lambda _text: None)
+    report = json.loads((tmp_path / "result" / EVAL_FILE).read_text())
+    assert report["tasks"] == 4
+    assert read_metrics(tmp_path / "result")["accuracy_pass1"] == report["pass1"]["all"]
+    driver = JobSubmissionClient(ray_dashboard).get_job_info(job_id).job_id
+    actors = list_actors(
+        address=ray_dashboard, filters=[("class_name", "=", "EngineWorker")], detail=True
+    )
+    assert len([a for a in actors if a.job_id == driver]) == 1
+    engine = dataclasses.replace(config.train.engine, workers=0)
+    here = dataclasses.replace(
+        config, ray_address="", train=dataclasses.replace(config.train, engine=engine)
+    )
+    alone = evaluate_step(here, root / "prompts", root / "policy")
+    assert alone["pass1"] == report["pass1"]

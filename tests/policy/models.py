@@ -94,3 +94,23 @@ def qwen_tokenizer(template: str = QWEN_LIKE_TEMPLATE) -> PreTrainedTokenizerBas
     tokenizer = AutoTokenizer.from_pretrained(QWEN)
     tokenizer.chat_template = template
     return tokenizer
+
+
+def save_sharpened_policy(path: Path, seed: int, vocabulary: list[str]) -> Path:
+    """A random tiny policy over ``vocabulary`` (word level), saved at ``path``, with its
+    matrices scaled up so that next-token distributions are peaked: no greedy near-ties, so
+    engines with different kernels (TorchEngine, vLLM, batched or not) agree on every greedy
+    token."""
+    import torch
+
+    from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+    from trace_core.policy.tokenizer import build_word_tokenizer
+
+    tokenizer = build_word_tokenizer(vocabulary)
+    model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    save_checkpoint(model, tokenizer, path)
+    return path

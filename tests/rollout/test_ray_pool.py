@@ -19,8 +19,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_test_models import save_sharpened_policy  # registered by tests/conftest.py
+from trace_test_rollouts import check_trees_are_the_planned_ones
 
-from trace_core.algo.plan import Budget, plan
+from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree
 from trace_core.bench.reload import ReloadBenchConfig, run_reload_bench
 from trace_core.bench.workers import (
@@ -33,12 +35,8 @@ from trace_core.envs.calc import CalcSuite
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import (
-    TinyPolicyConfig,
-    create_policy,
     load_checkpoint,
-    save_checkpoint,
 )
-from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.engines import EngineSession
@@ -150,21 +148,9 @@ def ray_cluster() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def save_sharpened_policy(path: Path, seed: int) -> Path:
-    """A random tiny policy with peaked next-token distributions: no greedy near-ties."""
-    tokenizer = build_word_tokenizer(SUITE.vocabulary())
-    model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(20)
-    save_checkpoint(model, tokenizer, path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_sharpened_policy(tmp_path_factory.mktemp("policy"), seed=0)
+    return save_sharpened_policy(tmp_path_factory.mktemp("policy"), 0, SUITE.vocabulary())
 
 
 @pytest.fixture(scope="module")
@@ -172,24 +158,13 @@ def fmt(checkpoint: Path) -> TurnFormat:
     return TurnFormat(load_checkpoint(checkpoint)[1])
 
 
+def check_planned(trees: Sequence[RolloutTree]) -> None:
+    check_trees_are_the_planned_ones(trees, len(SUITE.tasks("train")), BUDGET, GROW.seed)
+    assert BUDGET.units == 16.0
+
+
 def grow(engine: RayEnginePool, fmt: TurnFormat) -> list[RolloutTree]:
     return grow_trees(engine, fmt, SUITE.make_env, SUITE.tasks("train"), ConstantPredictor(), GROW)
-
-
-def check_trees_are_the_planned_ones(trees: Sequence[RolloutTree]) -> None:
-    """Every planned tree exactly once, complete, with exactly the budget's units spent."""
-    # grow_trees plans with default_rng(seed) from the predictor's scores (constant 0.5).
-    root_plan = plan(
-        "trace", np.full(len(SUITE.tasks("train")), 0.5), BUDGET, np.random.default_rng(GROW.seed)
-    )
-    assert [t.info.tree_id for t in trees] == np.flatnonzero(root_plan.counts).tolist()
-    for tree in trees:
-        i = tree.info.tree_id
-        assert tree.root_rollouts == root_plan.counts[i]
-        assert tree.continuations == root_plan.continuations[i]
-        assert not np.isnan(tree.reward[tree.leaf_mask]).any()  # every leaf has its reward
-        assert np.isnan(tree.reward[~tree.leaf_mask]).all()
-    assert sum(t.units for t in trees) == BUDGET.units == 16.0
 
 
 def assert_same_greedy_answers(
@@ -238,7 +213,7 @@ def test_two_workers_answer_every_prompt_in_order_as_torch_engine_does(
 
         # New weights, then a crash: the restarted actor boots with the constructor's
         # checkpoint and must reload the new one before it answers.
-        new = save_sharpened_policy(tmp_path / "new", seed=1)
+        new = save_sharpened_policy(tmp_path / "new", 1, SUITE.vocabulary())
         pool.update_weights(new)
         killed = pool.kill_worker_process(0, signal.SIGKILL)
         assert_same_greedy_answers(pool.generate(prompts, greedy, seed=1), reference(new, prompts))
@@ -255,7 +230,7 @@ def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
         second = grow(pool, fmt)
         # The pool counts every token its workers generated, and every one is in a tree.
         assert pool.stats.generated_tokens == sum(t.generated_tokens for t in [*first, *second])
-    check_trees_are_the_planned_ones(first)
+    check_planned(first)
     assert len(first) == len(second) > 1
     assert all(a.equals(b) for a, b in zip(first, second, strict=True))
     assert sum(t.generated_tokens for t in first) > 0
@@ -283,7 +258,7 @@ def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
         assert pool.killed[0] not in pids  # the victim runs in a new process now
         assert pool.workers == 2
         assert "resubmitted_sub_batches" not in pool.stats.extra  # Ray reran it in place
-    check_trees_are_the_planned_ones(trees)
+    check_planned(trees)
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)
@@ -295,7 +270,7 @@ def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
         assert pool.workers == 1
         assert pool.stats.extra["resubmitted_sub_batches"] == 1
         assert pool.stats.extra["dead_workers"] == 1
-    check_trees_are_the_planned_ones(trees)
+    check_planned(trees)
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)
@@ -337,7 +312,7 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
 def test_a_run_keeps_its_pool_and_puts_each_new_policy_in_place(
     ray_cluster: None, checkpoint: Path, tmp_path: Path
 ) -> None:
-    new = save_sharpened_policy(tmp_path / "new", seed=1)
+    new = save_sharpened_policy(tmp_path / "new", 1, SUITE.vocabulary())
     greedy = SamplingParams(temperature=0, max_tokens=6)
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     with EngineSession(EngineConfig(workers=1)) as session:

@@ -50,7 +50,13 @@ def test_a_remote_checkpoint_is_downloaded_once_per_node(
     assert (folder / "source.txt").read_text().strip() == uri
 
     downloads: list[str] = []
-    monkeypatch.setattr(weights, "_download", lambda uri, folder: downloads.append(uri))
+
+    def download(uri: str, folder: Path, what: str) -> Path:
+        downloads.append(uri)
+        folder.mkdir()
+        return folder
+
+    monkeypatch.setattr(weights, "download_checkpoint", download)
     assert node_checkpoint(uri) == folder and downloads == []  # found in the cache
     (folder / "source.txt").unlink()  # a copy cut short: fetched again
     node_checkpoint(uri)

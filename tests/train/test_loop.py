@@ -297,3 +297,18 @@ def test_ray_train_workers_give_the_in_process_run(init: Path, tmp_path: Path) -
     a = weights(tmp_path / "local/iterations/0002/policy")
     b = weights(tmp_path / "ray/iterations/0002/policy")
     assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # Ray in this process
+def test_evaluation_runs_on_the_runs_engine_actor(init: Path, tmp_path: Path) -> None:
+    """One engine actor (``engine.workers=1``) serves the rollouts and the evaluations: each new
+    policy goes into it once, for its evaluation, and the next rollout finds it there. The
+    starting policy's greedy pass@1 is the in-process engine's."""
+    from trace_core.rollout.engine_config import EngineConfig
+
+    local = run(tiny(init, tmp_path / "local", iterations=1))
+    pooled = run(tiny(init, tmp_path / "pool", iterations=2, engine=EngineConfig(workers=1)))
+    assert ["reload" in r.seconds for r in pooled] == [False, True, True]
+    assert pooled[0].eval is not None and local[0].eval is not None
+    assert pooled[0].eval["pass1"] == local[0].eval["pass1"]

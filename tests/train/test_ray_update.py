@@ -21,7 +21,7 @@ from trace_core.policy.update import make_optimizer, update_policy
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.flat import rollout_flat
 from trace_core.store.artifacts import open_store
-from trace_core.store.schema import write_trees
+from trace_core.store.schema import read_trees, write_trees
 from trace_core.store.sync import download_folder, upload_folder
 from trace_core.train.ray_update import update_on_ray
 
@@ -87,6 +87,56 @@ def test_ray_train_workers_read_and_write_s3(setup, s3_env, tmp_path: Path) -> N
     )
     download_folder(f"{root}/out", tmp_path / "out")
     check_update(stats, policy, tmp_path / "out", expected)
+
+
+@pytest.fixture(scope="module")
+def resumed(setup, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A second in-process update, from the first one's policy and AdamW state: (its input
+    policy, its input optimizer file, the weights and the optimizer state it gives)."""
+    from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.update import save_optimizer
+
+    policy, trees, _ = setup
+    root = tmp_path_factory.mktemp("resumed")
+    model, tokenizer = load_checkpoint(policy)
+    optimizer = make_optimizer(model, CONFIG)
+    paths = read_trees(trees)
+
+    def step(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        update_policy(model, optimizer, paths, CONFIG, rng, tokenizer.pad_token_id)
+
+    step(7)
+    save_checkpoint(model, tokenizer, root / "first")
+    save_optimizer(optimizer, root / "first/optimizer.safetensors")
+    step(8)
+    save_optimizer(optimizer, root / "second-optimizer.safetensors")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return (
+        root / "first",
+        root / "first/optimizer.safetensors",
+        weights,
+        root / "second-optimizer.safetensors",
+    )
+
+
+@pytest.mark.cluster  # Ray in this process (gloo)
+def test_fsdp_over_two_workers_gives_the_in_process_update_and_optimizer(  # type: ignore[no-untyped-def]
+    setup, resumed, tmp_path: Path
+) -> None:
+    """fsdp=True: the policy and AdamW's moments sharded over two workers, the optimizer state
+    read from and written to the single-process file; the update is the in-process one."""
+    _, trees, _ = setup
+    policy, optimizer, expected, expected_optimizer = resumed
+    out = tmp_path / "out"
+    stats = update_on_ray(
+        policy, trees, out, CONFIG, seed=8, workers=2, optimizer_path=optimizer, fsdp=True
+    )
+    check_update(stats, policy, out, expected)
+    got, want = load_file(str(out / "optimizer.safetensors")), load_file(str(expected_optimizer))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.allclose(got[name], want[name], atol=1e-6, rtol=1e-4), name
 
 
 def check_update(  # type: ignore[no-untyped-def]

@@ -244,7 +244,7 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
         step("evaluate", inputs=f.named("prompts", policy="start/policy"), outputs=eval_start),
         step("rollout", 1, inputs={**f.named("prompts"), **start}, outputs={"trees": trees}),
     )
-    assert f.keys("eval-start") == {"eval.json"}
+    assert f.keys("eval-start") == {"eval.json", "metrics.json"}
     start_eval = check_eval(f.local("eval-start"), iteration=0)
     assert "checkpoint" not in start_eval  # the start's evaluation registers nothing
     assert {"trees.parquet", "draws.json", "metrics.json"} <= f.keys("iter-1/trees")

@@ -30,19 +30,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from trace_test_models import save_sharpened_policy  # registered by tests/conftest.py
+from trace_test_rollouts import check_trees_are_the_planned_ones
 
-from trace_core.algo.plan import Budget, plan
-from trace_core.algo.tree import RolloutTree
+from trace_core.algo.plan import Budget
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat
-from trace_core.policy.model import (
-    TinyPolicyConfig,
-    create_policy,
-    load_checkpoint,
-    save_checkpoint,
-)
-from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.model import load_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
@@ -59,19 +54,6 @@ GROW = GrowConfig("trace", BUDGET, SamplingParams(max_tokens=10), seed=7)
 # RayEnginePool's arguments: float32, as the TorchEngine it is compared with (vLLM's auto picks
 # bfloat16 for a float32 checkpoint).
 VLLM = {"engine": "vllm", "eager": True, "kv_cache_bytes": 2**28, "dtype": "float32"}
-
-
-def sharpened_policy(path: Path, seed: int) -> Path:
-    """A random tiny policy with peaked next-token distributions: no greedy near-ties, so vLLM's
-    kernels and the TorchEngine's agree on every greedy token."""
-    tokenizer = build_word_tokenizer(SUITE.vocabulary())
-    model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(20)
-    save_checkpoint(model, tokenizer, path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +93,7 @@ def engine_actors(head: Any, job_id: str | None = None) -> list[Any]:
 
 @pytest.mark.usefixtures("client_env")
 def test_rollout_cli_with_two_vllm_workers_on_a_head(head: Any, tmp_path: Path) -> None:
-    checkpoint = sharpened_policy(tmp_path / "policy", seed=0)
+    checkpoint = save_sharpened_policy(tmp_path / "policy", 0, SUITE.vocabulary())
     trees_path, metrics_path = tmp_path / "trees.parquet", tmp_path / "metrics.json"
     before = {a.actor_id for a in engine_actors(head)}
     # 12 roots × (1 + 2/2) = 24 units.
@@ -156,8 +138,8 @@ def greedy_answers(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
 def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
     head: Any, tmp_path: Path
 ) -> None:
-    first = sharpened_policy(tmp_path / "first", seed=0)
-    second = sharpened_policy(tmp_path / "second", seed=1)
+    first = save_sharpened_policy(tmp_path / "first", 0, SUITE.vocabulary())
+    second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 11)]
     with KillingPool(first, workers=1, address=head.address, max_restarts=1, **VLLM) as pool:
@@ -179,17 +161,7 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
         pool_tasks = SUITE.tasks("train")
         trees = grow_trees(pool, fmt, SUITE.make_env, pool_tasks, ConstantPredictor(), GROW)
         assert pool.killed[0] not in pool.worker_pids() and pool.workers == 1
-    check_trees_are_the_planned_ones(trees, len(pool_tasks))
-
-
-def check_trees_are_the_planned_ones(trees: Sequence[RolloutTree], tasks: int) -> None:
-    """Every planned tree exactly once, complete, with exactly the budget's units spent."""
-    roots = plan("trace", np.full(tasks, 0.5), BUDGET, np.random.default_rng(GROW.seed))
-    assert [t.info.tree_id for t in trees] == np.flatnonzero(roots.counts).tolist()
-    for tree in trees:
-        assert tree.root_rollouts == roots.counts[tree.info.tree_id]
-        assert not np.isnan(tree.reward[tree.leaf_mask]).any()
-    assert sum(t.units for t in trees) == BUDGET.units
+    check_trees_are_the_planned_ones(trees, len(pool_tasks), BUDGET, GROW.seed)
 
 
 @pytest.mark.usefixtures("client_env")
@@ -204,7 +176,7 @@ def test_pipeline_rollout_step_on_vllm_actors_reads_the_policy_from_s3(
     from trace_core.train.contract import PipelineConfig, PipelineParameters
     from trace_core.train.steps.start import load_step, prep_step
 
-    base = sharpened_policy(tmp_path / "base", seed=0)
+    base = save_sharpened_policy(tmp_path / "base", 0, SUITE.vocabulary())
     parameters = PipelineParameters(
         task="calc",
         base_model_uri=str(base),

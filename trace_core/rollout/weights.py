@@ -28,6 +28,7 @@ CACHE_ENV = "TRACE_CHECKPOINT_CACHE"
 KEEP = 3
 """Checkpoints a node keeps: the one loaded, the one before it, one more in flight."""
 SOURCE = "source.txt"
+"""The URI a downloaded checkpoint came from, inside its folder."""
 
 
 def cache_root() -> Path:
@@ -46,27 +47,31 @@ def node_checkpoint(checkpoint: str | os.PathLike[str]) -> Path:
     folder = root / hashlib.sha256(text.encode()).hexdigest()[:20]
     with FileLock(str(root / ".lock")):
         if not (folder / SOURCE).is_file():
-            _download(text, folder)
+            shutil.rmtree(folder, ignore_errors=True)  # a copy without SOURCE is a broken one
+            download_checkpoint(text, folder, "engine checkpoint")
         os.utime(folder)  # most recently used
         _evict(root, keep=folder)
     return folder
 
 
-def _download(uri: str, folder: Path) -> None:
+def download_checkpoint(uri: str, folder: Path, what: str) -> Path:
+    """The checkpoint at ``uri`` downloaded into ``folder``, whole or not at all: into a staging
+    folder beside it, checked (an error names ``what`` and the URI), its URI written to
+    ``SOURCE``, then renamed into place. ``folder`` must not exist."""
     from trace_core.store.sync import download_folder
 
-    shutil.rmtree(folder, ignore_errors=True)  # a copy without SOURCE is a broken one
     staging = folder.with_name(f".{folder.name}-{uuid.uuid4().hex[:8]}")
     try:
         download_folder(uri, staging)
         try:
-            check_checkpoint(staging, f"engine checkpoint {uri}")
+            check_checkpoint(staging)
         except CheckpointError as err:
-            raise CheckpointError(f"engine checkpoint {uri}: {err}") from None
+            raise CheckpointError(f"{what} {uri}: {err}") from None
         (staging / SOURCE).write_text(uri + "\n")
         os.replace(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 def _evict(root: Path, keep: Path) -> None:

@@ -12,21 +12,17 @@ is a local path). Importable without torch.
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trace_core.policy.checkpoint import check_checkpoint, load_tokenizer
+from trace_core.rollout.weights import SOURCE, download_checkpoint
 from trace_core.store.uri import is_remote
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-SOURCE = "source.txt"
-"""The URI a downloaded model came from, inside its folder."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
@@ -49,17 +45,7 @@ def fetch_model(source: str | Path, folder: Path, what: str = "--init") -> Path:
             held = f"a download of {stored}" if stored else "files of its own"
             raise ValueError(f"{folder} holds {held}, not {uri}; remove it or use another folder")
         return check_checkpoint(folder, f"{what} {uri} (downloaded to {folder})")
-    from trace_core.store.sync import download_folder
-
-    staging = folder.with_name(f".{folder.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        download_folder(uri, staging)
-        check_checkpoint(staging, f"{what} {uri}")
-        (staging / SOURCE).write_text(uri + "\n")
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return download_checkpoint(uri, folder, what)
 
 
 def source_tokenizer(source: str | Path, what: str = "--init") -> PreTrainedTokenizerBase:

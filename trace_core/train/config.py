@@ -66,6 +66,9 @@ class TrainConfig:
     """Ray Train workers for the policy update (0: in this process)."""
     train_gpus: bool = False
     """Each Ray Train worker takes one GPU (DDP over NCCL): train_workers = GPUs used."""
+    train_fsdp: bool = False
+    """Shard the policy, its gradients and AdamW's moments across the Ray Train workers (FSDP)
+    instead of replicating them (DDP): for policies whose replicas do not fit."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The rollout engine: kind, Ray engine workers and their GPUs (``rollout.engine_config``)."""
     ray_address: str | None = None
@@ -91,6 +94,8 @@ class TrainConfig:
             raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
         if self.train_gpus and not self.train_workers:
             raise ValueError("train_gpus needs train_workers >= 1 (one Ray Train worker per GPU)")
+        if self.train_fsdp and not self.train_workers:
+            raise ValueError("train_fsdp needs train_workers >= 1 (the ranks it shards across)")
         for name in ("eval_tasks", "eval_k", "max_tokens", "warmstart_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

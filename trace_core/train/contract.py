@@ -57,8 +57,9 @@ STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """Input and output folders of each step (what ``trace-rl step`` and the Argo containers pass)."""
 OPTIONAL_INPUTS = {"evaluate": ("predictor", "optimizer")}
-RAY_STEPS = ("rollout", "update")
-"""Steps that run as a Ray job when the pipeline has a Ray dashboard address."""
+RAY_STEPS = ("rollout", "update", "evaluate")
+"""Steps that run as a Ray job when the pipeline has a Ray dashboard address: the ones that
+use engine actors or Ray Train workers."""
 
 
 def write_optimizer_info(folder: Path, iteration: int) -> None:
@@ -120,7 +121,8 @@ class PipelineConfig:
     ``staging/`` for steps run as Ray jobs."""
     ray_address: str = ""
     """Empty: every step runs in its own process (Ray, where used, in-process). A Ray dashboard
-    address http://HEAD:8265: rollout and update are submitted there as Ray jobs."""
+    address http://HEAD:8265: rollout, update and evaluate are submitted there as Ray
+    jobs."""
 
     def __post_init__(self) -> None:
         if self.run_name:
@@ -197,7 +199,7 @@ class PipelineParameters:
     seed: int = 0
     """Seed of pools, plans, sampling and updates."""
     ray_address: str = ""
-    """Ray dashboard http://HEAD:8265: rollout and update run there as Ray jobs."""
+    """Ray dashboard http://HEAD:8265: rollout, update and evaluate run there as Ray jobs."""
     engine: str = "torch"
     """Rollout engine: torch, hf or vllm."""
     rollout_workers: int = 0

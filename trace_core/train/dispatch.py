@@ -28,9 +28,10 @@ from trace_core.train.contract import (
     check_step_folders,
     parse_parameters,
     read_metrics,
+    write_metrics,
 )
 from trace_core.train.steps.cycle import fit_predictor_step, rollout_step, update_step
-from trace_core.train.steps.finish import evaluate_step, report_step
+from trace_core.train.steps.finish import eval_metrics, evaluate_step, report_step
 from trace_core.train.steps.start import load_step, prep_step, warmstart_step
 
 
@@ -49,21 +50,28 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
 def execute_step(call: StepCall, config: PipelineConfig) -> None:
     """Run ``call`` in this process; s3:// folders are fetched first and published after."""
     # Engine actors read a remote policy from object storage themselves (each node once): the
-    # driver fetches only its tokenizer and config, and stays light.
+    # driver fetches only its tokenizer and config, and stays light (unless it registers the
+    # policy as the run's checkpoint: the final evaluation).
     # So do Ray Train workers; the update's driver reads the trees and the policy's log.
     policy = call.inputs.get("policy", "")
-    actors_read = call.step == "rollout" and is_remote(policy) and config.train.engine.workers > 0
+    registers = call.step == "evaluate" and "predictor" in call.inputs and bool(config.run_name)
+    actors_read = (
+        call.step in ("rollout", "evaluate")
+        and is_remote(policy)
+        and config.train.engine.workers > 0
+        and not registers
+    )
     light = {"policy"} if actors_read else set()
     remote = {name: uri for name, uri in call.inputs.items() if is_remote(uri)}
     if call.step == "update" and config.train.train_workers and remote:
         light = {"policy", "reference"}
+    engine_checkpoint = policy if actors_read else None
     with _staged(call.step, call.inputs, call.outputs, light) as (local, out):
         match call.step:
             case "rollout":
                 rollout_step(
                     config, call.iteration, local["prompts"], local["policy"],
-                    local["predictor"], out["trees"],
-                    engine_checkpoint=policy if actors_read else None,
+                    local["predictor"], out["trees"], engine_checkpoint=engine_checkpoint,
                 )  # fmt: skip
             case "update":
                 update_step(
@@ -71,6 +79,13 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
                     local["reference"], local["optimizer"], out["policy"], out["optimizer"],
                     input_uris=remote,
                 )  # fmt: skip
+            case "evaluate":
+                report = evaluate_step(
+                    config, local["prompts"], local["policy"], local.get("predictor"),
+                    optimizer_dir=local.get("optimizer"), engine_checkpoint=engine_checkpoint,
+                )  # fmt: skip
+                (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+                write_metrics(out["result"], eval_metrics(report))
 
 
 @contextlib.contextmanager
@@ -177,12 +192,6 @@ def execute_cli_step(
                         config, iteration, local["trees"], local["policy"],
                         local["predictor"], out["predictor"],
                     )  # fmt: skip
-                case "evaluate":
-                    report = evaluate_step(
-                        config, local["prompts"], local["policy"], local.get("predictor"),
-                        optimizer_dir=local.get("optimizer"),
-                    )  # fmt: skip
-                    (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
                 case "report":
                     start, final = (
                         json.loads((local[name] / EVAL_FILE).read_text())

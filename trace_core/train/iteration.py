@@ -28,10 +28,9 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task, TaskSuite
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat, TurnStyle
-from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import UpdateStats, update_policy
 from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
-from trace_core.rollout.engines import EngineSession
+from trace_core.rollout.engines import EngineSession, open_engine
 from trace_core.rollout.grow import GrowConfig
 from trace_core.rollout.phase import RolloutResult, run_rollout
 from trace_core.train.config import TrainConfig
@@ -144,30 +143,34 @@ def update(
 
 
 def evaluate(
-    model: PreTrainedModel,
+    checkpoint: str | Path,
     fmt: TurnFormat,
     make_env: Callable[[], Env],
     tasks: Sequence[Task],
     config: TrainConfig,
-    device: str = "cpu",
+    model: PreTrainedModel | None = None,
+    session: EngineSession | None = None,
+    address: str | None = None,
 ) -> EvalReport:
-    """Held-out pass@1 and mean@k of ``model`` on ``tasks``, on an engine pool of the run's
-    size (``engine.max_rows``, ``engine.cache_tokens``)."""
-    engine = TorchEngine(
-        model,  # type: ignore[arg-type]
-        device=device,
-        max_batch=config.engine.max_rows,
-        cache_tokens=config.engine.cache_tokens,
+    """Held-out pass@1 and mean@k of the policy at ``checkpoint`` (or already in memory:
+    ``model``) on ``tasks``, on the run's engine: its kept one (``session``: the rollout's actors
+    or vLLM, which then need not reload for the next rollout), else one opened for it as
+    ``config.engine`` says (in this process, or actors at ``address``)."""
+    engine = (
+        session.engine(checkpoint, model)
+        if session is not None
+        else open_engine(config.engine, checkpoint, model, address)
     )
-    return evaluate_policy(
-        engine,
-        fmt,
-        make_env,
-        tasks,
-        k=config.eval_k,
-        seed=config.seed,
-        max_tokens=config.max_tokens,
-    )
+    with engine as played:
+        return evaluate_policy(
+            played,
+            fmt,
+            make_env,
+            tasks,
+            k=config.eval_k,
+            seed=config.seed,
+            max_tokens=config.max_tokens,
+        )
 
 
 def eval_tasks(suite: TaskSuite, config: TrainConfig) -> list[Task]:

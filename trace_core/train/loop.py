@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
@@ -123,19 +124,28 @@ def train(
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
         predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
     eval_tasks = iteration.eval_tasks(suite, config)
-    if not records:
-        say(f"evaluating the starting policy on {len(eval_tasks)} held-out tasks")
-        start = time.perf_counter()
-        report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
-        seconds = {"eval": time.perf_counter() - start}
-        records = [IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)]
-        _append_log(out, records[0], fresh=True)
     train_tasks = suite.tasks("train")
-    # Ray engine pools and vLLM start once and take each new policy in place.
+    # Ray engine pools and vLLM start once and take each new policy in place; evaluation runs
+    # on them too, so the next rollout finds the policy it evaluated already loaded.
     with EngineSession(config.engine, config.ray_address) as session:
+
+        def evaluate(policy: Path) -> EvalReport:
+            return iteration.evaluate(
+                policy, fmt, suite.make_env, eval_tasks, config, model=model, session=session
+            )
+
+        if not records:
+            say(f"evaluating the starting policy on {len(eval_tasks)} held-out tasks")
+            start = time.perf_counter()
+            report = evaluate(policy_dir)
+            seconds = {"eval": time.perf_counter() - start}
+            records = [
+                IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)
+            ]
+            _append_log(out, records[0], fresh=True)
         for i in range(done + 1, config.iterations + 1):
             draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
-            seconds: dict[str, float] = {}
+            seconds = {}
             reloaded = session.reload_seconds
             rollout = iteration.roll_out(
                 policy_dir, train_tasks, suite, predictor, config, i, draws,
@@ -143,8 +153,6 @@ def train(
             )  # fmt: skip
             trees, metrics = rollout.trees, rollout.metrics
             seconds["rollout"] = rollout.seconds
-            if session.reload_seconds > reloaded:  # the kept engine took this policy in place
-                seconds["reload"] = session.reload_seconds - reloaded
             start = time.perf_counter()
             fit = iteration.fit_predictor(predictor, trees, draws)
             seconds["predictor"] = time.perf_counter() - start
@@ -158,11 +166,17 @@ def train(
                     model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference
                 )
             seconds["update"] = time.perf_counter() - start
+            # The folder first (its policy is what a kept engine evaluates), then the log line
+            # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
+            _write_iteration(out, i, model, tokenizer, optimizer, predictor, trees, metrics)
+            policy_dir = iteration_dir(out, i) / "policy"
             report = None
             if i % config.eval_every == 0 or i == config.iterations:
                 start = time.perf_counter()
-                report = iteration.evaluate(model, fmt, suite.make_env, eval_tasks, config)
+                report = evaluate(policy_dir)
                 seconds["eval"] = time.perf_counter() - start
+            if session.reload_seconds > reloaded:  # the kept engine took a policy in place
+                seconds["reload"] = session.reload_seconds - reloaded
             record = IterationRecord(
                 iteration=i,
                 strategy=config.strategy,
@@ -174,8 +188,8 @@ def train(
                 seconds=seconds,
                 predictor={k: float(v) for k, v in asdict(fit).items()},
             )
-            _commit_iteration(out, i, model, tokenizer, optimizer, predictor, trees, record)
-            policy_dir = iteration_dir(out, i) / "policy"
+            _append_log(out, record)
+            move_latest(out, i)
             records.append(record)
             accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
             phases = _phases_line(seconds, stats)
@@ -258,7 +272,7 @@ def _resumed_log(out: Path, done: int) -> list[IterationRecord]:
     return records
 
 
-def _commit_iteration(
+def _write_iteration(
     out: Path,
     i: int,
     model: torch.nn.Module,
@@ -266,21 +280,19 @@ def _commit_iteration(
     optimizer: torch.optim.Optimizer,
     predictor: ValuePredictor,
     trees: Sequence[RolloutTree],
-    record: IterationRecord,
+    metrics: BatchMetrics,
 ) -> None:
-    """Write iteration i's folder in full (with its manifest), then the log line, then move
-    ``latest``."""
+    """Write iteration i's folder in full (with its manifest); it counts as done once its log
+    line is written and ``latest`` moves to it."""
 
     def write(staging: Path) -> None:
         write_trees(staging / "trees.parquet", trees)
-        (staging / "metrics.json").write_text(json.dumps(record.rollout, indent=2) + "\n")
+        (staging / "metrics.json").write_text(json.dumps(metrics.as_dict(), indent=2) + "\n")
         save_checkpoint(model, tokenizer, staging / "policy")  # type: ignore[arg-type]
         save_optimizer(optimizer, staging / "optimizer.safetensors")
         predictor.save(staging / PREDICTOR)
 
     commit_iteration(out, i, write)
-    _append_log(out, record)
-    move_latest(out, i)
 
 
 def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None:
@@ -321,6 +333,7 @@ def _update_on_ray(
         reference_dir=Path(config.init or out / "warmstart"),
         address=config.ray_address,
         use_gpu=config.train_gpus,
+        fsdp=config.train_fsdp,
     )
     updated, _ = load_checkpoint(staging / "policy")
     model.load_state_dict(updated.state_dict())  # same Parameter objects: the optimizer's

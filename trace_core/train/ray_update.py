@@ -3,8 +3,9 @@
     stats = update_on_ray(policy_dir, trees_path, out_dir, UpdateConfig(), seed=3, workers=2)
 
 Each worker loads the policy (and the optimizer state, when there is one), wraps the model in
-DDP (``prepare_model``: gloo on CPU, NCCL on GPU), and runs the same ``update_policy`` on its
-slice of every minibatch; the token-count scaling there makes the averaged gradient the
+DDP (``prepare_model``: gloo on CPU, NCCL on GPU) or, with ``fsdp``, shards it and the
+optimizer state across the workers (``policy.sharding``), and runs the same ``update_policy``
+on its slice of every minibatch; the token-count scaling there makes the averaged gradient the
 single-process one, so one worker reproduces the in-process update. Rank 0 writes the updated
 policy (an HF directory) and the optimizer state to ``out_dir``.
 
@@ -50,9 +51,11 @@ def update_on_ray(
     reference_dir: Location | None = None,
     address: str | None = None,
     use_gpu: bool = False,
+    fsdp: bool = False,
 ) -> UpdateStats:
     """One update of the policy in ``policy_dir`` on the trees in ``trees_path`` (a Parquet
-    file); ``optimizer_path`` is a file, the others folders."""
+    file); ``optimizer_path`` is a file, the others folders. ``fsdp``: shard the policy and its
+    optimizer state across the workers (``policy.sharding``) instead of replicating them."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -68,6 +71,7 @@ def update_on_ray(
         "reference": _absolute(reference_dir) if reference_dir else None,
         "update": asdict(config),
         "seed": seed,
+        "fsdp": fsdp,
     }
     with ray_session(address, num_cpus=workers), tempfile.TemporaryDirectory() as storage:
         trainer = TorchTrainer(
@@ -118,6 +122,12 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     import torch
 
     from trace_core.policy.model import load_checkpoint, save_checkpoint
+    from trace_core.policy.sharding import (
+        full_weights,
+        load_sharded_optimizer,
+        save_sharded_optimizer,
+        shard_scorer,
+    )
     from trace_core.policy.update import (
         TokenScorer,
         load_optimizer,
@@ -134,20 +144,27 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     config = UpdateConfig(**loop_config["update"])  # type: ignore[arg-type]
     device = ray.train.torch.get_device()
-    model, tokenizer = load_checkpoint(fetched("policy"), device=device)
+    policy = fetched("policy")
+    model, tokenizer = load_checkpoint(policy, device=device)
     reference = None
     if loop_config["reference"] and config.kl_coef > 0:
         reference, _ = load_checkpoint(fetched("reference"), device=device)
-    optimizer = make_optimizer(model, config)  # on the bare module: DDP shares its parameters
-    if loop_config["optimizer"]:
-        load_optimizer(optimizer, fetched("optimizer", folder=False))
-    # DDP wraps the scorer (decoder + chunked head), the module each pass calls.
-    ddp = ray.train.torch.prepare_model(
-        TokenScorer(model, config.logit_chunk), move_to_device=False
-    )
+    if loop_config["fsdp"]:
+        scorer = shard_scorer(TokenScorer(model, config.logit_chunk))
+        optimizer = make_optimizer(model, config)  # after sharding: on this rank's shards
+        if loop_config["optimizer"]:
+            load_sharded_optimizer(model, optimizer, fetched("optimizer", folder=False))
+    else:
+        optimizer = make_optimizer(model, config)  # on the bare module: DDP shares its parameters
+        if loop_config["optimizer"]:
+            load_optimizer(optimizer, fetched("optimizer", folder=False))
+        # DDP wraps the scorer (decoder + chunked head), the module each pass calls.
+        scorer = ray.train.torch.prepare_model(
+            TokenScorer(model, config.logit_chunk), move_to_device=False
+        )
     trees = read_trees(fetched("trees", folder=False))
     stats = update_policy(
-        ddp,
+        scorer,
         optimizer,
         trees,
         config,
@@ -157,11 +174,20 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
         rank=rank,
         world=world,
     )
+    target = str(loop_config["out"])
+    out = scratch / "out" if is_remote(target) else Path(target)
     if rank == 0:
-        target = str(loop_config["out"])
-        out = scratch / "out" if is_remote(target) else Path(target)
-        save_checkpoint(model, tokenizer, out)
+        out.mkdir(parents=True, exist_ok=True)
+    if loop_config["fsdp"]:  # collectives: every rank gathers, rank 0 writes
+        weights = full_weights(model)
+        save_sharded_optimizer(model, optimizer, out / OPTIMIZER, rank)
+        if rank == 0:
+            model, _ = load_checkpoint(policy)
+            model.load_state_dict(weights)
+    elif rank == 0:
         save_optimizer(optimizer, out / OPTIMIZER)
+    if rank == 0:
+        save_checkpoint(model, tokenizer, out)
         (out / STATS).write_text(json.dumps(asdict(stats)))
         if is_remote(target):
             from trace_core.store.sync import upload_folder

@@ -159,6 +159,7 @@ def update_step(
             reference_dir=at["reference"] if train.update.kl_coef > 0 else None,
             address=worker_address(config),
             use_gpu=train.train_gpus,
+            fsdp=train.train_fsdp,
         )
         if result != policy_out:
             from trace_core.store.sync import download_folder

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from trace_core.algo.tree import ROOT, RolloutTree, leaf_counts, success_counts
 from trace_core.envs.base import TaskSuite
@@ -25,21 +26,28 @@ def evaluate_step(
     predictor_dir: Path | None = None,
     suite: TaskSuite | None = None,
     optimizer_dir: Path | None = None,
+    engine_checkpoint: str | None = None,
 ) -> dict[str, object]:
-    """Held-out pass@1 and mean@k of the policy on the eval prompts. With ``predictor_dir``
-    (the final evaluation) and a run name, the policy and predictor are then registered as
-    the run's latest checkpoint, which the next run of that name resumes from."""
+    """Held-out pass@1 and mean@k of the policy on the eval prompts, on the run's engine (in
+    this process, or its engine actors). With ``predictor_dir`` (the final evaluation) and a run
+    name, the policy and predictor are then registered as the run's latest checkpoint, which
+    the next run of that name resumes from. ``engine_checkpoint``: where the engine actors load
+    the policy from (its ``s3://`` URI), when ``policy_dir`` holds only its tokenizer and
+    config."""
     from trace_core.envs.prompts import read_prompts
     from trace_core.envs.suites import make_suite
-    from trace_core.policy.model import load_checkpoint, resolve_device
+    from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.train.iteration import evaluate, turn_format
+    from trace_core.train.steps.cycle import worker_address
 
     train = config.train
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_EVAL))
     suite = suite or make_suite(task, train.data, train.seed)
-    model, tokenizer = load_checkpoint(policy_dir)
-    fmt = turn_format(train, suite, tokenizer)
-    report = evaluate(model, fmt, suite.make_env, tasks, train, resolve_device())
+    fmt = turn_format(train, suite, load_tokenizer(policy_dir))
+    report = evaluate(
+        engine_checkpoint or policy_dir, fmt, suite.make_env, tasks, train,
+        address=worker_address(config),
+    )  # fmt: skip
     history = read_log(policy_dir)
     result: dict[str, object] = {
         **report.as_dict(),
@@ -51,6 +59,17 @@ def evaluate_step(
             config, policy_dir, predictor_dir, history, optimizer_dir
         )
     return result
+
+
+def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
+    """The figures of an evaluation the pipeline logs as the step's metrics."""
+    metrics = {"accuracy_pass1": float(result["pass1"]["all"])}
+    if result["mean_k"]:
+        metrics[f"accuracy_mean_at_{result['k']}"] = float(result["mean_k"]["all"])
+    metrics["action_parse_rate"] = float(result["parse_rate"])
+    metrics["eval_tokens"] = float(result["tokens"])
+    metrics["iteration"] = float(result["iteration"])
+    return metrics
 
 
 def report_step(
