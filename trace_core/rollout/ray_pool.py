@@ -161,6 +161,12 @@ class EngineWorker:
         # vLLM logs every step of its start and stop at INFO, into the driver's log (Ray
         # forwards it): warnings only, unless the cluster's environment says otherwise.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's CPU backend pins one OpenMP thread to every core of the node by default, in
+        # every engine: two workers on one node then fight over all of its cores. A worker keeps
+        # to the threads it asked Ray for (Ray's OMP_NUM_THREADS), unpinned, unless the
+        # cluster's environment says otherwise. (No effect on GPUs.)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
         self.spec = spec
         self.engine: Engine | None = None
