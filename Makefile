@@ -20,7 +20,7 @@ IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push bench gpu-check lock clean
+.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push bench gpu-check lock clean clean-runs
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -106,10 +106,10 @@ scan: setup $(SCAN_STAMP) ## hadolint + checkov on the Dockerfiles and every bui
 	$(CHECKOV) --framework dockerfile -f images/trace/Dockerfile -f images/trace-gpu/Dockerfile
 	$(CHECKOV) --framework secrets -d manifests -d images --skip-path '\.env$$'
 
-# Build or push with docker/buildah when one can; otherwise say what would run (no engine here).
+# Build or push with docker/buildah; without either, fail and say what would have run.
 define image_cmd
 	@if [ -n "$(IMAGE_TOOL)" ]; then set -x; $(IMAGE_TOOL) $(1); \
-	else echo "no container engine (docker info failed, no buildah); would run: docker $(1)"; fi
+	else echo "make: no container engine (docker info failed, no buildah): cannot run docker $(1)" >&2; exit 1; fi
 endef
 
 images: ## Build the CPU and GPU images with the tags of images/images.env
@@ -136,5 +136,8 @@ lock: setup ## Rewrite requirements/constraints.txt from the installed environme
 	{ sed -n '1,3p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > requirements/constraints.tmp
 	mv requirements/constraints.tmp requirements/constraints.txt
 
-clean: ## Remove the venv and build outputs
+clean: ## Remove the venvs and build outputs (not runs/: make clean-runs)
 	rm -rf $(VENV) $(VLLM_VENV) $(SCAN_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+clean-runs: ## Delete runs/: every make run's artifacts, trees, reports and checkpoints
+	rm -rf runs

@@ -11,8 +11,10 @@ node selectors) are part of the pipeline and ignored here, and the GPU requests 
 Ray, where a step uses it, starts in that step's process. Output under ``--output`` (``runs/``):
 
     runs/kfp/trace-training-<time>/<task>/<artifact>   every step's artifacts, as KFP names them
-    runs/<run name>/trees/iteration-0001.parquet ...   links to each iteration's trees
-    runs/<run name>/report.html, summary.md            links to the report step's outputs
+    runs/<run name>/trees/iteration-0001.parquet ...   links to each iteration's trees (a
+                                                       resumed run adds its own beside them)
+    runs/<run name>/report.html, summary.md            copies of the latest run's report
+    runs/<run name>/curves.png                         its accuracy and effective ratio
     runs/store/checkpoints/<run name>/                 the checkpoint registry (resume)
 
 A run with the same ``--run-name`` and store resumes after the last registered checkpoint.
@@ -24,6 +26,8 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -81,6 +85,8 @@ class LocalResult:
     rollout: list[dict[str, float]]
     """Each iteration's rollout metrics (effective ratios, mixed groups, units, tokens)."""
     seconds: float
+    curves: Path | None = None
+    """Held-out accuracy (start, final) and each iteration's effective ratio, against tokens."""
 
 
 def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
@@ -128,15 +134,13 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
     mine = run.output / (run.params.run_name or "pipeline")
     trees_dir = mine / "trees"
     trees_dir.mkdir(parents=True, exist_ok=True)
-    for old in trees_dir.glob("iteration-*.parquet"):
-        old.unlink()
     links = []
-    for metrics, path in rollouts:
+    for metrics, path in rollouts:  # earlier runs' iterations keep their links
         link = trees_dir / f"iteration-{int(metrics['iteration']):04d}.parquet"
-        link.symlink_to(os.path.relpath(path, trees_dir))
-        links.append(link)
-    html = _link(mine / "report.html", _only(run_dir.glob("*/tree_view")))
-    summary = _link(mine / "summary.md", _only(run_dir.glob("*/summary")))
+        links.append(_link(link, path))
+    # Copies, with their extensions, so that a browser renders them (KFP's files have none).
+    html = _copy(_only(run_dir.glob("*/tree_view")), mine / "report.html")
+    summary = _copy(_only(run_dir.glob("*/summary")), mine / "summary.md")
     # The start policy's evaluation is at the iteration the run started from, the final one K later.
     evals = sorted(
         (_task_output(task) for task in run_dir.glob("evaluate*")),
@@ -145,10 +149,35 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
     if len(evals) != 2:
         raise FileNotFoundError(f"{run_dir}: expected two evaluate steps, found {len(evals)}")
     start_eval, final_eval = evals
+    metrics = [m for m, _ in rollouts]
+    curves = plot_curves(run.params.strategy, start_eval, final_eval, metrics, mine / "curves.png")
     return LocalResult(
-        run_dir, links, trees_dir, html, summary, start_eval, final_eval,
-        [m for m, _ in rollouts], seconds,
+        run_dir, links, trees_dir, html, summary, start_eval, final_eval, metrics, seconds, curves
     )  # fmt: skip
+
+
+def plot_curves(
+    strategy: str,
+    start_eval: dict[str, object],
+    final_eval: dict[str, object],
+    rollouts: list[dict[str, float]],
+    path: Path,
+) -> Path:
+    """The loop's plot (``train.loop.plot_run``) for this run: held-out accuracy before and
+    after, each iteration's prompt effective ratio, against generated rollout tokens."""
+    from trace_core.train.loop import plot_run
+    from trace_core.train.record import IterationRecord
+
+    start_iteration = int(start_eval["iteration"])  # type: ignore[call-overload]
+    records = [IterationRecord(start_iteration, strategy, 0, 0, {}, {}, start_eval, {})]
+    for metrics in rollouts:
+        tokens = int(metrics["tokens"])
+        final = final_eval if metrics is rollouts[-1] else None
+        total = records[-1].total_tokens + tokens
+        iteration = int(metrics["iteration"])
+        records.append(IterationRecord(iteration, strategy, tokens, total, metrics, {}, final, {}))
+    plot_run(records, path)
+    return path
 
 
 def _only(paths: object) -> Path:
@@ -162,6 +191,28 @@ def _link(link: Path, target: Path) -> Path:
     link.unlink(missing_ok=True)
     link.symlink_to(os.path.relpath(target, link.parent))
     return link
+
+
+def _copy(source: Path, target: Path) -> Path:
+    """``source`` copied to ``target`` whole (written beside it, then renamed)."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.copyfile(source, partial)
+    partial.replace(target)
+    return target
+
+
+def cli_command() -> str:
+    """How to call this environment's ``trace-rl`` from the current folder: by name when it is
+    the one on PATH, else by its path (``.venv/bin/trace-rl`` after ``make run``)."""
+    script = Path(sys.executable).parent / "trace-rl"
+    found = shutil.which("trace-rl")
+    if found and Path(found).resolve() == script.resolve():
+        return "trace-rl"
+    absolute = script.absolute()
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
 
 
 def _first_tree_id(path: Path) -> int:
@@ -198,7 +249,10 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
         say(f"  checkpoint: {result.final_eval['checkpoint']}")
     say(f"trees: {result.trees_dir}")
     say(f"report: {result.report_html} (tree view), {result.summary_md} (summary)")
+    if result.curves is not None:
+        say(f"plot: {result.curves} (held-out accuracy and prompt effective ratio vs tokens)")
+    cli = cli_command()
     say("inspect them with:")
-    say(f"  trace-rl inspect summary {result.trees_dir}")
-    say(f"  trace-rl inspect show {result.trees[-1]} {_first_tree_id(result.trees[-1])}")
-    say(f"  trace-rl inspect html {result.trees[-1]} -o trees.html")
+    say(f"  {cli} inspect summary {result.trees_dir}")
+    say(f"  {cli} inspect show {result.trees[-1]} {_first_tree_id(result.trees[-1])}")
+    say(f"  {cli} inspect html {result.trees[-1]}")

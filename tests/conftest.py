@@ -72,6 +72,7 @@ HELPERS = {
     "trace_train_parity": "train/parity.py",
     "trace_test_models": "policy/models.py",
     "trace_test_rollouts": "rollout/planned.py",
+    "trace_test_browser": "store/browser.py",
 }
 
 

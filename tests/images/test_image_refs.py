@@ -129,21 +129,25 @@ def test_built_overlays_pull_the_setting(tmp_path: Path, overlay: str) -> None:
 
 
 def test_make_images_reads_the_setting() -> None:
-    """`make images push` with no container engine prints what it would run, tags included."""
-    done = subprocess.run(
-        ["make", "--no-print-directory", "images", "push", "IMAGE_TOOL="],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    """`make images push` builds and pushes the tags of the setting (``make -n``: the commands
+    it would run with docker), and without a container engine fails, naming what it cannot run."""
+
+    def make(*args: str) -> subprocess.CompletedProcess[str]:
+        command = ["make", "--no-print-directory", *args]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    planned = make("-n", "images", "push", "IMAGE_TOOL=docker")
+    assert planned.returncode == 0, planned.stderr
     env = read_env()
-    lines = done.stdout.splitlines()
-    assert len(lines) == 4, done.stdout
     for variable, dockerfile in (
         ("TRACE_IMAGE", "images/trace/Dockerfile"),
         ("TRACE_GPU_IMAGE", "images/trace-gpu/Dockerfile"),
     ):
-        assert f"docker build -f {dockerfile} -t {env[variable]} ." in done.stdout
-        assert f"docker push {env[variable]}" in done.stdout
+        assert f"docker build -f {dockerfile} -t {env[variable]} ." in planned.stdout
+        assert f"docker push {env[variable]}" in planned.stdout
+    done = make("images", "push", "IMAGE_TOOL=")
+    assert done.returncode != 0
+    assert (
+        "no container engine (docker info failed, no buildah): cannot run docker build -f "
+        f"images/trace/Dockerfile -t {env['TRACE_IMAGE']} ." in done.stderr
+    )

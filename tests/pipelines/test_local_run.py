@@ -5,13 +5,15 @@ registered. Every step runs as a subprocess; the artifacts are what a cluster ru
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from trace_test_browser import find_chromium, headless  # registered by tests/conftest.py
 
 from pipelines.local import LocalRun, print_result, run_local
-from trace_core.cli import app
 from trace_core.store.schema import read_trees
 from trace_core.train.contract import PipelineParameters
 
@@ -33,7 +35,7 @@ def metrics_of(task_dir: Path, name: str = "metrics") -> dict[str, float]:
 
 
 @pytest.mark.long  # ≈ 2.5 min: every step a KFP subprocess
-def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
+def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = json.dumps(TINY)
     params = PipelineParameters(iterations=2, budget=8, run_name="ci", settings_json=settings)
     run = LocalRun(output=tmp_path, params=params)
@@ -65,25 +67,39 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
     assert (8 * final["accuracy_pass1"]).is_integer()
     assert str(result.final_eval["checkpoint"]).startswith(str((tmp_path / "store").resolve()))
 
+    # The report is a file of its own with its extension, which a browser renders as a page.
+    assert result.report_html.suffix == ".html" and not result.report_html.is_symlink()
     html = result.report_html.read_text()
     assert html.startswith("<!doctype html>") and '<section class="tree"' in html
+    dom = headless(find_chromium(), "--dump-dom", result.report_html.as_uri(), cwd=tmp_path)
+    assert dom.returncode == 0 and ">expand all</button>" in dom.stdout, dom.stderr[-2000:]
     summary = result.summary_md.read_text()
     assert "## Held-out accuracy" in summary and "| node_id |" not in summary.split("## Trees")[0]
     assert "| iteration | tree_id | prompt_id | node_id |" in summary
 
-    # The commands the run prints to look at the trees work on them.
+    # The commands the run prints to look at the trees run as printed, in a shell whose PATH
+    # does not hold this environment's scripts (a fresh clone after `make run`).
+    path = os.pathsep.join(
+        p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent
+    )
+    monkeypatch.setenv("PATH", path)
     printed: list[str] = []
     print_result(result, say=printed.append)
-    commands = [line.split()[1:] for line in printed if line.startswith("  trace-rl inspect")]
-    assert [c[:2] for c in commands] == [
+    commands = [line.strip() for line in printed if " inspect " in line]
+    assert [c.split()[1:3] for c in commands] == [
         ["inspect", "summary"],
         ["inspect", "show"],
         ["inspect", "html"],
     ]
-    for command in commands[:2]:
-        shown = CliRunner().invoke(app, command)
-        assert shown.exit_code == 0, shown.output
-    assert "trace" in shown.output and "iteration 2" in shown.output
+    outputs = []
+    for command in commands:
+        done = subprocess.run(command, shell=True, capture_output=True, text=True, env=os.environ)
+        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+        outputs.append(done.stdout)
+    assert "trace" in outputs[1] and "iteration 2" in outputs[1]
+    assert result.curves is not None and result.curves.read_bytes().startswith(b"\x89PNG")
+    assert f"plot: {result.curves} " in "\n".join(printed)
+    assert result.trees[-1].with_suffix(".html").is_file()  # inspect html: beside its input
 
     # The same run name again (a recurring run): the Else branch loads the registered
     # checkpoint and goes on with iterations 3 and 4.
@@ -93,3 +109,7 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path) -> None:
     assert metrics_of(again.run_dir / "load-policy")["resumed_iteration"] == 2
     assert [read_trees(p)[0].info.iteration for p in again.trees] == [3, 4]
     assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (2, 4)
+    # The first run's iterations keep their links beside the second's.
+    assert sorted(p.name for p in again.trees_dir.glob("iteration-*.parquet")) == [
+        f"iteration-000{i}.parquet" for i in (1, 2, 3, 4)
+    ]

@@ -28,6 +28,7 @@ from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.server import SeaweedServer
+from trace_core.store.sync import download_folder, upload_folder
 from trace_core.train.contract import (
     EVAL_FILE,
     PipelineConfig,
@@ -35,6 +36,7 @@ from trace_core.train.contract import (
     StepCall,
     read_metrics,
 )
+from trace_core.train.dispatch import execute_cli_step
 from trace_core.train.rayjob import RayJobFailed, submit_step
 from trace_core.train.steps.finish import evaluate_step
 from trace_core.train.steps.start import load_step, prep_step
@@ -207,32 +209,39 @@ def test_engine_actors_of_a_ray_job_are_the_clusters(
 
 
 @pytest.mark.usefixtures("client_env")
-def test_evaluate_runs_on_the_engine_actors_of_its_ray_job(
-    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+def test_trace_rl_step_sends_evaluate_to_the_engine_actors_of_a_ray_job(
+    ray_dashboard: str,
+    inputs: tuple[Path, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The evaluate step with rollout_workers = 1: a Ray job whose driver fetches the policy
+    """`trace-rl step evaluate` on s3:// folders (an Argo container) of a run with a Ray
+    dashboard address, rollout_workers = 1: sent as a Ray job, whose driver fetches the policy
     without its weights and plays the eval episodes on one engine actor of the cluster, which
-    loads the policy from S3; greedy pass@1 is what the step gives in one process."""
+    loads the policy from S3; the job writes the result where the step was told to. Greedy
+    pass@1 is what the step gives in one process."""
     from ray.job_submission import JobSubmissionClient
     from ray.util.state import list_actors
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # not inside a Ray job
     base, root = inputs
     config = config_for(base, ray_dashboard, root, rollout_workers=1)
-    call = StepCall(
-        "evaluate",
-        0,
-        {name: str(root / name) for name in ("prompts", "policy")},
-        {"result": str(tmp_path / "result")},
-    )
-    job_id = submit_step(call, config, log=lambda _text: None)
+    prefix = f"s3://{BUCKET}/argo-like/{tmp_path.name}"
+    for name in ("prompts", "policy"):
+        upload_folder(root / name, f"{prefix}/{name}")
+    folders = {name: f"{prefix}/{name}" for name in ("prompts", "policy")}
+    execute_cli_step("evaluate", 0, folders, {"result": f"{prefix}/result"}, config.to_json())
+
+    download_folder(f"{prefix}/result", tmp_path / "result")
     report = json.loads((tmp_path / "result" / EVAL_FILE).read_text())
     assert report["tasks"] == 4
     assert read_metrics(tmp_path / "result")["accuracy_pass1"] == report["pass1"]["all"]
-    driver = JobSubmissionClient(ray_dashboard).get_job_info(job_id).job_id
+    client = JobSubmissionClient(ray_dashboard)
+    (job,) = [j for j in client.list_jobs() if (j.metadata or {}).get("trace.step") == "evaluate"]
     actors = list_actors(
         address=ray_dashboard, filters=[("class_name", "=", "EngineWorker")], detail=True
     )
-    assert len([a for a in actors if a.job_id == driver]) == 1
+    assert len([a for a in actors if a.job_id == job.job_id]) == 1
     engine = dataclasses.replace(config.train.engine, workers=0)
     here = dataclasses.replace(
         config, ray_address="", train=dataclasses.replace(config.train, engine=engine)

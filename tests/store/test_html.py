@@ -7,14 +7,13 @@ is missing. Without it this test fails rather than skips: the view is a delivera
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from trace_test_browser import find_chromium, headless  # registered by tests/conftest.py
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.store.html import render_html
@@ -24,25 +23,7 @@ WIDTH, HEIGHT = 1100, 1400
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        pytest.fail("no chromium on PATH: run `make browser` (apt-get install chromium)")
-    return found
-
-
-def headless(chromium: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    # --no-sandbox: CI containers run as root; the page is ours and fetches nothing.
-    command = [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--hide-scrollbars",
-        f"--user-data-dir={cwd / 'profile'}",
-        *args,
-    ]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return find_chromium()
 
 
 def test_html_is_self_contained(tree_factory: Callable[..., RolloutTree]) -> None:

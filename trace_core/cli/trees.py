@@ -34,6 +34,15 @@ RunOpt = Annotated[str | None, typer.Option(help="Only trees of this run id.")]
 IterationOpt = Annotated[int | None, typer.Option(help="Only trees of this iteration.")]
 
 
+def beside(uri: str) -> Path:
+    """Where ``inspect html`` writes by default: next to a local file or folder of trees, under
+    its name (``trees.parquet`` → ``trees.html``, ``trees/`` → ``trees.html``); here for a URI."""
+    if "://" in uri and not uri.startswith("file://"):
+        return Path("trees.html")
+    local = Path(uri.removeprefix("file://").rstrip("/"))
+    return local.with_suffix(".html") if local.is_file() else local.with_name(local.name + ".html")
+
+
 def _open_trees(uri: str) -> TreeSource:
     from trace_core.store.treeset import open_trees
 
@@ -118,9 +127,16 @@ def inspect_html(
     tree_ids: Annotated[
         list[int] | None, typer.Argument(help="tree_ids to show (default: the first --sample).")
     ] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="HTML file to write.")] = Path(
-        "trees.html"
-    ),
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="HTML file to write (default: beside the trees, runs/x/trees → runs/x/trees.html;"
+            " trees.html here for s3://).",
+            show_default=False,
+        ),
+    ] = None,
     run: RunOpt = None,
     iteration: IterationOpt = None,
     sample: Annotated[int, typer.Option(help="Trees shown when no tree_id is given.")] = 5,
@@ -130,6 +146,7 @@ def inspect_html(
     from trace_core.store.html import render_html
     from trace_core.store.inspect import find_trees, sample_trees
 
+    output = output or beside(uri)
     if output.suffix not in (".html", ".htm") or output.is_dir():
         raise fail(f"--output {output}: name an .html file")
     if sample < 1:

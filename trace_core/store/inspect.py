@@ -173,8 +173,11 @@ def summary_table(summary: TreeSetSummary) -> Table:
             f"{summary.uri}: {summary.total.trees:,} trees, {summary.total.nodes:,} nodes in "
             f"{summary.files} file(s); runs {', '.join(summary.runs)}; iterations {span}"
         ),
-        caption="prompt mix: trees whose leaves are all 0 / mixed / all 1. "
-        "eff.: share of prompts (anchors) whose leaves hold both rewards.",
+        caption="prompt mix: trees whose leaves are all 0 / mixed / all 1. prompt eff.: share "
+        "of prompts whose leaves hold both rewards (the paper's effective ratio). anchor eff.: "
+        "the same over anchors, the sibling groups a tree branches into (a root with ≥ 2 "
+        "rollouts, each expanded prefix). mixed/100u: anchors with both rewards per 100 units. "
+        "units: the rollout budget spent, 1 per root rollout and 0.5 per continuation.",
     )
     heads = (
         "strategy",

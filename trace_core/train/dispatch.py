@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from trace_core.store.uri import is_remote
@@ -172,7 +174,16 @@ def execute_cli_step(
     parameters = parse_parameters(params or {}) if step == "prep" else None
     config = None if step == "prep" else PipelineConfig.from_json(config_json)
     if config is not None and step in RAY_STEPS:
-        execute_step(StepCall(step, iteration, inputs, outputs), config)
+        call = StepCall(step, iteration, inputs, outputs)
+        if config.ray_address and not os.environ.get("RAY_ADDRESS"):
+            # A step of a run with a Ray dashboard address, outside a Ray job (an Argo
+            # container): sent to the cluster, as the KFP components send theirs.
+            from trace_core.train.rayjob import submit_step
+
+            remote = {name: uri for name, uri in inputs.items() if is_remote(uri)}
+            submit_step(replace(call, input_uris=remote), config)
+        else:
+            execute_step(call, config)
         return
     with _staged(step, inputs, outputs) as (local, out):
         if parameters is not None:

@@ -357,7 +357,8 @@ def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     tokens = [r.total_tokens / 1000 for r in evals]
     for key, label in (("mean_k", "mean@k"), ("pass1", "pass@1 (greedy)")):
-        left.plot(tokens, [r.eval[key][ALL] for r in evals], marker="o", label=label)  # type: ignore[index]
+        if all(r.eval[key] for r in evals):  # type: ignore[index]  # mean@k: none when k = 0
+            left.plot(tokens, [r.eval[key][ALL] for r in evals], marker="o", label=label)  # type: ignore[index]
     left.set(xlabel="generated rollout tokens (thousands)", ylabel="held-out success")
     trained = records[1:]
     right.plot(

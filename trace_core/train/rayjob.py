@@ -9,7 +9,8 @@ wherever the cluster places the driver) with the cluster's image. Inputs and out
 through S3: an input already in object storage (a KFP artifact's ``minio://`` URI on a cluster)
 is passed as is, any other is uploaded under ``<store>/staging/<job id>/in/<name>``; outputs are
 written by the job to ``.../out/<name>`` and downloaded into the step's own output folders, so
-the KFP artifacts carry the results. The staging prefix is kept (the job's record).
+the KFP artifacts carry the results (an output that is itself an ``s3://`` prefix, as in the Argo
+workflow's steps, is written there by the job). The staging prefix is kept (the job's record).
 
 Only non-secret S3 settings (endpoint, region) go into the job's ``runtime_env``, since Ray
 shows it in its dashboard: the Ray cluster's pods must get the credentials themselves (the same
@@ -69,7 +70,12 @@ def submit_step(
         else:
             inputs[name] = f"{staging}/in/{name}"
             upload_folder(location, inputs[name])
-    outputs = {name: f"{staging}/out/{name}" for name in call.outputs}
+    # An output already in object storage (a step run by `trace-rl step` on URIs) is written
+    # there by the job itself; a local one goes through staging and is downloaded after.
+    outputs = {
+        name: target if is_remote(target) else f"{staging}/out/{name}"
+        for name, target in call.outputs.items()
+    }
     remote = StepCall(call.step, call.iteration, inputs, outputs)
     client = JobSubmissionClient(config.ray_address)
     env = {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
@@ -91,7 +97,8 @@ def submit_step(
             f"Ray job {job_id} ended {status}: {message.strip()}\n--- last log lines ---\n{tail}"
         )
     for name, uri in outputs.items():
-        download_folder(uri, call.outputs[name])
+        if uri != call.outputs[name]:
+            download_folder(uri, call.outputs[name])
     return job_id
 
 
