@@ -28,7 +28,7 @@ BENCH = (
 )
 
 ENGINES = (
-    "trace-rl bench engine --checkpoint build/models/smollm2 --batch 8 --new-tokens 32 "
+    "trace-rl bench engine --checkpoint build/models/smollm2 --batch 4 --new-tokens 16 "
     "--threads 2 --json build/bench-engine-smollm2.json"
 )
 
@@ -97,13 +97,13 @@ def test_readme_bench_engine_times_smollm2() -> None:
     done = run(ENGINES)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((ROOT / "build" / "bench-engine-smollm2.json").read_text())
-    assert data["batch"] == 8 and data["new_tokens"] == 32
+    assert data["batch"] == 4 and data["new_tokens"] == 16
     for key in ("torch_tokens_per_s", "hf_tokens_per_s", "floor_seconds", "prefill_tokens"):
         assert data[key] > 0, key
     assert data["ratio_vs_hf"] == pytest.approx(
         data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
     )
-    assert "smollm2, batch 8 × 32 new tokens" in " ".join(done.stdout.split())
+    assert "smollm2, batch 4 × 16 new tokens" in " ".join(done.stdout.split())
 
 
 def test_model_check_on_the_word_tokenizer_policy(tmp_path: Path) -> None:

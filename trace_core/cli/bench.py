@@ -302,13 +302,30 @@ def bench_engine(
             checkpoint=checkpoint,
         )
     model = checkpoint.name if checkpoint else "Tiny policy"
-    table = Table(title=f"{model}, batch {batch} × {new_tokens} new tokens")
+    table = Table(
+        title=f"{model}, batch {batch} × {new_tokens} new tokens",
+        caption="ratio_vs_hf: HF generate's seconds over TorchEngine's (> 1: TorchEngine is "
+        "faster); floor: the run's matmuls and attention alone, what any engine on these "
+        "kernels needs at least (floor_ratio_vs_hf: HF over it; torch_vs_floor: TorchEngine "
+        "over it); ratio_vs_vllm: vLLM's seconds over TorchEngine's. The tree workload: tokens "
+        "prefilled vs distinct token positions (unique) and vs no reuse (naive).",
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in result.items():
-        table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else f"{value:,}")
+        count = key in ENGINE_BENCH_COUNTS or not isinstance(value, float)
+        table.add_row(key, f"{value:,.0f}" if count else f"{value:,.2f}")
     console.print(table)
     write_json(json_path, result)
+
+
+ENGINE_BENCH_COUNTS = frozenset(
+    {
+        *("batch", "new_tokens", "prompt_tokens", "threads", "prefill_tokens", "unique_tokens"),
+        *("generated_tokens", "requested_prompt_tokens", "naive_prefill_tokens", "tree_calls"),
+    }
+)
+"""``bench engine``'s figures that are counts, printed as integers."""
 
 
 @app.command("contrast")
