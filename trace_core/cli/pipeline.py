@@ -19,7 +19,7 @@ from rich.table import Table
 
 from pipelines.local import MAKE_RUN, MAKE_RUN_SETTINGS
 from trace_core.cli.options import config_options
-from trace_core.cli.output import console, expected_errors
+from trace_core.cli.output import console, expected_errors, fail
 from trace_core.train.contract import PipelineParameters
 
 app = typer.Typer(
@@ -86,14 +86,30 @@ def pipeline_compile(
         Path | None,
         typer.Option(help="Where to write the IR YAML; default: pipelines/compiled/."),
     ] = None,
+    iterations: Annotated[
+        int,
+        typer.Option(help="K, the rollout → fit/update iterations unrolled into the DAG.", min=1),
+    ] = 4,
+    s3_endpoint: Annotated[
+        str,
+        typer.Option(
+            help="AWS_ENDPOINT_URL_S3 of every step: your cluster's S3 or MinIO service "
+            "(empty: leave the variable to the cluster)."
+        ),
+    ] = "http://seaweedfs.kubeflow:9000",
 ) -> None:
-    """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take)."""
+    """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take). The
+    iteration count and the steps' S3 endpoint are fixed here, not run parameters."""
     from pipelines.client import DEFAULT_PACKAGE, read_package
-    from pipelines.trace_training import compile_pipeline
+    from pipelines.trace_training import PipelineOptions, compile_pipeline
 
+    try:
+        options = PipelineOptions(iterations=iterations, s3_endpoint=s3_endpoint)
+    except ValueError as err:
+        raise fail(f"--iterations/--s3-endpoint: {err}") from None
     output = output or DEFAULT_PACKAGE
     output.parent.mkdir(parents=True, exist_ok=True)
-    compile_pipeline(output)
+    compile_pipeline(output, options)
     package = read_package(output)
     console.print(
         f"compiled {package.name} ({len(package.parameters)} parameters: "
