@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Collection, Iterator, Mapping
@@ -32,7 +31,12 @@ from trace_core.train.contract import (
     read_metrics,
     write_metrics,
 )
-from trace_core.train.steps.cycle import fit_predictor_step, rollout_step, update_step
+from trace_core.train.steps.cycle import (
+    fit_predictor_step,
+    in_ray_job,
+    rollout_step,
+    update_step,
+)
 from trace_core.train.steps.finish import eval_metrics, evaluate_step, report_step
 from trace_core.train.steps.start import load_step, prep_step, warmstart_step
 
@@ -175,7 +179,7 @@ def execute_cli_step(
     config = None if step == "prep" else PipelineConfig.from_json(config_json)
     if config is not None and step in RAY_STEPS:
         call = StepCall(step, iteration, inputs, outputs)
-        if config.ray_address and not os.environ.get("RAY_ADDRESS"):
+        if config.ray_address and not in_ray_job(config):
             # A step of a run with a Ray dashboard address, outside a Ray job (an Argo
             # container): sent to the cluster, as the KFP components send theirs.
             from trace_core.train.rayjob import submit_step

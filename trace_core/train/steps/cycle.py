@@ -201,10 +201,13 @@ def update_step(
     return metrics
 
 
+def in_ray_job(config: PipelineConfig) -> bool:
+    """Whether this is the Ray job a step of a run with a Ray dashboard address was sent as
+    (Ray sets RAY_ADDRESS for a job's driver), rather than the place that sends it."""
+    return bool(config.ray_address and os.environ.get("RAY_ADDRESS"))
+
+
 def worker_address(config: PipelineConfig) -> str | None:
-    """Where Ray Train and engine workers go: a step of a run with a Ray dashboard address runs in
-    the Ray job it was sent as, so its workers join that job's cluster (Ray sets RAY_ADDRESS
-    for a job's driver); otherwise the train config's head, or Ray in this process."""
-    if config.ray_address and os.environ.get("RAY_ADDRESS"):
-        return "auto"
-    return config.train.ray_address
+    """Where Ray Train and engine workers go: inside a step's Ray job, that job's cluster;
+    otherwise the train config's head, or Ray in this process."""
+    return "auto" if in_ray_job(config) else config.train.ray_address
