@@ -20,7 +20,7 @@ IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push bench gpu-check lock clean clean-runs
+.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push manifests bench gpu-check lock clean clean-runs
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -119,6 +119,11 @@ images: ## Build the CPU and GPU images with the tags of images/images.env
 push: ## Push both images (after make images)
 	$(call image_cmd,push $(TRACE_IMAGE))
 	$(call image_cmd,push $(TRACE_GPU_IMAGE))
+
+# After editing images/images.env: the kustomize images component, the compiled pipeline and the
+# Argo manifests name the new references (pipelines/regenerate.py).
+manifests: setup ## Rewrite everything that names the images from images/images.env
+	$(BIN)/python -m pipelines.regenerate
 
 bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage, parsing
 	@mkdir -p $(OUT)

@@ -41,3 +41,20 @@ def image(name: str) -> str:
     if name not in images:
         raise KeyError(f"{IMAGES_ENV}: no {name}=... line (it has {', '.join(sorted(images))})")
     return images[name]
+
+
+# An image reference (registry/path:tag and/or @sha256:digest) and a Secret's name (DNS-1123).
+_REFERENCE = re.compile(
+    r"[a-z0-9][a-z0-9._:/-]*[a-z0-9](:[\w][\w.-]{0,127})?(@sha256:[0-9a-f]{64})?"
+)
+_SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def check_images(image: str, gpu_image: str, pull_secrets: tuple[str, ...]) -> None:
+    """Raise ValueError naming the field when a reference or a pull secret's name is malformed."""
+    for field, reference in (("image", image), ("gpu_image", gpu_image)):
+        if not _REFERENCE.fullmatch(reference):
+            raise ValueError(f"{field} {reference!r}: expected an image reference")
+    for secret in pull_secrets:
+        if not _SECRET_NAME.fullmatch(secret):
+            raise ValueError(f"image pull secret {secret!r}: not a Kubernetes Secret name")

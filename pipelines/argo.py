@@ -71,7 +71,7 @@ from hera.workflows import (
 )
 from hera.workflows import models as m
 
-from components.images import image
+from components.images import check_images, image
 from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
@@ -128,6 +128,13 @@ class ArgoOptions:
     """The run every scheduled workflow resumes."""
     cpu_size: Size = Size("2", "8Gi", "4", "16Gi")
     gpu_size: Size = Size("8", "64Gi", "8", "64Gi")
+    image: str = dataclasses.field(default_factory=lambda: image("TRACE_IMAGE"))
+    """The CPU steps' image (default: TRACE_IMAGE of ``images/images.env``)."""
+    gpu_image: str = dataclasses.field(default_factory=lambda: image("TRACE_GPU_IMAGE"))
+    """The GPU steps' image (default: TRACE_GPU_IMAGE)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets every step pod pulls its image with (or: the pull-secret component on the
+    trace-pipeline ServiceAccount, ``manifests/pull-secret``)."""
 
     def __post_init__(self) -> None:
         if self.iterations < 1:
@@ -136,10 +143,7 @@ class ArgoOptions:
             raise ValueError(f"gpus must be >= 0, got {self.gpus}")
         if len(self.schedule.split()) != 5:
             raise ValueError(f"schedule {self.schedule!r}: Argo's cron has 5 fields")
-
-
-def _image(gpu: bool) -> str:
-    return image("TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE")
+        check_images(self.image, self.gpu_image, self.image_pull_secrets)
 
 
 def _uid(gpu: bool) -> int:
@@ -201,7 +205,7 @@ def _container(
     gpus = options.gpus if gpu else 0
     return Container(
         name=name,
-        image=_image(gpu),
+        image=options.gpu_image if gpu else options.image,
         image_pull_policy="Always",
         annotations=CHECKOV_SKIPS,
         command=["trace-rl"],
@@ -386,6 +390,8 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
         },
         arguments=[Parameter(name=k, value=v) for k, v in PARAMETERS.items()],
         service_account_name=SERVICE_ACCOUNT,
+        image_pull_secrets=[m.LocalObjectReference(name=n) for n in opts.image_pull_secrets]
+        or None,
         security_context=m.PodSecurityContext(
             run_as_non_root=True, seccomp_profile=m.SeccompProfile(type="RuntimeDefault")
         ),

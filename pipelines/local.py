@@ -15,6 +15,7 @@ Ray, where a step uses it, starts in that step's process. Output under ``--outpu
                                                        resumed run adds its own beside them)
     runs/<run name>/report.html, summary.md            copies of the latest run's report
     runs/<run name>/curves.png                         its accuracy and effective ratio
+    runs/logs/trace-training-<time>.log                all that the steps and KFP printed
     runs/store/checkpoints/<run name>/                 the checkpoint registry (resume)
 
 A run with the same ``--run-name`` and store resumes after the last registered checkpoint.
@@ -22,6 +23,7 @@ A run with the same ``--run-name`` and store resumes after the last registered c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,7 +35,9 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
+from pipelines.steplog import StepLog
 from trace_core.train.contract import PipelineParameters
 
 # make run: the calc task's tiny policy, warm-started, then K iterations of TRACE. Chosen so
@@ -85,12 +89,17 @@ class LocalResult:
     rollout: list[dict[str, float]]
     """Each iteration's rollout metrics (effective ratios, mixed groups, units, tokens)."""
     seconds: float
+    log: Path
+    """Everything the steps and KFP's runner printed."""
     curves: Path | None = None
     """Held-out accuracy (start, final) and each iteration's effective ratio, against tokens."""
 
 
-def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
-    """Run the pipeline through ``kfp.local``; raises if a step fails."""
+def run_local(
+    run: LocalRun, say: Callable[[str], None] = print, terminal: TextIO | None = None
+) -> LocalResult:
+    """Run the pipeline through ``kfp.local``; raises if a step fails. ``terminal`` (default:
+    ``sys.stdout``) gets one line per step and iteration (``steplog``); ``say`` the rest."""
     from kfp import local
 
     from pipelines.trace_training import PIPELINE_NAME, PipelineOptions, build_pipeline
@@ -111,19 +120,29 @@ def run_local(run: LocalRun, say: Callable[[str], None] = print) -> LocalResult:
     )
     pipeline = build_pipeline(options)
     p = run.params
+    log_path = (
+        run.output / "logs" / time.strftime("trace-training-%Y-%m-%d-%H-%M-%S.log", time.gmtime())
+    )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"running {PIPELINE_NAME} with kfp.local: {p.task}, {p.strategy}, K={p.iterations}")
+    say(f"every step's output: {log_path}")
     start = time.perf_counter()
-    with warnings.catch_warnings():
+    terminal = terminal or sys.stdout
+    with (
+        log_path.open("w") as log,
+        contextlib.redirect_stdout(StepLog(log, terminal, root, p.iterations, log_path)),
+        warnings.catch_warnings(),
+    ):
         # Expected here: the Kubernetes settings are no-ops and the images are not used.
         warnings.filterwarnings("ignore", ".*have no effect in the current local runner")
         warnings.filterwarnings("ignore", "You may be attemping to run a task")
         pipeline(**run.parameters())
     seconds = time.perf_counter() - start
     (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]
-    return _collect(run, run_dir, seconds)
+    return _collect(run, run_dir, seconds, log_path)
 
 
-def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
+def _collect(run: LocalRun, run_dir: Path, seconds: float, log: Path) -> LocalResult:
     """Find the artifacts of the run in KFP's folder and link the useful ones by name."""
     rollouts = []
     for metrics in run_dir.glob("*/trees/metrics.json"):
@@ -152,7 +171,8 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float) -> LocalResult:
     metrics = [m for m, _ in rollouts]
     curves = plot_curves(run.params.strategy, start_eval, final_eval, metrics, mine / "curves.png")
     return LocalResult(
-        run_dir, links, trees_dir, html, summary, start_eval, final_eval, metrics, seconds, curves
+        run_dir, links, trees_dir, html, summary, start_eval, final_eval, metrics, seconds, log,
+        curves,
     )  # fmt: skip
 
 
@@ -232,6 +252,7 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     """Where things are, what the run learnt, and how to look at the trees."""
     k = result.final_eval.get("k", 0)
     say(f"\npipeline finished in {result.seconds:.0f} s; its artifacts: {result.run_dir}")
+    say(f"log: {result.log} (every step's output)")
     for metrics, path in zip(result.rollout, result.trees, strict=True):
         say(
             f"  iteration {int(metrics['iteration'])}: prompt effective ratio "

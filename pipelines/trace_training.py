@@ -55,6 +55,8 @@ from components import (
     update_policy,
     warmstart,
 )
+from components.images import check_images
+from components.images import image as image_of
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
@@ -79,10 +81,18 @@ class PipelineOptions:
         }
     )
     """Secret key → environment variable (the keys of KFP's mlpipeline-minio-artifact)."""
+    image: str = field(default_factory=lambda: image_of("TRACE_IMAGE"))
+    """The CPU steps' image (default: TRACE_IMAGE of ``images/images.env``)."""
+    gpu_image: str = field(default_factory=lambda: image_of("TRACE_GPU_IMAGE"))
+    """rollout's, update_policy's and evaluate's image (default: TRACE_GPU_IMAGE)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets (type kubernetes.io/dockerconfigjson, in the namespace the steps run in) every
+    step pod pulls its image with: for a private registry."""
 
     def __post_init__(self) -> None:
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        check_images(self.image, self.gpu_image, self.image_pull_secrets)
         if self.s3_endpoint and not self.s3_endpoint.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint {self.s3_endpoint!r}: expected http(s)://host:port")
 
@@ -124,6 +134,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
     ) -> None:
         def place(task: PipelineTask, name: str, gpu: bool = False) -> PipelineTask:
             task.set_display_name(name)
+            task.set_container_image(opts.gpu_image if gpu else opts.image)
+            if opts.image_pull_secrets:
+                kubernetes.set_image_pull_secrets(task, list(opts.image_pull_secrets))
             kubernetes.use_secret_as_env(task, s3_secret, dict(opts.s3_secret_keys), True)
             if opts.s3_endpoint:
                 task.set_env_variable("AWS_ENDPOINT_URL_S3", opts.s3_endpoint)

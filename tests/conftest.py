@@ -73,6 +73,8 @@ HELPERS = {
     "trace_test_models": "policy/models.py",
     "trace_test_rollouts": "rollout/planned.py",
     "trace_test_browser": "store/browser.py",
+    "trace_test_kfp": "pipelines/kfp_standin.py",
+    "trace_test_repo": "repo_copy.py",
 }
 
 

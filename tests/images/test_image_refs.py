@@ -9,12 +9,14 @@ reference anywhere else that differs (another tag, another registry) fails here.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
+from trace_test_repo import repository_copy  # registered by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_ENV = REPO / "images" / "images.env"
@@ -24,7 +26,7 @@ REFERENCE = re.compile(
     r"(?<![\w./-])(?:[a-z0-9][a-z0-9.-]*(?::\d+)?/)(?:[a-z0-9._-]+/)*(?P<name>trace(?:-gpu)?)"
     r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?(?![\w./-])"
 )
-SCANNED = ("components", "pipelines", "manifests", "images", "Makefile", "README.md")
+SCANNED = ("components", "pipelines", "manifests", "images", "docs", "Makefile", "README.md")
 SUFFIXES = {".py", ".yaml", ".yml", ".json", ".md", ".env", ".txt", ""}
 
 
@@ -101,6 +103,95 @@ def test_the_kustomize_component_is_the_setting() -> None:
     for image in component["images"]:
         reference = f"{image['newName']}:{image['newTag']}"
         assert_is_the_setting(image["name"], reference, "manifests/images/kustomization.yaml")
+
+
+def test_the_kustomize_component_is_what_make_manifests_writes() -> None:
+    from components.images import read_images
+    from pipelines.regenerate import IMAGES_COMPONENT, images_component
+
+    assert IMAGES_COMPONENT.read_text() == images_component(read_images()), (
+        "manifests/images/kustomization.yaml is stale: run `make manifests`"
+    )
+
+
+def test_split_reference() -> None:
+    from pipelines.regenerate import split_reference
+
+    digest = "sha256:" + "0" * 64
+    assert split_reference("registry:5000/x/trace:1.2") == {
+        "newName": "registry:5000/x/trace",
+        "newTag": "1.2",
+    }
+    assert split_reference(f"registry:5000/x/trace-gpu@{digest}") == {
+        "newName": "registry:5000/x/trace-gpu",
+        "digest": digest,
+    }
+
+
+@pytest.mark.slow
+def test_make_manifests_moves_every_reference(tmp_path: Path) -> None:
+    """The one place and the one command: a new registry and tag in images/images.env, then
+    `make manifests`; the kustomize component, the compiled pipeline, the Argo manifests and
+    every built overlay name the new references, and nothing names the old ones."""
+    repo = repository_copy(tmp_path / "repo")
+    old = read_env()
+    new = {
+        "TRACE_IMAGE": "registry.corp:5000/ml/trace:2.0.0",
+        "TRACE_GPU_IMAGE": "registry.corp:5000/ml/trace-gpu:2.0.0",
+    }
+    env_file = repo / "images" / "images.env"
+    text = env_file.read_text()
+    for variable, reference in new.items():
+        text = text.replace(f"{variable}={old[variable]}", f"{variable}={reference}")
+    env_file.write_text(text)
+
+    done = subprocess.run(
+        ["make", "--no-print-directory", "manifests"],
+        cwd=repo, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    generated = [
+        repo / "manifests" / "images" / "kustomization.yaml",
+        repo / "pipelines" / "compiled" / "trace_training.yaml",
+        repo / "manifests" / "argo" / "workflowtemplate.yaml",
+    ]
+    for path in generated:
+        found = {reference for _, reference in references(path.read_text())}
+        if path.name == "kustomization.yaml":
+            component = yaml.safe_load(path.read_text())
+            found = {f"{i['newName']}:{i['newTag']}" for i in component["images"]}
+        assert found == set(new.values()), path
+    for example in (repo / "manifests").rglob("*.env.example"):  # the untracked Secret files
+        shutil.copyfile(example, example.with_suffix(""))
+    objects = render.kustomize(repo / "manifests" / "overlays" / "standalone")
+    images = set(container_images(objects))
+    assert set(new.values()) <= images and not images & set(old.values()), images
+
+
+def test_the_pull_secret_component_reaches_every_pod(tmp_path: Path) -> None:
+    """manifests/pull-secret added to an overlay: every ServiceAccount pulls with
+    trace-registry, and every pod that runs one of the project's images runs as one of them."""
+    root = render.copy_manifests(tmp_path)
+    overlay = root / "overlays" / "standalone" / "kustomization.yaml"
+    body = yaml.safe_load(overlay.read_text())
+    body["components"] = [*body["components"], "../../pull-secret"]
+    overlay.write_text(yaml.safe_dump(body))
+    objects = render.kustomize(overlay.parent)
+    accounts = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceAccount"}
+    assert accounts
+    for name, account in accounts.items():
+        assert account.get("imagePullSecrets") == [{"name": "trace-registry"}], name
+    pods = [
+        pod
+        for obj in objects
+        for pod in render.pod_templates(obj)
+        if any(
+            image.rsplit("/", 1)[-1].split(":")[0] in NAMES for image in container_images(pod.spec)
+        )
+    ]
+    assert len(pods) > 3
+    for pod in pods:
+        assert pod.spec.get("serviceAccountName") in accounts, pod.source
 
 
 def container_images(node: object) -> list[str]:

@@ -137,4 +137,36 @@ def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path
     assert defaults["iterations"].default == PipelineOptions().iterations
     assert defaults["s3_endpoint"].default == PipelineOptions().s3_endpoint
     refused = CliRunner().invoke(app, [*args, "--s3-endpoint", "minio:9000"])
-    assert refused.exit_code == 2 and "--s3-endpoint" in refused.output
+    assert refused.exit_code == 2 and "s3_endpoint 'minio:9000'" in refused.output
+
+
+def test_compile_command_takes_the_images_and_pull_secrets(tmp_path: Path) -> None:
+    """`--image`, `--gpu-image`, `--image-pull-secret`: every executor runs the image given
+    for its kind of step, and every task pulls with the secrets."""
+    from typer.testing import CliRunner
+
+    from trace_core.cli import app
+
+    out = tmp_path / "p.yaml"
+    cpu, gpu = "registry.corp:5000/ml/trace:2.0", "registry.corp:5000/ml/trace-gpu:2.0"
+    args = ["pipeline", "compile", "--output", str(out), "--image", cpu, "--gpu-image", gpu]
+    args += ["--image-pull-secret", "corp-registry", "--image-pull-secret", "mirror"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    spec, platform = yaml.safe_load_all(out.read_text())
+    images = {
+        name: executor["container"]["image"]
+        for name, executor in spec["deploymentSpec"]["executors"].items()
+    }
+    assert {i for name, i in images.items() if "rollout" in name} == {gpu}
+    assert {i for name, i in images.items() if "prep" in name or "report" in name} == {cpu}
+    assert set(images.values()) == {cpu, gpu}
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(executors) == set(images)
+    for config in executors.values():
+        secrets = [s["secretName"] for s in config["imagePullSecret"]]
+        assert secrets == ["corp-registry", "mirror"]
+    refused = CliRunner().invoke(app, [*args[:4], "--image-pull-secret", "Corp_Registry"])
+    assert refused.exit_code == 2 and "'Corp_Registry': not a Kubernetes Secret name" in (
+        refused.output
+    )

@@ -4,6 +4,7 @@ registered. Every step runs as a subprocess; the artifacts are what a cluster ru
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -39,7 +40,24 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.Mon
     settings = json.dumps(TINY)
     params = PipelineParameters(iterations=2, budget=8, run_name="ci", settings_json=settings)
     run = LocalRun(output=tmp_path, params=params)
-    result = run_local(run, say=lambda _line: None)
+    terminal = io.StringIO()
+    result = run_local(run, say=lambda _line: None, terminal=terminal)
+
+    # The terminal: one line per step, one per iteration; the runner's output in the log.
+    shown = terminal.getvalue().splitlines()
+    steps = [line.split()[1] for line in shown if line.split()[2:4][-1:] == ["s"]]
+    assert steps[:2] == ["prep", "warmstart"] and steps[-1] == "report", shown
+    cycle = ["rollout", "fit-predictor", "update-policy"]
+    expected = ["prep", "warmstart", "evaluate", "evaluate-2", "report", *cycle]
+    assert sorted(steps) == sorted([*expected, *(f"{step}-2" for step in cycle)]), shown
+    assert [line.split()[:2] for line in shown if " iteration " in f" {line}"] == [
+        ["iteration", "1"],
+        ["iteration", "2"],
+    ], shown
+    assert not any('"executor_input"' in line or "outputFile" in line for line in shown)
+    assert any(line.split()[1:3] == ["warm", "start:"] for line in shown), shown  # progress
+    log = result.log.read_text()
+    assert "Executing task" in log and '"outputFile"' in log and "progress: warm start" in log
 
     # Warm start branch, two iterations of M=8 roots with N=2 continuations = 16 units each.
     tasks = {p.name for p in result.run_dir.iterdir() if p.is_dir()}

@@ -66,6 +66,28 @@ Params = Annotated[
     typer.Option("--param", help="KEY=VALUE pipeline parameter (repeat), typed by the package."),
 ]
 Experiment = Annotated[str, typer.Option(help="KFP experiment (created if missing).")]
+StepImage = Annotated[
+    str | None,
+    typer.Option(
+        "--image", help="The CPU steps' image; default: TRACE_IMAGE of images/images.env."
+    ),
+]
+GpuStepImage = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-image",
+        help="rollout's, update's and evaluate's image; default: TRACE_GPU_IMAGE of "
+        "images/images.env.",
+    ),
+]
+PullSecrets = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--image-pull-secret",
+        help="Secret the step pods pull their images with (private registry; repeat), in the "
+        "namespace the steps run in.",
+    ),
+]
 
 
 if TYPE_CHECKING:
@@ -97,16 +119,27 @@ def pipeline_compile(
             "(empty: leave the variable to the cluster)."
         ),
     ] = "http://seaweedfs.kubeflow:9000",
+    image: StepImage = None,
+    gpu_image: GpuStepImage = None,
+    image_pull_secrets: PullSecrets = None,
 ) -> None:
     """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take). The
-    iteration count and the steps' S3 endpoint are fixed here, not run parameters."""
+    iteration count, the steps' S3 endpoint, their images and pull secrets are fixed here, not
+    run parameters."""
+    from components.images import image as image_of
     from pipelines.client import DEFAULT_PACKAGE, read_package
     from pipelines.trace_training import PipelineOptions, compile_pipeline
 
     try:
-        options = PipelineOptions(iterations=iterations, s3_endpoint=s3_endpoint)
+        options = PipelineOptions(
+            iterations=iterations,
+            s3_endpoint=s3_endpoint,
+            image=image or image_of("TRACE_IMAGE"),
+            gpu_image=gpu_image or image_of("TRACE_GPU_IMAGE"),
+            image_pull_secrets=tuple(image_pull_secrets or ()),
+        )
     except ValueError as err:
-        raise fail(f"--iterations/--s3-endpoint: {err}") from None
+        raise fail(f"pipeline compile: {err}") from None
     output = output or DEFAULT_PACKAGE
     output.parent.mkdir(parents=True, exist_ok=True)
     compile_pipeline(output, options)
@@ -262,11 +295,36 @@ def pipeline_argo(
     output_dir: Annotated[
         Path | None, typer.Option(help="Folder to write; default: manifests/argo/.")
     ] = None,
+    iterations: Annotated[
+        int, typer.Option(help="K, the iterations unrolled into the workflow.", min=1)
+    ] = 4,
+    gpus: Annotated[
+        int,
+        typer.Option(
+            help="GPUs of each rollout, update and evaluate pod (0 with a Ray cluster: the "
+            "steps only submit Ray jobs).",
+            min=0,
+        ),
+    ] = 1,
+    image: StepImage = None,
+    gpu_image: GpuStepImage = None,
+    image_pull_secrets: PullSecrets = None,
 ) -> None:
     """Write the Argo WorkflowTemplate and CronWorkflow (same steps, no KFP) and kustomization."""
-    from pipelines.argo import DEFAULT_DIR, write_manifests
+    from components.images import image as image_of
+    from pipelines.argo import DEFAULT_DIR, ArgoOptions, write_manifests
 
-    for path in write_manifests(output_dir or DEFAULT_DIR):
+    try:
+        options = ArgoOptions(
+            iterations=iterations,
+            gpus=gpus,
+            image=image or image_of("TRACE_IMAGE"),
+            gpu_image=gpu_image or image_of("TRACE_GPU_IMAGE"),
+            image_pull_secrets=tuple(image_pull_secrets or ()),
+        )
+    except ValueError as err:
+        raise fail(f"pipeline argo: {err}") from None
+    for path in write_manifests(output_dir or DEFAULT_DIR, options):
         console.print(f"wrote {path}")
 
 

@@ -198,7 +198,11 @@ def sampled_success(
 def warmstart(
     config: WarmstartConfig,
     progress: Callable[[int, float], None] | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> WarmstartReport:
+    """SFT on the task's demonstrations (``progress(step, loss)`` after each step), then the
+    held-out evaluation (``stage(what)`` before each evaluation)."""
+    say = stage or (lambda _what: None)
     suite = synthetic_suite(config.task, config.seed)
     eval_tasks = suite.tasks("eval")[: config.eval_tasks]
     before: SampledSuccess | None = None
@@ -209,6 +213,7 @@ def warmstart(
         model, tokenizer = load_checkpoint(config.init)
         model.float()  # fp32 master weights
         fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
+        say(f"evaluating the base model on {len(eval_tasks)} held-out tasks")
         before = sampled_success(
             TorchEngine(model), fmt, suite, eval_tasks,
             config.eval_samples, config.seed, config.max_tokens,
@@ -226,6 +231,7 @@ def warmstart(
     seconds = time.perf_counter() - start
     save_checkpoint(model, tokenizer, config.output)
     engine = TorchEngine(model)
+    say(f"evaluating the warm-started policy on {len(eval_tasks)} held-out tasks")
     after = sampled_success(
         engine, fmt, suite, eval_tasks, config.eval_samples, config.seed, config.max_tokens
     )

@@ -120,6 +120,7 @@ def warmstart_step(
     from trace_core.policy.model import load_checkpoint
     from trace_core.train.base_model import fetch_model
     from trace_core.train.iteration import new_predictor, warmstart_config
+    from trace_core.train.progress import LineProgress
     from trace_core.train.warmstart import warmstart
 
     if config.train.task not in SYNTHETIC:
@@ -130,7 +131,11 @@ def warmstart_step(
     with tempfile.TemporaryDirectory(prefix="base-model-") as scratch:
         init = config.train.init
         base = fetch_model(init, Path(scratch) / "base", "base_model_uri") if init else None
-        report = warmstart(warmstart_config(config.train, policy_dir, base))
+        settings = warmstart_config(config.train, policy_dir, base)
+        bar = LineProgress("warm start", settings.sft.steps, "SFT steps")
+        report = warmstart(
+            settings, progress=lambda step, loss: bar(step + 1, loss=loss), stage=bar.note
+        )
     _, tokenizer = load_checkpoint(policy_dir)
     new_predictor(config.train, tokenizer).save(predictor_dir)
     write_optimizer_info(optimizer_dir, 0)

@@ -1,0 +1,78 @@
+"""Everything that names the project's images, rewritten from ``images/images.env``:
+
+    make manifests          # = python -m pipelines.regenerate
+
+1. ``manifests/images/kustomization.yaml``: the kustomize component every overlay applies;
+2. ``pipelines/compiled/trace_training.yaml``: the KFP pipeline, with the default options;
+3. ``manifests/argo/``: the Argo WorkflowTemplate and CronWorkflow, with the default options.
+
+Set an image by editing its line in ``images/images.env`` (the one place), then run this. The
+tests fail while any of the three differs from what this writes (``tests/images``,
+``tests/pipelines``). A compile with other options (``trace-rl pipeline compile --image ...``)
+is a separate file of your own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from components.images import IMAGES_ENV, read_images
+from pipelines.argo import DEFAULT_DIR as ARGO_DIR
+from pipelines.argo import write_manifests
+from pipelines.trace_training import COMPILED, compile_pipeline
+
+IMAGES_COMPONENT = IMAGES_ENV.parents[1] / "manifests" / "images" / "kustomization.yaml"
+# The name each image has in the manifests (what the component's entries match).
+MANIFEST_NAMES = {"TRACE_IMAGE": "trace", "TRACE_GPU_IMAGE": "trace-gpu"}
+HEADER = """\
+# The project's image references, applied by every overlay (`components: [../../images]`) after
+# its own patches. Written by `make manifests` from images/images.env, the one place they are
+# set: edit that file, not this one (tests/images/test_image_refs.py checks the two agree).
+"""
+
+
+def split_reference(reference: str) -> dict[str, str]:
+    """``registry/path/name:tag@sha256:...`` as kustomize's newName, newTag and digest."""
+    rest, _, digest = reference.partition("@")
+    slash = rest.rfind("/")
+    colon = rest.rfind(":")
+    name, tag = (rest[:colon], rest[colon + 1 :]) if colon > slash else (rest, "")
+    fields = {"newName": name}
+    if tag:
+        fields["newTag"] = tag
+    if digest:
+        fields["digest"] = digest
+    return fields
+
+
+def images_component(images: dict[str, str]) -> str:
+    """The text of ``manifests/images/kustomization.yaml`` for these references."""
+    entries = [
+        {"name": manifest_name, **split_reference(images[variable])}
+        for variable, manifest_name in MANIFEST_NAMES.items()
+    ]
+    body = {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "images": entries,
+    }
+    return HEADER + yaml.safe_dump(body, sort_keys=False, indent=2)
+
+
+def regenerate() -> list[Path]:
+    """Write the three from ``images/images.env``; the paths written."""
+    read_images.cache_clear()
+    images = read_images()
+    missing = sorted(set(MANIFEST_NAMES) - set(images))
+    if missing:
+        raise KeyError(f"{IMAGES_ENV}: no {', '.join(missing)} line")
+    IMAGES_COMPONENT.write_text(images_component(images))
+    return [IMAGES_COMPONENT, compile_pipeline(COMPILED), *write_manifests(ARGO_DIR)]
+
+
+if __name__ == "__main__":
+    for path in regenerate():
+        print(f"wrote {path.relative_to(IMAGES_ENV.parents[1])}", file=sys.stdout)

@@ -1,0 +1,187 @@
+"""docs/deploy.md, run: every command of the deploy guide, in the guide's order, in one shell in a
+copy of the repository, as printed, where this machine allows it.
+
+- the pipeline commands (compile, upload, run, schedule, runs, argo) run as printed; KFP is a
+  stand-in API on 127.0.0.1 (``kfp_standin.py``), so ``export KFP_HOST=...`` points there;
+- ``kubectl apply -k DIR`` is built offline (``kubectl kustomize DIR``), with the Secret env
+  file the cluster would have filled made from its example;
+- the commands that need a live cluster or a registry are listed in ``RULES`` with the reason.
+
+A command in the guide that no rule accounts for fails the test, so a new one cannot go untried.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from trace_test_kfp import API, StandIn, serving  # registered by tests/conftest.py
+from trace_test_repo import REPO, repository_copy  # registered by tests/conftest.py
+
+GUIDE = REPO / "docs" / "deploy.md"
+RUN, KUSTOMIZE, HOST, CLUSTER = "run", "kustomize", "host", "cluster"
+
+# (pattern, what the test does, why) for each command of the guide.
+RULES: list[tuple[str, str, str]] = [
+    (r"make setup", RUN, ""),
+    (r"source \.venv/bin/activate", RUN, ""),
+    (r"make manifests", RUN, ""),
+    (r"make images push", RUN, "fails here, naming what it cannot run: no container engine"),
+    (r"kubectl -n \S+ create secret docker-registry .*", CLUSTER, "creates a Secret in a cluster"),
+    (r'echo "auth_token=\$\(openssl rand -hex 32\)" > \S+', RUN, ""),
+    (
+        r"kubectl -n kubeflow get secret mlpipeline-minio-artifact .*",
+        CLUSTER,
+        "reads KFP's Secret from a cluster; here s3.env is made from its example",
+    ),
+    (r"kubectl apply -k (\S+)", KUSTOMIZE, "applies to a cluster; here built offline"),
+    (r"kubectl -n trace-rl get raycluster trace-rl", CLUSTER, "reads a live RayCluster"),
+    (r"kubectl -n kubeflow port-forward .*", CLUSTER, "forwards a port of a cluster's service"),
+    (r"export KFP_HOST=\S+", HOST, "KFP here is a stand-in on 127.0.0.1"),
+    (r"trace-rl pipeline (compile|upload|run|schedule|runs|argo)( .*)?", RUN, ""),
+    (r"argo submit .*", CLUSTER, "submits to a cluster's Argo controller"),
+]
+
+
+def guide_commands(text: str) -> list[str]:
+    """Each command of the ```bash blocks, continuation lines joined, comments dropped."""
+    commands, block = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            block = [] if line.strip() == "```bash" and block is None else None
+            continue
+        if block is None:
+            continue
+        body = _without_comment(line).rstrip()
+        if commands and commands[-1].endswith("\\"):
+            commands[-1] = commands[-1][:-1].rstrip() + " " + body.strip()
+        elif body.strip():
+            commands.append(body.strip())
+    return commands
+
+
+def _without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a shell comment (outside quotes, after a blank)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def rule_of(command: str) -> tuple[str, str, str]:
+    matched = [rule for rule in RULES if re.fullmatch(rule[0], command)]
+    assert len(matched) == 1, f"docs/deploy.md: {command!r} matches {len(matched)} rules"
+    return matched[0]
+
+
+def test_every_command_is_accounted_for() -> None:
+    commands = guide_commands(GUIDE.read_text())
+    assert len(commands) >= 15
+    for command in commands:
+        rule_of(command)
+    for pattern, _, _ in RULES:  # and no rule outlives its command
+        assert any(re.fullmatch(pattern, c) for c in commands), f"no command for rule {pattern}"
+
+
+def test_comments_and_continuations() -> None:
+    text = '```bash\na --x "#1" \\\n   --y  # the y\n# only a comment\nb\n```\n```text\nc\n```\n'
+    assert guide_commands(text) == ['a --x "#1" --y', "b"]
+
+
+@pytest.mark.slow
+def test_the_guide_runs(tmp_path: Path) -> None:
+    repo = repository_copy(tmp_path / "repo")
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        # The copy's code, not the checkout's the venv was installed from (the commands write
+        # beside their modules: manifests/argo, pipelines/compiled).
+        "PYTHONPATH": str(repo),
+        # The shell of a fresh terminal: the venv's scripts are not on PATH until activated.
+        "PATH": os.pathsep.join(
+            p for p in os.environ["PATH"].split(os.pathsep) if p and p != bin_dir
+        ),
+    }
+    commands = guide_commands(GUIDE.read_text())
+    checkout = [
+        REPO / "manifests/argo/workflowtemplate.yaml",
+        REPO / "pipelines/compiled/trace_training.yaml",
+    ]
+    before = [path.stat().st_mtime_ns for path in checkout]
+    with serving(StandIn()) as kfp:
+        script = ["set -u"]
+        for n, command in enumerate(commands):
+            _, what, _ = rule_of(command)
+            if what == RUN:
+                script.append(command)
+            elif what == HOST:
+                script.append(f"export KFP_HOST={kfp.url}")
+            elif what == KUSTOMIZE:
+                folder = re.fullmatch(r"kubectl apply -k (\S+)", command)[1]  # type: ignore[index]
+                script.append(f"kubectl kustomize {folder} > build/kustomize-{n}.yaml")
+            elif "mlpipeline-minio-artifact" in command:
+                script.append("cp manifests/secrets/s3/s3.env.example manifests/secrets/s3/s3.env")
+            else:
+                script.append(":")
+            script.append(f'echo "@@ {n} $?"')
+        (repo / "build").mkdir(exist_ok=True)
+        done = subprocess.run(
+            ["bash", "-c", "\n".join(script)],
+            cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert [path.stat().st_mtime_ns for path in checkout] == before, "wrote into the checkout"
+    status = {int(n): int(s) for n, s in re.findall(r"^@@ (\d+) (\d+)$", done.stdout, re.M)}
+    assert sorted(status) == list(range(len(commands))), output[-3000:]
+    engine = shutil.which("buildah") or (
+        shutil.which("docker")
+        and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
+    )
+    for n, command in enumerate(commands):
+        if command == "make images push" and not engine:
+            assert status[n] != 0 and "no container engine" in output, output[-3000:]
+        else:
+            assert status[n] == 0, (command, output[-3000:])
+
+    # What the commands made: the Ray token, the compiled package with the pull secret, the
+    # Argo manifests for the choices, the overlays' builds.
+    token = (repo / "manifests/secrets/ray-auth/ray-auth.env").read_text().strip()
+    assert re.fullmatch(r"auth_token=[0-9a-f]{64}", token)
+    spec, platform = yaml.safe_load_all((repo / "build/trace_training.yaml").read_text())
+    assert spec["pipelineInfo"]["name"] == "trace-training"
+    for config in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values():
+        assert [s["secretName"] for s in config["imagePullSecret"]] == ["trace-registry"]
+    template = yaml.safe_load((repo / "manifests/argo/workflowtemplate.yaml").read_text())
+    assert template["spec"]["imagePullSecrets"] == [{"name": "trace-registry"}]
+    assert list((repo / "build").glob("kustomize-*.yaml"))
+
+    # What KFP was asked: the package uploaded, the smoke run and the real run with their
+    # parameters, the schedule, the list of runs.
+    calls = kfp.calls()
+    assert ("POST", f"{API}/pipelines/upload") in calls
+    started = [r.body for r in kfp.requests if (r.method, r.path) == ("POST", f"{API}/runs")]
+    assert len(started) == 2
+    smoke = started[0]["runtime_config"]["parameters"]  # type: ignore[index]
+    assert smoke["run_name"] == "smoke" and smoke["budget"] == 8 and smoke["gpus"] == 0
+    assert json.loads(smoke["settings_json"]) == {
+        "prompts": 16, "eval_tasks": 8, "eval_k": 1, "warmstart_steps": 20,
+    }  # fmt: skip
+    scheduled = kfp.last("POST", f"{API}/recurringruns").body
+    assert scheduled["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *"  # type: ignore[index]
+    assert ("GET", f"{API}/runs") in calls
+    assert "started run 'smoke-" in output

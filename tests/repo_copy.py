@@ -1,0 +1,30 @@
+"""A copy of the repository to run `make` targets and printed commands in, without touching the
+checkout the tests run from.
+
+    repo = repository_copy(tmp_path / "repo")    # then: subprocess.run(["make", ...], cwd=repo)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repository_copy(target: Path) -> Path:
+    """The repository's files (tracked and untracked, not ignored), mtimes kept, with this
+    environment's venv as its .venv: a checkout where `make` targets find their setup done."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    (target / ".venv").symlink_to(Path(sys.prefix))
+    return target
