@@ -250,6 +250,8 @@ def _task_output(task_dir: Path) -> dict[str, object]:
 
 def print_result(result: LocalResult, say: Callable[[str], None] = print) -> None:
     """Where things are, what the run learnt, and how to look at the trees."""
+    from trace_core.train.evaluate import paired_change
+
     k = result.final_eval.get("k", 0)
     say(f"\npipeline finished in {result.seconds:.0f} s; its artifacts: {result.run_dir}")
     say(f"log: {result.log} (every step's output)")
@@ -266,6 +268,14 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
         parsed = report.get("parse_rate")
         parsed_text = f", action parse rate {parsed:.3f}" if isinstance(parsed, float) else ""
         say(f"  held-out accuracy ({label}): pass@1 {pass1['all']:.3f}{sampled}{parsed_text}")
+    pass1 = paired_change(result.start_eval, result.final_eval, "pass1")
+    if pass1 is not None:
+        mean_k = paired_change(result.start_eval, result.final_eval, "mean_k")
+        sampled = f", mean@{k} {mean_k.text()}" if mean_k is not None else ""
+        say(
+            f"  change (final − start, each of the {pass1.tasks} tasks against itself, 95% "
+            f"interval): pass@1 {pass1.text()}{sampled}; an interval holding 0 shows no change"
+        )
     if "checkpoint" in result.final_eval:
         say(f"  checkpoint: {result.final_eval['checkpoint']}")
     say(f"trees: {result.trees_dir}")

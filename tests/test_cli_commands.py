@@ -258,6 +258,7 @@ def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Pat
     assert (out / "curves.png").stat().st_size > 10_000
     assert (out / "latest").read_text().strip() == "2"
     assert "held-out success before and after" in said(run)
+    assert "change (95% interval)" in said(run) and "each of the 3 tasks" in said(run)
 
 
 def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> None:

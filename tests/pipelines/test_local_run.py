@@ -117,6 +117,10 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.Mon
     assert "trace" in outputs[1] and "iteration 2" in outputs[1]
     assert result.curves is not None and result.curves.read_bytes().startswith(b"\x89PNG")
     assert f"plot: {result.curves} " in "\n".join(printed)
+    # The accuracy change, paired task by task, with its interval (8 tasks: a wide one).
+    (change,) = [line for line in printed if "change (final − start" in line]
+    assert "each of the 8 tasks against itself, 95% interval): pass@1 " in change
+    assert "| change (95% interval) |" in summary
     assert result.trees[-1].with_suffix(".html").is_file()  # inspect html: beside its input
 
     # The same run name again (a recurring run): the Else branch loads the registered

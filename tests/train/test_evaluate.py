@@ -21,7 +21,7 @@ from trace_core.envs.calc import CalcSuite
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.tokenizer import build_word_tokenizer
-from trace_core.train.evaluate import ALL, evaluate_policy
+from trace_core.train.evaluate import ALL, evaluate_policy, paired_change
 
 SUITE = CalcSuite(seed=0, train_size=0, eval_size=18)
 TASKS = [SUITE.tasks("eval")[i] for i in (0, 9, 1, 10)]
@@ -123,6 +123,12 @@ def test_pass1_and_mean_k_by_hand() -> None:
         "mean_k": {D1: 0.75, D2: 0.125, ALL: 0.4375},
         "parse_rate": 1.0,  # right, wrong and stall are all actions
         "truncated": 0.0,  # every turn ended with <|im_end|>
+        # Each task's results, in the order of the tasks: what a paired comparison reads.
+        "per_task": {
+            "ids": ["calc-eval-00000", "calc-eval-00009", "calc-eval-00001", "calc-eval-00010"],
+            "pass1": [1.0, 1.0, 1.0, 0.0],
+            "mean_k": [1.0, 0.5, 0.25, 0.0],
+        },
     }
     # First call greedy (one sample), then the k samples at temperature 1; each stalling
     # episode's 5 later turns come one sample at a time; every call stops at <|im_end|>.
@@ -175,3 +181,24 @@ def test_parse_rate_and_cut_turns_by_hand() -> None:
     assert report.parse_rate == pytest.approx(8 / 9)
     assert report.truncated == pytest.approx(1 / 9)
     assert report.pass1 == {D1: 1.0, D2: 0.5, ALL: 0.75}
+
+
+def test_paired_change_by_hand() -> None:
+    """final − start per task: (0, -1, +1, +1) → mean 0.25; sd of the differences
+    = sqrt(((−.25)² + (−1.25)² + .75² + .75²) / 3) = sqrt(2.75 / 3) = 0.9574;
+    half-width 1.96 × 0.9574 / 2 = 0.9383."""
+    ids = ["a", "b", "c", "d"]
+    start = {"per_task": {"ids": ids, "pass1": [1.0, 1.0, 0.0, 0.0], "mean_k": [0.5] * 4}}
+    final = {"per_task": {"ids": ids, "pass1": [1.0, 0.0, 1.0, 1.0], "mean_k": [0.5] * 4}}
+    change = paired_change(start, final, "pass1")
+    assert change is not None and change.tasks == 4
+    assert change.mean == 0.25
+    assert change.low == pytest.approx(0.25 - 0.9383, abs=1e-4)
+    assert change.high == pytest.approx(0.25 + 0.9383, abs=1e-4)
+    assert change.text() == "+0.250 [-0.688, +1.188]"
+    same = paired_change(start, final, "mean_k")
+    assert same is not None and (same.mean, same.low, same.high) == (0.0, 0.0, 0.0)
+    # Other tasks, or a report without per-task results (written before they were kept): none.
+    other = {"per_task": {**final["per_task"], "ids": ["a", "b", "c", "e"]}}
+    assert paired_change(start, other, "pass1") is None
+    assert paired_change({"pass1": {"all": 0.5}}, final, "pass1") is None

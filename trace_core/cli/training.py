@@ -36,6 +36,7 @@ def train_command(
     ] = False,
 ) -> None:
     """Warm start, then K iterations of rollout → fit predictor → update policy → evaluate."""
+    from trace_core.train.evaluate import paired_change
     from trace_core.train.loop import plot_run, train
     from trace_core.train.warmstart import set_threads
 
@@ -68,6 +69,15 @@ def train_command(
             _mean_k(result),
             f"{parsed:.3f}" if isinstance(parsed, float) else "-",
             f"{tokens:,}",
+        )
+    pass1, mean_k = (paired_change(first, last, m) for m in ("pass1", "mean_k"))
+    if pass1 is not None:
+        table.add_row(
+            "change (95% interval)", pass1.text(), mean_k.text() if mean_k else "-", "", ""
+        )
+        table.caption = (
+            f"change: final − start, each of the {pass1.tasks} tasks against itself; an "
+            "interval holding 0 shows no change either way"
         )
     console.print(table)
     console.print(f"wrote {output}/log.jsonl and {output}/curves.png")

@@ -192,7 +192,10 @@ def render_html(trees: Sequence[RolloutTree], title: str = "Rollout trees") -> s
 every node the predictor's <span class="badge v">V</span> when it was scored and the target
 <span class="badge target" style="{_shade(0.5)}">V̂</span> (mean leaf reward below);
 <span class="badge branch-mark">↳ continuation</span> marks the first turn of a continuation
-sampled from a prefix. n = leaves below. Click a line to fold it.</p>
+sampled from a prefix. n = leaves below. Click a line to fold it. Units are the rollout
+budget a tree spent: 1 per root rollout, ½ per continuation (a partial rollout). An anchor is a
+group of sibling rollouts (a prompt's roots, or the continuations of one prefix); it is mixed when
+its leaves hold both a success and a failure, the contrast the update learns from.</p>
 <div class="controls"></div>
 {sections}
 <script>{_SCRIPT}</script>

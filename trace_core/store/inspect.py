@@ -212,7 +212,7 @@ def summary_table(summary: TreeSetSummary) -> Table:
             f"{m.anchor_effective_ratio:.3f}",
             f"{m.mixed_per_100_units:.2f}",
             f"{m.continuations:,}",
-            f"{m.units:,.1f}",
+            f"{m.units:,.0f}" if float(m.units).is_integer() else f"{m.units:,.1f}",
             f"{m.tokens:,}",
         )
     return table

@@ -10,7 +10,7 @@ through ``rollout_flat``, so an evaluation episode is exactly a rollout without 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +38,13 @@ class EvalReport:
     """Share of the evaluation's turns (greedy and sampled) that end in a parsable action."""
     truncated: float = float("nan")
     """Share of those turns cut by ``max_tokens`` before their end-of-turn token."""
+    per_task: dict[str, list[float]] | None = None
+    """Each task's greedy reward (``pass1``) and mean sampled reward (``mean_k``), in the order
+    of ``task_ids``: what a paired comparison of two evaluations reads (``paired_change``)."""
+    task_ids: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        body: dict[str, object] = {
             "tasks": self.tasks,
             "k": self.k,
             "pass1": self.pass1,
@@ -48,6 +52,40 @@ class EvalReport:
             "parse_rate": self.parse_rate,
             "truncated": self.truncated,
         }
+        if self.per_task is not None:
+            body["per_task"] = {"ids": list(self.task_ids), **self.per_task}
+        return body
+
+
+@dataclass(frozen=True)
+class PairedChange:
+    """final − start over the same tasks: the mean and its 95% interval (normal approximation
+    of the per-task differences' mean: mean ± 1.96 · sd / √n)."""
+
+    mean: float
+    low: float
+    high: float
+    tasks: int
+
+    def text(self) -> str:
+        return f"{self.mean:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+
+
+def paired_change(
+    start: Mapping[str, object], final: Mapping[str, object], metric: str
+) -> PairedChange | None:
+    """The paired change of ``metric`` (``pass1`` or ``mean_k``) between two evaluation reports
+    (``EvalReport.as_dict``); None when either lacks per-task results or their tasks differ."""
+    a, b = start.get("per_task"), final.get("per_task")
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping) or a.get("ids") != b.get("ids"):
+        return None
+    before, after = np.asarray(a.get(metric) or []), np.asarray(b.get(metric) or [])
+    if len(before) == 0 or len(before) != len(after):
+        return None
+    diff = after - before
+    half = 1.96 * float(diff.std(ddof=1)) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+    mean = float(diff.mean())
+    return PairedChange(mean, mean - half, mean + half, len(diff))
 
 
 def evaluate_policy(
@@ -67,7 +105,9 @@ def evaluate_policy(
         engine, fmt, make_env, tasks, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed
     )
     played = list(greedy)
-    pass1 = _by_difficulty(tasks, [float(t.reward[t.leaf_mask].mean()) for t in greedy])
+    greedy_scores = [float(t.reward[t.leaf_mask].mean()) for t in greedy]
+    pass1 = _by_difficulty(tasks, greedy_scores)
+    per_task = {"pass1": greedy_scores}
     mean_k: dict[str, float] = {}
     if k:
         sampled = rollout_flat(
@@ -79,11 +119,14 @@ def evaluate_policy(
             seed + 1,
         )
         played += sampled
-        mean_k = _by_difficulty(tasks, [float(t.reward[t.leaf_mask].mean()) for t in sampled])
+        sampled_scores = [float(t.reward[t.leaf_mask].mean()) for t in sampled]
+        mean_k = _by_difficulty(tasks, sampled_scores)
+        per_task["mean_k"] = sampled_scores
     tokens = sum(t.generated_tokens for t in played)
     truncated = [bool(cut) for t in played for cut in t.truncated[1:]]
     cut = float(np.mean(truncated)) if truncated else 0.0
-    return EvalReport(len(tasks), k, pass1, mean_k, tokens, parse_rate(played), cut)
+    ids = tuple(task.id for task in tasks)
+    return EvalReport(len(tasks), k, pass1, mean_k, tokens, parse_rate(played), cut, per_task, ids)
 
 
 def parse_rate(trees: Sequence[RolloutTree]) -> float:

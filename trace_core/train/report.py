@@ -60,8 +60,17 @@ def summary_markdown(
                 str(report.get("tasks", "-")),
             ]
             for label, report in (("start", start_eval), ("final", final_eval))
-        ],
+        ]
+        + _change_row(start_eval, final_eval),
     )
+    lines += [
+        "",
+        f"pass@1: share of the held-out tasks solved by one greedy episode. mean@{k}: mean "
+        f"success of {k} sampled episodes per task (what the policy's sampling does, which the "
+        "update trains). action parse rate: share of turns whose action parsed. change: final − "
+        "start on the same tasks, with its 95% interval [low, high] (paired: each task against "
+        "itself); an interval that holds 0 is no evidence of a change either way.",
+    ]
     lines += ["", "## Iterations", ""]
     lines += _table(
         [
@@ -88,6 +97,14 @@ def summary_markdown(
             for r in records
         ],
     )
+    lines += [
+        "",
+        "prompt eff. ratio: share of prompts whose rollouts hold both a success and a failure "
+        "(the paper's effective ratio). An anchor is a group of sibling rollouts (a prompt's "
+        "roots, or the continuations of one prefix); anchor eff. ratio: the same share over "
+        "anchors; mixed groups: how many anchors are mixed. units: the rollout budget spent, 1 "
+        "per root rollout and 0.5 per continuation. update loss: the policy update's mean loss.",
+    ]
     lines += ["", f"## Trees (first {head_rows} rows of `{trees_path.name}`)", ""]
     lines += parquet_head(trees_path, head_rows)
     return "\n".join(lines) + "\n"
@@ -102,6 +119,17 @@ def parquet_head(path: Path, rows: int) -> list[str]:
         return ["(no rows)"]
     body = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
     return [*_table(columns, body), "", f"{file.metadata.num_rows:,} rows in all."]
+
+
+def _change_row(start: Mapping[str, object], final: Mapping[str, object]) -> list[list[str]]:
+    """The paired change row, when both reports have per-task results on the same tasks."""
+    from trace_core.train.evaluate import paired_change
+
+    changes = [paired_change(start, final, metric) for metric in ("pass1", "mean_k")]
+    if changes[0] is None:
+        return []
+    cells = [c.text() if c is not None else "-" for c in changes]
+    return [["change (95% interval)", *cells, "", str(changes[0].tasks)]]
 
 
 def _all(report: Mapping[str, object], key: str) -> str:
