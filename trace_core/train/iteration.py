@@ -95,10 +95,11 @@ def roll_out(
     tokenizer: PreTrainedTokenizerBase | None = None,
     address: str | None = None,
     session: EngineSession | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> RolloutResult:
     """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``,
     with the policy at ``checkpoint`` (or already in memory) on ``config.engine``, or on the
-    run's kept engine (``session``)."""
+    run's kept engine (``session``); ``progress(units spent)`` after every engine call."""
     grow = GrowConfig(
         config.strategy,
         Budget(config.budget, config.continuations, config.group),
@@ -111,7 +112,7 @@ def roll_out(
     pool = [tasks[j] for j in draws.pool]
     return run_rollout(
         checkpoint, pool, suite.make_env, predictor, grow, config.engine, address, model,
-        tokenizer, style=turn_style(config, suite), session=session,
+        tokenizer, progress, style=turn_style(config, suite), session=session,
     )  # fmt: skip
 
 

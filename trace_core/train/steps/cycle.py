@@ -13,6 +13,7 @@ given starting policy samples and learns what ``trace-rl train`` does from it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -49,12 +50,14 @@ def rollout_step(
     """Grow iteration ``iteration``'s trees with the policy; ``trees_dir/trees.parquet``.
     ``engine_checkpoint``: where the engine actors load the policy from (its ``s3://`` URI),
     when ``policy_dir`` holds only its tokenizer and config."""
+    from trace_core.algo.plan import Budget
     from trace_core.envs.prompts import read_prompts
     from trace_core.envs.suites import make_suite
     from trace_core.policy.value import ValuePredictor
     from trace_core.store.schema import write_trees
     from trace_core.train.draws import draw_iteration
     from trace_core.train.iteration import roll_out
+    from trace_core.train.progress import LineProgress
 
     train = config.train
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_TRAIN))
@@ -62,9 +65,12 @@ def rollout_step(
     tokenizer = load_tokenizer(policy_dir)
     predictor = ValuePredictor.load(predictor_dir, tokenizer)
     draws = draw_iteration(train.seed, iteration, len(tasks), train.prompts)
+    units = Budget(train.budget, train.continuations, train.group).units
+    bar = LineProgress(f"rollout {iteration}", max(1, math.ceil(units)), "units")
     result = roll_out(
         engine_checkpoint or policy_dir, tasks, suite, predictor, train, iteration, draws,
         run_id=config.run_id, tokenizer=tokenizer, address=worker_address(config),
+        progress=lambda spent: bar(math.floor(spent)),
     )  # fmt: skip
     trees_dir.mkdir(parents=True, exist_ok=True)
     write_trees(trees_dir / TREES, result.trees)
