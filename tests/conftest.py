@@ -75,6 +75,7 @@ HELPERS = {
     "trace_test_browser": "store/browser.py",
     "trace_test_kfp": "pipelines/kfp_standin.py",
     "trace_test_repo": "repo_copy.py",
+    "trace_test_commands": "docs/commands.py",
 }
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trace_test_commands import commands  # registered by tests/conftest.py
 from trace_test_kfp import API, StandIn, serving  # registered by tests/conftest.py
 from trace_test_repo import REPO, repository_copy  # registered by tests/conftest.py
 
@@ -50,36 +51,6 @@ RULES: list[tuple[str, str, str]] = [
 ]
 
 
-def guide_commands(text: str) -> list[str]:
-    """Each command of the ```bash blocks, continuation lines joined, comments dropped."""
-    commands, block = [], None
-    for line in text.splitlines():
-        if line.startswith("```"):
-            block = [] if line.strip() == "```bash" and block is None else None
-            continue
-        if block is None:
-            continue
-        body = _without_comment(line).rstrip()
-        if commands and commands[-1].endswith("\\"):
-            commands[-1] = commands[-1][:-1].rstrip() + " " + body.strip()
-        elif body.strip():
-            commands.append(body.strip())
-    return commands
-
-
-def _without_comment(line: str) -> str:
-    """``line`` up to a ``#`` that starts a shell comment (outside quotes, after a blank)."""
-    quote = None
-    for i, char in enumerate(line):
-        if quote:
-            quote = None if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i]
-    return line
-
-
 def rule_of(command: str) -> tuple[str, str, str]:
     matched = [rule for rule in RULES if re.fullmatch(rule[0], command)]
     assert len(matched) == 1, f"docs/deploy.md: {command!r} matches {len(matched)} rules"
@@ -87,17 +58,17 @@ def rule_of(command: str) -> tuple[str, str, str]:
 
 
 def test_every_command_is_accounted_for() -> None:
-    commands = guide_commands(GUIDE.read_text())
-    assert len(commands) >= 15
-    for command in commands:
+    lines = commands(GUIDE.read_text())
+    assert len(lines) >= 15
+    for command in lines:
         rule_of(command)
     for pattern, _, _ in RULES:  # and no rule outlives its command
-        assert any(re.fullmatch(pattern, c) for c in commands), f"no command for rule {pattern}"
+        assert any(re.fullmatch(pattern, c) for c in lines), f"no command for rule {pattern}"
 
 
 def test_comments_and_continuations() -> None:
     text = '```bash\na --x "#1" \\\n   --y  # the y\n# only a comment\nb\n```\n```text\nc\n```\n'
-    assert guide_commands(text) == ['a --x "#1" --y', "b"]
+    assert commands(text) == ['a --x "#1" --y', "b"]
 
 
 @pytest.mark.slow
@@ -117,7 +88,7 @@ def test_the_guide_runs(tmp_path: Path) -> None:
             p for p in os.environ["PATH"].split(os.pathsep) if p and p != bin_dir
         ),
     }
-    commands = guide_commands(GUIDE.read_text())
+    lines = commands(GUIDE.read_text())
     checkout = [
         REPO / "manifests/argo/workflowtemplate.yaml",
         REPO / "pipelines/compiled/trace_training.yaml",
@@ -125,7 +96,7 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     before = [path.stat().st_mtime_ns for path in checkout]
     with serving(StandIn()) as kfp:
         script = ["set -u"]
-        for n, command in enumerate(commands):
+        for n, command in enumerate(lines):
             _, what, _ = rule_of(command)
             if what == RUN:
                 script.append(command)
@@ -147,12 +118,12 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     output = done.stdout + done.stderr
     assert [path.stat().st_mtime_ns for path in checkout] == before, "wrote into the checkout"
     status = {int(n): int(s) for n, s in re.findall(r"^@@ (\d+) (\d+)$", done.stdout, re.M)}
-    assert sorted(status) == list(range(len(commands))), output[-3000:]
+    assert sorted(status) == list(range(len(lines))), output[-3000:]
     engine = shutil.which("buildah") or (
         shutil.which("docker")
         and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
     )
-    for n, command in enumerate(commands):
+    for n, command in enumerate(lines):
         if command == "make images push" and not engine:
             assert status[n] != 0 and "no container engine" in output, output[-3000:]
         else:

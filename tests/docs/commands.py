@@ -1,0 +1,39 @@
+"""The commands of a Markdown file's ```bash blocks, as a reader would type them.
+
+    commands("README.md text")    # ['make run', 'trace-rl task check calc', ...]
+
+Continuation lines (a trailing backslash) are joined; shell comments (a ``#`` outside quotes,
+at the start or after a blank) are dropped, and so are lines left empty.
+"""
+
+from __future__ import annotations
+
+
+def commands(text: str) -> list[str]:
+    found: list[str] = []
+    block: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            block = [] if line.strip() == "```bash" and block is None else None
+            continue
+        if block is None:
+            continue
+        body = without_comment(line).rstrip()
+        if found and found[-1].endswith("\\"):
+            found[-1] = found[-1][:-1].rstrip() + " " + body.strip()
+        elif body.strip():
+            found.append(body.strip())
+    return found
+
+
+def without_comment(line: str) -> str:
+    """``line`` up to a ``#`` that starts a shell comment (outside quotes, after a blank)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line

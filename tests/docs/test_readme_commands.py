@@ -1,0 +1,201 @@
+"""Every command of the README's ```bash blocks, accounted for: run here as printed, or named
+with the test that runs it (as printed, or the same command with smaller settings) and why it
+is not run as printed in the suite (minutes of compute, a cluster, a user's own file).
+
+A command added to the README that no rule accounts for fails ``test_every_command_has_a_rule``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trace_test_commands import commands  # registered by tests/conftest.py
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+RUN = "run as printed here"
+SMALLER = "the same command with smaller settings"
+CLUSTER = "needs a cluster: its part that runs here is tested"
+
+# (pattern, how, the test that runs it, why not as printed in the suite)
+RULES: list[tuple[str, str, str, str]] = [
+    (r"make run", SMALLER, "pipelines/test_local_run.py", "≈ 9–17 min on 2 cores"),
+    (r"make test", "what CI runs (.ci/run)", "", ""),
+    (r"make test-fast", "make test's pytest with -m", "", "a subset of make test"),
+    (r"trace-rl task check calc", RUN, "", ""),
+    (r"trace-rl task check bfcl --json check.json", RUN, "", ""),
+    (
+        r"trace-rl task check deepscaler --data train.parquet",
+        SMALLER,
+        "test_cli_commands.py",
+        "reads the user's DeepScaleR file; the test writes one",
+    ),
+    (
+        r"trace-rl warmstart --task calc --output build/policy/calc",
+        SMALLER,
+        "test_cli_commands.py",
+        "≈ 2.5 min; the test warm-starts with fewer steps",
+    ),
+    (r"trace-rl rollout-demo --task calc", SMALLER, "test_cli_commands.py", "≈ 6 min"),
+    (
+        r"trace-rl rollout --checkpoint build/policy/calc --strategy .*",
+        SMALLER,
+        "test_cli_commands.py",
+        "needs the warm start above",
+    ),
+    (r"trace-rl model import smollm2 .*", "as printed", "policy/test_model_cli.py", ""),
+    (r"trace-rl model check build/models/smollm2 .*", "as printed", "policy/test_model_cli.py", ""),
+    (
+        r"trace-rl bench update --checkpoint build/models/smollm2 .*",
+        "as printed",
+        "policy/test_model_cli.py",
+        "",
+    ),
+    (
+        r"trace-rl bench engine --checkpoint build/models/smollm2 .*",
+        "as printed",
+        "policy/test_model_cli.py",
+        "",
+    ),
+    (
+        r"trace-rl prep --task calc --split train --output build/prompts/calc-train.parquet",
+        RUN,
+        "",
+        "",
+    ),
+    (
+        r"trace-rl rollout --checkpoint build/policy/calc --prompt-file .*",
+        SMALLER,
+        "test_cli_commands.py",
+        "needs the warm start above",
+    ),
+    (r"trace-rl train --task calc .*", SMALLER, "test_cli_commands.py", "12 iterations"),
+    (
+        r"trace-rl compare --task calc .*",
+        SMALLER,
+        "test_cli_commands.py",
+        "every strategy × 3 seeds × 10 iterations",
+    ),
+    (
+        r"trace-rl bench allocation .*",
+        SMALLER,
+        "bench/test_bench_commands.py",
+        "2,048 prompts × 3 seeds × 4 iterations",
+    ),
+    (
+        r"trace-rl bench allocator-speed --json speed.json",
+        SMALLER,
+        "bench/test_bench_commands.py",
+        "the DP at B = 256 takes ≈ 20 s",
+    ),
+    (
+        r"trace-rl bench engine --json engine.json",
+        SMALLER,
+        "test_cli_commands.py",
+        "a minute of decoding",
+    ),
+    (
+        r"trace-rl bench contrast --checkpoint build/policy/calc",
+        SMALLER,
+        "bench/test_contrast.py",
+        "needs the warm start above",
+    ),
+    (
+        r"trace-rl bench workers --checkpoint build/policy/calc",
+        SMALLER,
+        "rollout/test_ray_pool.py",
+        "starts Ray and 1 + 2 workers",
+    ),
+    (
+        r"trace-rl bench reload --checkpoint build/policy/calc",
+        SMALLER,
+        "train/test_loop.py",
+        "starts engine actors twice",
+    ),
+    (r"trace-rl bench parse --json parse.json", RUN, "", ""),
+    (
+        r"trace-rl inspect (summary|query|show|html) build/rollout.*",
+        SMALLER,
+        "store/test_inspect.py",
+        "needs the rollout above",
+    ),
+    (
+        r"trace-rl inspect query s3://.*",
+        SMALLER,
+        "store/test_inspect.py",
+        "the test's bucket is on a SeaweedFS it starts",
+    ),
+    (
+        r"trace-rl bench store --json build/store.json",
+        SMALLER,
+        "bench/test_store_bench.py",
+        "1,000 trees and a 1M-node query",
+    ),
+    (r"kubectl -n kubeflow port-forward .*", CLUSTER, "", "a cluster's service"),
+    (r"set -a; \. manifests/secrets/s3/s3\.env; set \+a", CLUSTER, "", "the cluster's keys"),
+    (r"export AWS_ENDPOINT_URL_S3=\S+", CLUSTER, "", "the port-forward above"),
+    (
+        r"trace-rl inspect (summary|html) s3://mlpipeline/trace-rl.*",
+        SMALLER,
+        "store/test_inspect.py",
+        "the test's bucket is on a SeaweedFS it starts",
+    ),
+    (r"export KFP_HOST=\S+", CLUSTER, "docs/test_deploy_guide.py", "KFP there is a stand-in"),
+    (
+        r"trace-rl pipeline (compile|upload|run|schedule|runs)( .*)?",
+        "as in the deploy guide",
+        "docs/test_deploy_guide.py",
+        "against a stand-in KFP API",
+    ),
+    (
+        r"trace-rl pipeline argo",
+        "regenerates and diffs",
+        "pipelines/test_argo.py",
+        "writes the committed manifests",
+    ),
+    (
+        r"kubectl apply -k manifests/overlays/\w+",
+        CLUSTER,
+        "manifests/test_build.py",
+        "built offline with kubectl kustomize",
+    ),
+    (r"argo submit .*", CLUSTER, "", "a cluster's Argo controller"),
+]
+
+
+def rule_of(command: str) -> tuple[str, str, str, str]:
+    matched = [rule for rule in RULES if re.fullmatch(rule[0], command)]
+    assert len(matched) == 1, f"README.md: {command!r} matches {len(matched)} rules"
+    return matched[0]
+
+
+def test_every_command_has_a_rule() -> None:
+    lines = commands((REPO / "README.md").read_text())
+    assert len(lines) >= 30
+    for command in lines:
+        _, _, where, _ = rule_of(command)
+        if where:
+            source = (TESTS / where).read_text()
+            if command.startswith("trace-rl "):
+                words = [w for w in command.split()[1:3] if not w.startswith(("-", "build"))]
+                assert f'"{words[-1]}"' in source or words[-1] in source, (command, where)
+    for pattern, *_ in RULES:
+        assert any(re.fullmatch(pattern, c) for c in lines), f"no README command for {pattern}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [rule[0].replace("\\", "") for rule in RULES if rule[1] == RUN],
+)
+def test_runs_as_printed(command: str, tmp_path: Path) -> None:
+    assert command in commands((REPO / "README.md").read_text())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
