@@ -273,8 +273,11 @@ def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> N
     assert run.returncode == 0, said(run)[-2000:]
     data = json.loads(out.read_text())
     assert set(data["strategies"]) == {"trace", "grpo"}
-    for metric in ("accuracy", "prompt_effective_ratio", "mixed_per_100_units", "tokens"):
-        assert set(data["strategies"]["trace"][metric]) == {"mean", "std"}
+    for metric in ("accuracy", "prompt_effective_ratio", "anchor_effective_ratio", "tokens"):
+        assert set(data["strategies"]["trace"][metric]) == {"mean", "std", "low", "high", "n"}
+    assert data["interval"] == "95% Student t over seeds"
+    assert set(data["paired_vs_grpo"]) == {"trace"}
+    assert "paired against grpo, seed by seed" in said(run)
     # One seed, one iteration: grpo's log has its evaluations at 0 tokens and at the end, and
     # it reaches its own final accuracy at 0 tokens when it started there (or higher), else at
     # its last evaluation: the ratio is 0.0 or 1.0, and which one the log says.

@@ -21,7 +21,6 @@ from trace_core.store.schema import read_trees
 from trace_core.store.sync import upload_folder
 from trace_core.train import loop
 from trace_core.train.base_model import SOURCE
-from trace_core.train.compare import CompareConfig, Curve, _tokens_to_reach, summarize
 from trace_core.train.config import TrainConfig
 from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord, read_log
@@ -254,39 +253,6 @@ def test_config_errors_name_the_field() -> None:
         TrainConfig(task="bfcl")
     with pytest.raises(ValueError, match="train_fsdp needs train_workers"):
         TrainConfig(train_fsdp=True)
-
-
-# --- compare ------------------------------------------------------------------------------
-def record(i: int, total: int, accuracy: float | None, ratio: float = 0.5) -> IterationRecord:
-    report = None
-    if accuracy is not None:
-        report = {"pass1": {"all": accuracy}, "mean_k": {"all": accuracy, "easy": accuracy}}
-    rollout = {"prompt_effective_ratio": ratio, "mixed_per_100_units": 10 * ratio}
-    return IterationRecord(i, "x", 0, total, rollout if i else {}, {}, report, {})
-
-
-def test_tokens_to_reach_interpolates_the_first_crossing() -> None:
-    curve = Curve([0, 2, 4], [0.0, 100.0, 200.0], [0.3, 0.5, 0.6], [0, 0, 0], [])
-    assert _tokens_to_reach(curve, 0.5) == 100.0
-    # 0.55 lies halfway between 0.5 (100 tokens) and 0.6 (200 tokens): 150 tokens.
-    assert _tokens_to_reach(curve, 0.55) == pytest.approx(150.0)
-    assert _tokens_to_reach(curve, 0.2) == 0.0
-    assert _tokens_to_reach(curve, 0.61) == float("inf")
-
-
-def test_summarize_by_hand() -> None:
-    # grpo: 0.4 → 0.6 over 300 tokens; trace: reaches 0.6 at 150 tokens and ends at 0.7.
-    runs = {
-        ("grpo", 0): [record(0, 0, 0.4), record(1, 150, 0.5, 0.4), record(2, 300, 0.6, 0.6)],
-        ("trace", 0): [record(0, 0, 0.4), record(1, 150, 0.6, 0.8), record(2, 300, 0.7, 1.0)],
-    }
-    result = summarize(CompareConfig(strategies=("trace", "grpo"), seeds=1), runs)
-    assert result.strategies["trace"]["accuracy"]["mean"] == pytest.approx(0.7)
-    assert result.strategies["trace"]["tokens_to_grpo_final"]["mean"] == pytest.approx(150 / 300)
-    assert result.strategies["grpo"]["tokens_to_grpo_final"]["mean"] == pytest.approx(1.0)
-    assert result.strategies["trace"]["prompt_effective_ratio"]["mean"] == pytest.approx(0.9)
-    assert result.curves["trace"].tokens == [0.0, 150.0, 300.0]
-    assert result.by_difficulty["grpo"] == {"all": 0.6, "easy": 0.6}
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ one start), ``trace-rl predictor fit``. Their flags are ``TrainConfig``'s fields
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -112,6 +113,22 @@ def _mean_k(report: dict[str, object]) -> str:
     return f"{values['all']:.3f}" if values else "-"  # type: ignore[index]
 
 
+def _interval_text(
+    stats: dict[str, float] | None, whole: bool = False, signed: bool = False
+) -> str:
+    """``0.612 [0.580, 0.644]``; one seed: the mean alone; never reached: ``never (n seeds
+    reached)``."""
+    if stats is None:
+        return "-"
+    mean, low, high = stats["mean"], stats["low"], stats["high"]
+    if mean is None or not math.isfinite(mean):
+        return f"never ({int(stats['n'])} seeds reached)"
+    form = ",.0f" if whole else ("+.3f" if signed else ".3f")
+    if low is None or not math.isfinite(low):
+        return format(mean, form)
+    return f"{mean:{form}} [{low:{form}}, {high:{form}}]"
+
+
 COMPARE_SKIP = {
     *("data", "output", "init", "strategy", "seed", "train_workers", "engine", "ray_address"),
 }
@@ -132,19 +149,16 @@ def compare_command(
         str, typer.Option(help="Comma-separated strategies.")
     ] = "trace,grpo,pcl,treepo",
     seeds: Annotated[int, typer.Option(help="Seeds per strategy.")] = 3,
+    first_seed: Annotated[
+        int, typer.Option(help="The first seed: runs seeds FIRST_SEED .. FIRST_SEED+SEEDS-1.")
+    ] = 0,
     parallel: Annotated[int, typer.Option(help="Runs at once (one process each).")] = 2,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Plot PNG.")] = Path("build/compare.png"),
 ) -> None:
     """Every strategy from the same warm start, seeds and budget: table, plot, JSON."""
-    from trace_core.train.compare import (
-        METRICS as COMPARE_METRICS,
-    )
-    from trace_core.train.compare import (
-        CompareConfig,
-        plot_compare,
-        run_compare,
-    )
+    from trace_core.train.compare import METRICS as COMPARE_METRICS
+    from trace_core.train.compare import PAIRED, CompareConfig, plot_compare, run_compare
 
     config = CompareConfig(
         task=run.task,
@@ -152,28 +166,37 @@ def compare_command(
         init=init,
         strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
         seeds=seeds,
+        first_seed=first_seed,
         parallel=parallel,
         run=run,
     )
     with console.status("training every strategy") as status:
         result = run_compare(config, progress=lambda m: status.update(m))
+    last = first_seed + seeds - 1
     table = Table(
-        title=f"{run.task}: {seeds} seeds × {run.iterations} iterations, M={run.budget} "
-        f"N={run.continuations}"
+        title=f"{run.task}: seeds {first_seed}..{last} × {run.iterations} iterations, "
+        f"M={run.budget} N={run.continuations}: mean [95% interval]",
+        caption="95% intervals: Student t over seeds. accuracy: held-out mean@k; pass1: greedy. "
+        "effective ratios: share of prompts (anchors: sibling groups) whose rollouts hold both "
+        "rewards. tokens to grpo final: tokens to reach grpo's final accuracy ÷ grpo's tokens "
+        "(same seed; below 1: sooner).",
     )
     table.add_column("strategy")
     for metric in COMPARE_METRICS:
         table.add_column(metric.replace("_", " "), justify="right")
     for name, row in result.strategies.items():
-        table.add_row(
-            name,
-            *(
-                f"{row[m]['mean']:.3f} ± {row[m]['std']:.3f}"
-                if m in row and m != "tokens"
-                else (f"{row[m]['mean']:,.0f}" if m in row else "-")
-                for m in COMPARE_METRICS
-            ),
+        table.add_row(name, *(_interval_text(row.get(m), m == "tokens") for m in COMPARE_METRICS))
+    if result.paired:
+        console.print(table)
+        table = Table(
+            title="paired against grpo, seed by seed: strategy − grpo, mean [95% interval]",
+            caption="An interval that holds 0 is no evidence of a difference.",
         )
+        table.add_column("strategy")
+        for metric in PAIRED:
+            table.add_column(metric.replace("_", " "), justify="right")
+        for name, row in result.paired.items():
+            table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
     console.print(table)
     write_json(json_path, result.to_json())
     if plot:

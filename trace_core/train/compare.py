@@ -7,18 +7,25 @@ Every (strategy, seed) pair is one ``train`` run in ``OUTPUT/STRATEGY/seed-S`` (
 comparison resumes where it was), started from one warm start in ``OUTPUT/warmstart``. Runs
 go ``parallel`` at a time, each in its own process with its share of the cores.
 
-Reported per strategy, as mean ± std over seeds (the JSON has the shape of
-``bench allocation``'s, metric → {mean, std}):
+Reported per strategy, as the mean over seeds with its 95% Student-t interval (the JSON:
+metric → {mean, std, low, high, n}; std with ddof 1):
 
 - ``accuracy``: held-out mean@k after the last iteration (k samples per task, temperature 1);
   ``pass1``: greedy success, same tasks;
-- ``prompt_effective_ratio``, ``mixed_per_100_units``: of the rollout trees, averaged over
-  iterations;
+- ``prompt_effective_ratio`` (the paper's: share of prompts whose rollouts hold both rewards),
+  ``anchor_effective_ratio`` (the same over sibling groups), ``mixed_per_100_units``: of the
+  rollout trees, averaged over iterations;
 - ``tokens``: generated rollout tokens over all iterations;
-- ``tokens_to_grpo_final``: the generated tokens after which the strategy's mean held-out
-  accuracy (over seeds) first reaches grpo's final one, divided by grpo's total tokens —
-  below 1 means it got there with fewer tokens. Interpolated linearly between the two
-  evaluations (every ``eval_every`` iterations) that straddle grpo's final accuracy.
+- ``tokens_to_grpo_final``: per seed, the generated tokens after which the strategy's held-out
+  accuracy first reaches grpo's final one of the same seed, divided by grpo's total tokens of
+  that seed — below 1 means it got there with fewer tokens. Interpolated linearly between the
+  two evaluations (every ``eval_every`` iterations) that straddle it; a seed that never gets
+  there makes the mean infinite (``n`` counts the seeds that did).
+
+``paired`` holds, for every strategy but grpo, the per-seed difference strategy − grpo of
+accuracy, pass1 and the two effective ratios (same seed: the same warm start's sampling, pool
+draws and evaluation tasks), with its t interval: the seeds' shared luck cancels. Seeds run
+from ``first_seed``, so a result can be checked on seeds it was not tuned on.
 """
 
 from __future__ import annotations
@@ -44,10 +51,18 @@ METRICS = (
     "accuracy",
     "pass1",
     "prompt_effective_ratio",
+    "anchor_effective_ratio",
     "mixed_per_100_units",
     "tokens",
     "tokens_to_grpo_final",
 )
+PAIRED = ("accuracy", "pass1", "prompt_effective_ratio", "anchor_effective_ratio")
+# Student t's 97.5% quantile for 1..30 degrees of freedom; the normal's 1.96 beyond.
+T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class CompareConfig:
     """Starting policy for every run; None warm-starts once into ``OUTPUT/warmstart``."""
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     seeds: int = 3
+    first_seed: int = 0
+    """Seeds ``first_seed .. first_seed + seeds - 1``."""
     run: TrainConfig = field(default_factory=TrainConfig)
     """Per-run settings (iterations, budget, update, eval); task, output, init, strategy and
     seed are filled in per run."""
@@ -72,6 +89,12 @@ class CompareConfig:
                 raise ValueError(f"strategy {name!r} needs the true V: simulator only")
         if self.seeds < 1 or self.parallel < 1:
             raise ValueError("seeds and parallel must be >= 1")
+        if self.first_seed < 0:
+            raise ValueError(f"first_seed must be >= 0, got {self.first_seed}")
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
 
     def run_config(self, name: str, seed: int, init: Path) -> TrainConfig:
         return replace(
@@ -103,6 +126,8 @@ class CompareResult:
     curves: dict[str, Curve]
     by_difficulty: dict[str, dict[str, float]]
     """Final mean@k per difficulty (mean over seeds)."""
+    paired: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """strategy → metric → the interval of (strategy − grpo) over seeds."""
 
     def to_json(self) -> dict[str, object]:
         finite = {  # JSON has no Infinity: a strategy that never got there is null
@@ -114,7 +139,9 @@ class CompareResult:
         }
         return {
             "config": self.config,
+            "interval": "95% Student t over seeds",
             "strategies": finite,
+            "paired_vs_grpo": self.paired,
             "curves": {k: asdict(v) for k, v in self.curves.items()},
             "by_difficulty": self.by_difficulty,
         }
@@ -125,7 +152,7 @@ def run_compare(
 ) -> CompareResult:
     say = progress or (lambda _message: None)
     init = config.init or _warm_start(config, say)
-    jobs = [(name, seed) for seed in range(config.seeds) for name in config.strategies]
+    jobs = [(name, seed) for seed in config.seed_list for name in config.strategies]
     threads = max(1, (os.cpu_count() or 1) // config.parallel)
     runs: dict[tuple[str, int], list[IterationRecord]] = {}
     if config.parallel == 1:
@@ -173,43 +200,82 @@ def summarize(
 ) -> CompareResult:
     """The table, curves and per-difficulty accuracy from every run's records."""
     curves = {name: _curve(name, config, runs) for name in config.strategies}
-    grpo = curves.get("grpo")
+    per_seed_rows = {name: _seed_rows(name, config, runs) for name in config.strategies}
     table: dict[str, dict[str, dict[str, float]]] = {}
+    paired: dict[str, dict[str, dict[str, float]]] = {}
     by_difficulty: dict[str, dict[str, float]] = {}
+    grpo = per_seed_rows.get("grpo")
     for name in config.strategies:
-        per_seed = [runs[name, s] for s in range(config.seeds)]
-        finals = [_last_eval(r) for r in per_seed]
-        rows: dict[str, list[float]] = {
-            "accuracy": [float(f["mean_k"][ALL]) for f in finals],  # type: ignore[index]
-            "pass1": [float(f["pass1"][ALL]) for f in finals],  # type: ignore[index]
-            "prompt_effective_ratio": [
-                float(np.mean([r.rollout["prompt_effective_ratio"] for r in rec[1:]]))
-                for rec in per_seed
-            ],
-            "mixed_per_100_units": [
-                float(np.mean([r.rollout["mixed_per_100_units"] for r in rec[1:]]))
-                for rec in per_seed
-            ],
-            "tokens": [float(rec[-1].total_tokens) for rec in per_seed],
-        }
-        table[name] = {k: _mean_std(v) for k, v in rows.items()}
+        rows = per_seed_rows[name]
+        table[name] = {k: interval(v) for k, v in rows.items()}
         if grpo is not None:
-            table[name]["tokens_to_grpo_final"] = {
-                "mean": _tokens_to_reach(curves[name], grpo.accuracy[-1]) / grpo.tokens[-1],
-                "std": 0.0,  # read off the seed-mean curves: one number
-            }
+            reach = [
+                _tokens_to_reach(_seed_curve(runs[name, s]), _seed_curve(runs["grpo", s])[1][-1])
+                / _seed_curve(runs["grpo", s])[0][-1]
+                for s in config.seed_list
+            ]
+            table[name]["tokens_to_grpo_final"] = interval(reach)
+            if name != "grpo":
+                paired[name] = {m: interval(list(np.subtract(rows[m], grpo[m]))) for m in PAIRED}
+        finals = [_last_eval(runs[name, s]) for s in config.seed_list]
         labels = sorted(finals[0]["mean_k"])  # type: ignore[arg-type]
         by_difficulty[name] = {
             label: float(np.mean([f["mean_k"][label] for f in finals]))  # type: ignore[index]
             for label in labels
         }
-    return CompareResult(_config_json(config), table, curves, by_difficulty)
+    return CompareResult(_config_json(config), table, curves, by_difficulty, paired)
+
+
+def _seed_rows(
+    name: str, config: CompareConfig, runs: dict[tuple[str, int], list[IterationRecord]]
+) -> dict[str, list[float]]:
+    """Each metric's value per seed (in ``seed_list`` order)."""
+    per_seed = [runs[name, s] for s in config.seed_list]
+    finals = [_last_eval(r) for r in per_seed]
+
+    def over_iterations(key: str) -> list[float]:
+        return [float(np.mean([r.rollout[key] for r in rec[1:]])) for rec in per_seed]
+
+    return {
+        "accuracy": [float(f["mean_k"][ALL]) for f in finals],  # type: ignore[index]
+        "pass1": [float(f["pass1"][ALL]) for f in finals],  # type: ignore[index]
+        "prompt_effective_ratio": over_iterations("prompt_effective_ratio"),
+        "anchor_effective_ratio": over_iterations("anchor_effective_ratio"),
+        "mixed_per_100_units": over_iterations("mixed_per_100_units"),
+        "tokens": [float(rec[-1].total_tokens) for rec in per_seed],
+    }
+
+
+def _seed_curve(records: Sequence[IterationRecord]) -> tuple[list[float], list[float]]:
+    """(generated tokens, held-out mean@k) at each evaluation of one run."""
+    evaluated = [r for r in records if r.eval]
+    return (
+        [float(r.total_tokens) for r in evaluated],
+        [float(r.eval["mean_k"][ALL]) for r in evaluated],  # type: ignore[index]
+    )
+
+
+def interval(values: Sequence[float]) -> dict[str, float]:
+    """Mean, sample std and the 95% Student-t interval of the finite ``values`` (n: how many
+    are finite); a mean over a non-finite value is that value, with no interval."""
+    finite = [float(v) for v in values if np.isfinite(v)]
+    n = len(finite)
+    if n < len(values) or n == 0:
+        worst = float(np.mean(values)) if values else float("nan")
+        return {"mean": worst, "std": float("nan"), "low": float("nan"), "high": float("nan"),
+                "n": float(n)}  # fmt: skip
+    mean = float(np.mean(finite))
+    if n == 1:
+        return {"mean": mean, "std": 0.0, "low": float("nan"), "high": float("nan"), "n": 1.0}
+    std = float(np.std(finite, ddof=1))
+    half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * std / np.sqrt(n)
+    return {"mean": mean, "std": std, "low": mean - half, "high": mean + half, "n": float(n)}
 
 
 def _curve(
     name: str, config: CompareConfig, runs: dict[tuple[str, int], list[IterationRecord]]
 ) -> Curve:
-    per_seed = [runs[name, s] for s in range(config.seeds)]
+    per_seed = [runs[name, s] for s in config.seed_list]
     evaluated = sorted(
         set.intersection(*({r.iteration for r in rec if r.eval} for rec in per_seed))
     )
@@ -234,10 +300,10 @@ def _curve(
     )
 
 
-def _tokens_to_reach(curve: Curve, target: float) -> float:
-    """Generated tokens at which the accuracy curve first reaches ``target`` (inf: never),
-    linearly interpolated between the two evaluations that straddle it."""
-    points = list(zip(curve.tokens, curve.accuracy, strict=True))
+def _tokens_to_reach(curve: tuple[list[float], list[float]], target: float) -> float:
+    """Generated tokens at which the accuracy curve (tokens, accuracy) first reaches
+    ``target`` (inf: never), linearly interpolated between the evaluations that straddle it."""
+    points = list(zip(*curve, strict=True))
     for i, (tokens, accuracy) in enumerate(points):
         if accuracy >= target - 1e-12:
             if i == 0:
@@ -254,10 +320,6 @@ def _last_eval(records: Sequence[IterationRecord]) -> dict[str, object]:
     raise ValueError("a run without any evaluation")
 
 
-def _mean_std(values: Sequence[float]) -> dict[str, float]:
-    return {"mean": float(np.mean(values)), "std": float(np.std(values))}
-
-
 def _config_json(config: CompareConfig) -> dict[str, object]:
     run = config.run.to_json()
     for per_run in ("task", "output", "init", "strategy", "seed"):
@@ -266,6 +328,7 @@ def _config_json(config: CompareConfig) -> dict[str, object]:
         "task": config.task,
         "strategies": list(config.strategies),
         "seeds": config.seeds,
+        "first_seed": config.first_seed,
         "init": str(config.init) if config.init else None,
         "run": run,
     }
