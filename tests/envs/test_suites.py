@@ -44,9 +44,9 @@ def test_unknown_suite_lists_the_names() -> None:
     with pytest.raises(ValueError) as err:
         make_suite("nope")
     assert str(err.value) == (
-        "unknown task 'nope'; choose one of calc, multihop, bfcl, deepscaler, hotpotqa"
+        "unknown task 'nope'; choose one of calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa"
     )
-    assert SUITES == ("calc", "multihop", "bfcl", "deepscaler", "hotpotqa")
+    assert SUITES == ("calc", "calc-mix", "multihop", "bfcl", "deepscaler", "hotpotqa")
 
 
 def test_make_suite_passes_the_seed() -> None:
@@ -152,6 +152,7 @@ def test_report_json_keys() -> None:
 
 LIMITS = {
     "calc": calc.MAX_ACTION_CHARS,
+    "calc-mix": calc.MAX_ACTION_CHARS,
     "multihop": multihop.MAX_ACTION_CHARS,
     "bfcl": bfcl.MAX_ACTION_CHARS,
     "deepscaler": deepscaler.MAX_ACTION_CHARS,
@@ -159,6 +160,7 @@ LIMITS = {
 }
 TOOLS = {
     "calc": "calc",
+    "calc-mix": "calc",
     "multihop": "search",
     "bfcl": "call",
     "deepscaler": "calc",

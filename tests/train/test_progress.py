@@ -26,6 +26,8 @@ def test_lines_every_interval_and_the_last() -> None:
         "progress: warm start 20/100 SFT steps (20%), loss 0.050, 0:10 elapsed, ETA 0:40"
     )
     assert lines[-1] == "progress: warm start 100/100 SFT steps (100%), loss 0.010, 0:50 elapsed"
+    bar(100, loss=0.01)  # called again at the end (a rollout's last engine calls): no new line
+    assert len(lines) == 5
     bar.note("evaluating 8 held-out tasks")
     assert lines[-1] == "progress: warm start: evaluating 8 held-out tasks (0:50 elapsed)"
 

@@ -41,9 +41,9 @@ def import_command(
 @app.command("check")
 def check_command(
     model: Annotated[Path, typer.Argument(help="HF model directory.")],
-    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
-        "calc"
-    ),
+    task: Annotated[
+        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+    ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     samples: Annotated[int, typer.Option(help="First turns sampled for the parse rate.")] = 64,
     max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 256,

@@ -19,12 +19,14 @@ from trace_core.cli.options import config_options
 from trace_core.cli.output import console, expected_errors, fail, progress, write_json
 from trace_core.rollout.engine_config import EngineConfig
 
-task_app = typer.Typer(help="Task suites: calc, multihop, bfcl, deepscaler, hotpotqa.")
+task_app = typer.Typer(help="Task suites: calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa.")
 
 
 @task_app.command("check")
 def task_check(
-    task: Annotated[str, typer.Argument(help="calc, multihop, bfcl, deepscaler or hotpotqa.")],
+    task: Annotated[
+        str, typer.Argument(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+    ],
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (deepscaler, hotpotqa).")] = (
         None
     ),
@@ -173,9 +175,9 @@ def rollout_demo(
 
 
 def prep_command(
-    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
-        "calc"
-    ),
+    task: Annotated[
+        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+    ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     split: Annotated[str, typer.Option(help="train or eval.")] = "train",
     limit: Annotated[int, typer.Option(help="Keep the first N tasks (0: all).")] = 0,
@@ -200,9 +202,9 @@ def prep_command(
 def rollout_command(
     config: EngineConfig,
     checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
-    task: Annotated[str, typer.Option(help="calc, multihop, bfcl, deepscaler or hotpotqa.")] = (
-        "calc"
-    ),
+    task: Annotated[
+        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+    ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     prompt_file: Annotated[
         str | None,

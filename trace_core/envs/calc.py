@@ -308,15 +308,19 @@ class CalcSuite:
             rng = np.random.default_rng([seed, stream])
             self._tasks[split] = [self._draw_task(rng, split, i, seen) for i in range(size)]
 
+    def difficulty(self, i: int) -> tuple[int, int]:
+        """(ops, digits) of a split's ``i``-th task: the nine in turn."""
+        return DIFFICULTIES[i % len(DIFFICULTIES)]
+
     def _draw_task(self, rng: np.random.Generator, split: Split, i: int, seen: set[str]) -> Task:
-        ops, digits = DIFFICULTIES[i % len(DIFFICULTIES)]
+        ops, digits = self.difficulty(i)
         for _ in range(1000):
             chain = draw_chain(rng, ops, digits)
             prompt = render(chain, rng)
             if prompt not in seen:
                 seen.add(prompt)
                 return Task(
-                    id=f"calc-{split}-{i:05d}",
+                    id=f"{self.name}-{split}-{i:05d}",
                     prompt=prompt,
                     answer=str(chain.answer()),
                     difficulty=f"ops={ops},digits={digits}",
@@ -410,3 +414,31 @@ def _wrong(expr: str, rest: Sequence[Operation], truth: int) -> bool:
         return False
     final = _run(value, rest)
     return final is not None and final != truth and abs(final) <= MAX_MAGNITUDE
+
+
+# calc-mix: of every 20 tasks, 9 of the easiest level, 7 of the hardest, 4 in between.
+MIX = (((1, 1), 9), ((3, 3), 7), ((1, 2), 1), ((2, 1), 1), ((2, 2), 1), ((3, 1), 1))
+MIX_SCHEDULE = tuple(level for level, count in MIX for _ in range(count))
+
+
+class CalcMixSuite(CalcSuite):
+    """calc in the regime the paper measures TRACE in: most prompts saturated, some in between.
+
+    Of every 20 tasks (train and eval alike, so the held-out split has the same mix), 9 are
+    ops=1,digits=1, 7 are ops=3,digits=3 and one each of ops=1,digits=2, ops=2,digits=1,
+    ops=2,digits=2 and ops=3,digits=1. The easiest level's demonstrations never slip, so the
+    warm-started policy solves nearly all of those (a group of rollouts all succeeds); the
+    hardest level's slip as calc's do (0.6 per action), so it almost never solves those (a
+    group all fails); the four in between are where rewards disagree: the regime where the
+    paper measures GRPO's prompt effective ratio at 26.8% (math, Qwen3-8B).
+    """
+
+    name = "calc-mix"
+
+    def difficulty(self, i: int) -> tuple[int, int]:
+        return MIX_SCHEDULE[i % len(MIX_SCHEDULE)]
+
+    def mistake_rate_for(self, task: Task) -> float:
+        if task.difficulty == "ops=1,digits=1":
+            return 0.0
+        return super().mistake_rate_for(task)

@@ -17,8 +17,8 @@ import numpy as np
 
 from trace_core.envs.base import TaskSuite, replay
 
-SUITES = ("calc", "multihop", "bfcl", "deepscaler", "hotpotqa")
-SYNTHETIC = ("calc", "multihop")
+SUITES = ("calc", "calc-mix", "multihop", "bfcl", "deepscaler", "hotpotqa")
+SYNTHETIC = ("calc", "calc-mix", "multihop")
 """The suites with scripted demonstrations: the only ones the tiny policy warm-starts on."""
 
 
@@ -31,6 +31,10 @@ def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
             from trace_core.envs.calc import CalcSuite
 
             return CalcSuite(seed=seed)
+        case "calc-mix":
+            from trace_core.envs.calc import CalcMixSuite
+
+            return CalcMixSuite(seed=seed)
         case "multihop":
             from trace_core.envs.multihop import MultihopSuite
 

@@ -42,13 +42,14 @@ class LineProgress:
         self._clock = clock
         self._start = clock()
         self._last = self._start  # the first line after `every` seconds: step 1 is warm-up
+        self._done = False  # the last line is printed once
 
     def __call__(self, done: int, **figures: float) -> None:
         now = self._clock()
         finished = done >= self.total
-        if not finished and self._last is not None and now - self._last < self.every:
+        if self._done or (not finished and now - self._last < self.every):
             return
-        self._last = now
+        self._last, self._done = now, finished
         elapsed = now - self._start
         parts = [f"{self.what} {done}/{self.total} {self.unit} ({100 * done // self.total}%)"]
         parts += [f"{name.replace('_', ' ')} {value:.3f}" for name, value in figures.items()]

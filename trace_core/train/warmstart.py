@@ -32,7 +32,7 @@ import numpy.typing as npt
 import torch
 
 from trace_core.envs.base import DemoSuite, Task, replay
-from trace_core.envs.calc import CalcSuite
+from trace_core.envs.calc import CalcMixSuite, CalcSuite
 from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.suites import SYNTHETIC
 from trace_core.policy.engine import SamplingParams
@@ -56,6 +56,8 @@ def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
     match name:
         case "calc":
             return CalcSuite(seed=seed)
+        case "calc-mix":
+            return CalcMixSuite(seed=seed)
         case "multihop":
             return MultihopSuite(seed=seed)
     raise ValueError(f"warm start needs a synthetic task ({', '.join(SYNTHETIC)}), got {name!r}")
