@@ -416,20 +416,20 @@ def _wrong(expr: str, rest: Sequence[Operation], truth: int) -> bool:
     return final is not None and final != truth and abs(final) <= MAX_MAGNITUDE
 
 
-# calc-mix: of every 20 tasks, 9 of the easiest level, 7 of the hardest, 4 in between.
-MIX = (((1, 1), 9), ((3, 3), 7), ((1, 2), 1), ((2, 1), 1), ((2, 2), 1), ((3, 1), 1))
+# calc-mix: of every 20 tasks, 10 of the easiest level, 8 of the hardest, 2 in between.
+MIX = (((1, 1), 10), ((3, 3), 8), ((1, 2), 1), ((2, 2), 1))
 MIX_SCHEDULE = tuple(level for level, count in MIX for _ in range(count))
 
 
 class CalcMixSuite(CalcSuite):
     """calc in the regime the paper measures TRACE in: most prompts saturated, some in between.
 
-    Of every 20 tasks (train and eval alike, so the held-out split has the same mix), 9 are
-    ops=1,digits=1, 7 are ops=3,digits=3 and one each of ops=1,digits=2, ops=2,digits=1,
-    ops=2,digits=2 and ops=3,digits=1. The easiest level's demonstrations never slip, so the
+    Of every 20 tasks (train and eval alike, so the held-out split has the same mix), 10 are
+    ops=1,digits=1, 8 are ops=3,digits=3 and one each of ops=1,digits=2 and ops=2,digits=2.
+    The easiest level's demonstrations never slip, so the
     warm-started policy solves nearly all of those (a group of rollouts all succeeds); the
     hardest level's slip as calc's do (0.6 per action), so it almost never solves those (a
-    group all fails); the four in between are where rewards disagree: the regime where the
+    group all fails); the two in between are where rewards disagree: the regime where the
     paper measures GRPO's prompt effective ratio at 26.8% (math, Qwen3-8B).
     """
 
