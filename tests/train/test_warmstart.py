@@ -313,7 +313,9 @@ def test_warmstart_tokenizer_knows_the_turn_layout(tiny_run: Run) -> None:
 
 
 def test_warmstart_config_names_the_synthetic_tasks() -> None:
-    with pytest.raises(ValueError, match=r"synthetic task \(calc, multihop\), got 'nope'"):
+    with pytest.raises(
+        ValueError, match=r"synthetic task \(calc, calc-mix, multihop\), got 'nope'"
+    ):
         WarmstartConfig(task="nope")
     with pytest.raises(ValueError, match="got 'bfcl'"):
         synthetic_suite("bfcl")
