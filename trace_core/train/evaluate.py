@@ -96,11 +96,15 @@ def evaluate_policy(
     k: int,
     seed: int,
     max_tokens: int = 48,
+    stage: Callable[[str], None] | None = None,
 ) -> EvalReport:
+    """``stage(what)`` before the greedy episodes and before the sampled ones."""
+    say = stage or (lambda _what: None)
     if not tasks:
         raise ValueError("no eval tasks")
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    say(f"greedy episodes on {len(tasks)} held-out tasks")
     greedy = rollout_flat(
         engine, fmt, make_env, tasks, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed
     )
@@ -110,6 +114,7 @@ def evaluate_policy(
     per_task = {"pass1": greedy_scores}
     mean_k: dict[str, float] = {}
     if k:
+        say(f"{k} sampled episodes on each of the {len(tasks)} tasks")
         sampled = rollout_flat(
             engine,
             fmt,

@@ -152,6 +152,7 @@ def evaluate(
     model: PreTrainedModel | None = None,
     session: EngineSession | None = None,
     address: str | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> EvalReport:
     """Held-out pass@1 and mean@k of the policy at ``checkpoint`` (or already in memory:
     ``model``) on ``tasks``, on the run's engine: its kept one (``session``: the rollout's actors
@@ -171,6 +172,7 @@ def evaluate(
             k=config.eval_k,
             seed=config.seed,
             max_tokens=config.max_tokens,
+            stage=stage,
         )
 
 

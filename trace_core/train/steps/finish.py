@@ -38,15 +38,17 @@ def evaluate_step(
     from trace_core.envs.suites import make_suite
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.train.iteration import evaluate, turn_format
+    from trace_core.train.progress import LineProgress
     from trace_core.train.steps.cycle import worker_address
 
     train = config.train
     task, tasks = read_prompts(str(prompts_dir / PROMPTS_EVAL))
     suite = suite or make_suite(task, train.data, train.seed)
     fmt = turn_format(train, suite, load_tokenizer(policy_dir))
+    bar = LineProgress("evaluate", len(tasks), "tasks")
     report = evaluate(
         engine_checkpoint or policy_dir, fmt, suite.make_env, tasks, train,
-        address=worker_address(config),
+        address=worker_address(config), stage=bar.note,
     )  # fmt: skip
     history = read_log(policy_dir)
     result: dict[str, object] = {
