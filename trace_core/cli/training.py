@@ -9,6 +9,9 @@ one start), ``trace-rl predictor fit``. Their flags are ``TrainConfig``'s fields
 from __future__ import annotations
 
 import math
+import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -16,8 +19,10 @@ import typer
 from rich.table import Table
 
 from trace_core.cli.options import config_options
-from trace_core.cli.output import console, progress, write_json
+from trace_core.cli.output import console, fail, progress, write_json
 from trace_core.train.config import TrainConfig
+
+DEFAULT_STRATEGIES = "trace,grpo,pcl,treepo"  # compare.DEFAULT_STRATEGIES, without its imports
 
 predictor_app = typer.Typer(help="The shared success predictor V(prefix): fit it on stored trees.")
 
@@ -147,7 +152,7 @@ def compare_command(
     ] = None,
     strategies: Annotated[
         str, typer.Option(help="Comma-separated strategies.")
-    ] = "trace,grpo,pcl,treepo",
+    ] = DEFAULT_STRATEGIES,
     seeds: Annotated[int, typer.Option(help="Seeds per strategy.")] = 3,
     first_seed: Annotated[
         int, typer.Option(help="The first seed: runs seeds FIRST_SEED .. FIRST_SEED+SEEDS-1.")
@@ -155,16 +160,39 @@ def compare_command(
     parallel: Annotated[int, typer.Option(help="Runs at once (one process each).")] = 2,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Plot PNG.")] = Path("build/compare.png"),
+    paper_table: Annotated[
+        str | None,
+        typer.Option(
+            "--table",
+            help="Run one of the paper's tables instead of --strategies: ablation (which stage "
+            "adds what) or shape (the budget's shape M×N), printed beside the paper's figures.",
+        ),
+    ] = None,
+    markdown: Annotated[
+        Path | None, typer.Option(help="With --table: write the table as Markdown here.")
+    ] = None,
 ) -> None:
-    """Every strategy from the same warm start, seeds and budget: table, plot, JSON."""
+    """Every strategy from the same warm start, seeds and budget: table, plot, JSON.
+
+    A strategy may carry its own budget shape: trace@64x6 is trace with M=64 roots and N=6
+    continuations per root."""
     from trace_core.train.compare import METRICS as COMPARE_METRICS
     from trace_core.train.compare import PAIRED, CompareConfig, plot_compare, run_compare
+    from trace_core.train.tables import markdown as table_markdown
+    from trace_core.train.tables import table_arms
 
+    arms = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    if paper_table is not None:
+        if strategies != DEFAULT_STRATEGIES:
+            raise fail("--table runs its own strategies: leave out --strategies")
+        arms = table_arms(paper_table, run.budget)
+    elif markdown is not None:
+        raise fail("--markdown writes a paper table: give --table ablation or --table shape")
     config = CompareConfig(
         task=run.task,
         output=output,
         init=init,
-        strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        strategies=arms,
         seeds=seeds,
         first_seed=first_seed,
         parallel=parallel,
@@ -202,6 +230,16 @@ def compare_command(
     if plot:
         plot_compare(result, plot)
         console.print(f"wrote {plot}")
+    if paper_table is not None:
+        command = "trace-rl " + shlex.join(sys.argv[1:])
+        text = table_markdown(paper_table, result, run.budget, command)
+        console.print(text, markup=False, highlight=False)
+        if markdown is not None:
+            markdown.parent.mkdir(parents=True, exist_ok=True)
+            tmp = markdown.with_name(f".{markdown.name}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, markdown)
+            console.print(f"wrote {markdown}")
 
 
 @predictor_app.command("fit")

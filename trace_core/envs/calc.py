@@ -431,6 +431,11 @@ class CalcMixSuite(CalcSuite):
     hardest level's slip as calc's do (0.6 per action), so it almost never solves those (a
     group all fails); the two in between are where rewards disagree: the regime where the
     paper measures GRPO's prompt effective ratio at 26.8% (math, Qwen3-8B).
+
+    Measured with ``trace-rl train --task calc-mix --strategy grpo --iterations 2
+    --warmstart-steps 2000`` (seed 0): the warm-started policy's mean@4 is 0.985 on the easiest
+    level and 0.044 on the hardest, and GRPO's prompt effective ratio is 0.28 at iteration 1 and
+    0.19 at iteration 2. With the default 1,000 warm-start steps more prompts stay in between.
     """
 
     name = "calc-mix"

@@ -85,7 +85,7 @@ class CompareConfig:
         if not self.strategies:
             raise ValueError("strategies is empty")
         for name in self.strategies:
-            if check_strategy(name).uses_true_value:
+            if check_strategy(parse_arm(name).strategy).uses_true_value:
                 raise ValueError(f"strategy {name!r} needs the true V: simulator only")
         if self.seeds < 1 or self.parallel < 1:
             raise ValueError("seeds and parallel must be >= 1")
@@ -97,14 +97,42 @@ class CompareConfig:
         return list(range(self.first_seed, self.first_seed + self.seeds))
 
     def run_config(self, name: str, seed: int, init: Path) -> TrainConfig:
+        arm = parse_arm(name)
         return replace(
             self.run,
             task=self.task,
             output=self.output / name / f"seed-{seed}",
             init=init,
-            strategy=name,
+            strategy=arm.strategy,
             seed=seed,
+            budget=arm.budget or self.run.budget,
+            continuations=self.run.continuations
+            if arm.continuations is None
+            else arm.continuations,
         )
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One compared run setting: a strategy, and optionally its own budget shape M×N."""
+
+    strategy: str
+    budget: int | None = None
+    continuations: int | None = None
+
+
+def parse_arm(name: str) -> Arm:
+    """``trace`` → the run's M and N; ``trace@64x6`` → M=64 roots, N=6 continuations."""
+    strategy, at, shape = name.partition("@")
+    check_strategy(strategy)  # names the strategy it does not know
+    if not at:
+        return Arm(strategy)
+    m, x, n = shape.partition("x")
+    if not (x and m.isdigit() and n.isdigit() and int(m) >= 1):
+        raise ValueError(
+            f"strategy {name!r}: write a budget shape as STRATEGY@MxN, e.g. trace@64x6"
+        )
+    return Arm(strategy, int(m), int(n))
 
 
 @dataclass(frozen=True)
@@ -128,6 +156,8 @@ class CompareResult:
     """Final mean@k per difficulty (mean over seeds)."""
     paired: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     """strategy → metric → the interval of (strategy − grpo) over seeds."""
+    per_seed: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """strategy → metric → its value per seed (``seed_list`` order), for other pairings."""
 
     def to_json(self) -> dict[str, object]:
         finite = {  # JSON has no Infinity: a strategy that never got there is null
@@ -142,6 +172,7 @@ class CompareResult:
             "interval": "95% Student t over seeds",
             "strategies": finite,
             "paired_vs_grpo": self.paired,
+            "per_seed": self.per_seed,
             "curves": {k: asdict(v) for k, v in self.curves.items()},
             "by_difficulty": self.by_difficulty,
         }
@@ -223,7 +254,7 @@ def summarize(
             label: float(np.mean([f["mean_k"][label] for f in finals]))  # type: ignore[index]
             for label in labels
         }
-    return CompareResult(_config_json(config), table, curves, by_difficulty, paired)
+    return CompareResult(_config_json(config), table, curves, by_difficulty, paired, per_seed_rows)
 
 
 def _seed_rows(
@@ -340,7 +371,9 @@ def plot_compare(result: CompareResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, bars) = plt.subplots(
+        1, 3, figsize=(16, 4), gridspec_kw={"width_ratios": [4, 4, 3]}
+    )
     for name, curve in result.curves.items():
         tokens = np.asarray(curve.tokens) / 1000
         acc, std = np.asarray(curve.accuracy), np.asarray(curve.accuracy_std)
@@ -351,6 +384,18 @@ def plot_compare(result: CompareResult, path: Path) -> None:
     left.set_title("accuracy vs tokens (mean ± std over seeds)")
     right.set(xlabel="iteration", ylabel="prompt effective ratio", ylim=(0, 1.02))
     right.set_title("share of prompts with mixed rewards")
+    names = list(result.strategies)
+    ratio = [result.strategies[n]["prompt_effective_ratio"] for n in names]
+    means = np.array([r["mean"] for r in ratio])
+    errors = np.nan_to_num(
+        [[r["mean"] - r["low"] for r in ratio], [r["high"] - r["mean"] for r in ratio]]
+    )
+    bars.barh(range(len(names)), means, xerr=errors, color="#7a9cc6", capsize=3)
+    bars.set_yticks(range(len(names)), names)
+    bars.invert_yaxis()
+    bars.set(xlabel="prompt effective ratio, mean over iterations", xlim=(0, 1))
+    bars.set_title("effective ratio (95% interval over seeds)")
+    bars.grid(alpha=0.3, axis="x")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
