@@ -152,6 +152,25 @@ def test_fit_learns_the_signal_and_beats_the_constant_on_unseen_prefixes() -> No
         assert scores.brier_skill > 0.05
 
 
+def test_each_fit_first_scores_the_predictor_on_the_rows_it_has_not_seen() -> None:
+    """The skill a fit reports is that of the predictor before it, on the new trees: what
+    ranked them. Nothing before the first fit; after it, the root signal (the difficulty
+    token) and the prefix signal (the observations) forecast new trees better than the
+    constant, and by exactly the Brier score ``evaluate_predictor`` gives."""
+    first, second = synthetic_trees(300, 0, "first"), synthetic_trees(100, 1, "second")
+    predictor = ValuePredictor(SMALL, generator=generator(0))
+    fit = predictor.fit(first, generator(1))
+    assert math.isnan(fit.root_skill) and math.isnan(fit.prefix_skill)
+    report = evaluate_predictor(predictor, first, second)
+    fit = predictor.fit(second, generator(2))
+    assert fit.root_skill == pytest.approx(report.roots.brier_skill, abs=1e-6)
+    assert fit.prefix_skill == pytest.approx(report.prefixes.brier_skill, abs=1e-6)
+    assert fit.root_auc == pytest.approx(report.roots.auc, abs=1e-6)
+    assert fit.root_skill > 0.05 and fit.prefix_skill > 0.05 and fit.root_auc > 0.65
+    again = predictor.fit(second, generator(3))  # every row replayed: nothing left to score
+    assert math.isnan(again.root_skill) and math.isnan(again.root_auc)
+
+
 def test_fit_is_deterministic_given_generators() -> None:
     trees = synthetic_trees(40, 2, "t")
     a, b = (ValuePredictor(SMALL, generator=generator(0)) for _ in range(2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from trace_core.cli import app
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.artifacts import open_store
@@ -21,6 +24,7 @@ from trace_core.store.schema import read_trees
 from trace_core.store.sync import upload_folder
 from trace_core.train import loop
 from trace_core.train.base_model import SOURCE
+from trace_core.train.calibration import score_run
 from trace_core.train.config import TrainConfig
 from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord, read_log
@@ -97,6 +101,23 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     )
     assert 0 <= records[2].eval["parse_rate"] <= 1  # type: ignore[index,operator]
     assert json.loads((out / "config.json").read_text())["strategy"] == "trace"
+
+    # Iteration 2's trees, forecast by iteration 1's predictor: what the loop logged, recomputed
+    # from the stored run (a skill the trees cannot define, one outcome only, is left out).
+    assert "root_skill" not in records[1].predictor  # nothing before the first fit
+    scored = {s.kind: s for s in score_run(out)}
+    assert set(scored) == {"root", "prefix"} and scored["root"].iteration == 2
+    assert scored["root"].nodes == len(read_trees(out / "iterations/0002/trees.parquet"))
+    for kind in ("root", "prefix"):
+        logged = records[2].predictor.get(f"{kind}_skill", math.nan)
+        assert math.isclose(scored[kind].skill, logged, abs_tol=1e-6) or (
+            math.isnan(scored[kind].skill) and math.isnan(logged)
+        )
+    plot = tmp_path / "calibration.png"
+    shown = CliRunner().invoke(app, ["predictor", "score", str(out), "--plot", str(plot)])
+    assert shown.exit_code == 0, shown.output
+    assert "2 roots" in shown.output and "2 prefixes" in shown.output
+    assert plot.stat().st_size > 0
 
 
 def test_the_iteration_line_gives_each_phase_and_the_update_measurements() -> None:
@@ -280,3 +301,11 @@ def test_evaluation_runs_on_the_runs_engine_actor(init: Path, tmp_path: Path) ->
     assert ["reload" in r.seconds for r in pooled] == [False, True, True]
     assert pooled[0].eval is not None and local[0].eval is not None
     assert pooled[0].eval["pass1"] == local[0].eval["pass1"]
+
+
+def test_predictor_score_refuses_a_folder_that_is_no_run(tmp_path: Path) -> None:
+    shown = CliRunner().invoke(app, ["predictor", "score", str(tmp_path)])
+    assert shown.exit_code == 2
+    assert "no iterations/ here: not a `trace-rl train` run folder" in " ".join(
+        shown.output.split()
+    )

@@ -126,7 +126,9 @@ def _interval_text(
     if stats is None:
         return "-"
     mean, low, high = stats["mean"], stats["low"], stats["high"]
-    if mean is None or not math.isfinite(mean):
+    if mean is not None and math.isnan(mean):
+        return "-"
+    if mean is None or math.isinf(mean):
         return f"never ({int(stats['n'])} seeds reached)"
     form = ",.0f" if whole else ("+.3f" if signed else ".3f")
     if low is None or not math.isfinite(low):
@@ -207,7 +209,9 @@ def compare_command(
         caption="95% intervals: Student t over seeds. accuracy: held-out mean@k; pass1: greedy. "
         "effective ratios: share of prompts (anchors: sibling groups) whose rollouts hold both "
         "rewards. tokens to grpo final: tokens to reach grpo's final accuracy ÷ grpo's tokens "
-        "(same seed; below 1: sooner).",
+        "(same seed; below 1: sooner). root skill: the predictor's Brier skill on each "
+        "iteration's new prompts before it trained on them (above 0: it ranks them better "
+        "than a constant).",
     )
     table.add_column("strategy")
     for metric in COMPARE_METRICS:
@@ -285,3 +289,52 @@ def predictor_fit(
         f"{fit.rows:,} rows (+{fit.replayed_rows:,} replayed), weighted MSE "
         f"{fit.loss_before:.4f} → {fit.loss_after:.4f} in {fit.seconds:.1f} s; wrote {output}"
     )
+
+
+@predictor_app.command("score")
+def predictor_score(
+    run: Annotated[Path, typer.Argument(help="A `trace-rl train` run folder.")],
+    plot: Annotated[
+        Path | None, typer.Option(help="Reliability diagrams and skill per iteration (PNG).")
+    ] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the scores here.")] = None,
+    bins: Annotated[int, typer.Option(help="Forecast bins of the reliability diagram.")] = 10,
+) -> None:
+    """How well each iteration's predictor forecast the next iteration's trees (held out from
+    it): Brier skill against a constant, AUC and calibration, for roots and for prefixes."""
+    from dataclasses import asdict
+
+    from trace_core.train.calibration import KINDS, plot_calibration, score_run
+
+    if bins < 2:
+        raise fail(f"bins must be >= 2, got {bins}")
+    scored = score_run(run, bins)
+    table = Table(
+        title=f"{run}: each iteration's trees, forecast by the predictor before it",
+        caption="skill: 1 − Brier ÷ the best constant's (above 0: better than a constant); "
+        "AUC: chance a successful leaf's node was forecast above a failed one's (0.5: no "
+        "ranking); calibration: the largest gap between forecast and observed rate over bins "
+        "holding at least 5% of the outcomes.",
+    )
+    for head in ("iteration", "nodes", "outcomes", "skill", "AUC", "calibration gap"):
+        table.add_column(head, justify="right")
+    for s in scored:
+        big = [abs(m - r) for m, r, n in s.reliability if n >= 0.05 * max(1, s.outcomes)]
+        gap = f"{max(big):.3f}" if big else "-"
+        table.add_row(
+            f"{s.iteration} {KINDS[s.kind]}", f"{s.nodes:,}", f"{s.outcomes:,}",
+            _signed(s.skill), _plain(s.auc), gap,
+        )  # fmt: skip
+    console.print(table)
+    write_json(json_path, [asdict(s) for s in scored])
+    if plot:
+        plot_calibration(scored, plot)
+        console.print(f"wrote {plot}")
+
+
+def _signed(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.3f}"
+
+
+def _plain(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}"

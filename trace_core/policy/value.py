@@ -173,6 +173,14 @@ class FitReport:
     loss_after: float
     """Weighted MSE on all rows trained on, before and after this fit."""
     seconds: float
+    root_skill: float = math.nan
+    prefix_skill: float = math.nan
+    root_auc: float = math.nan
+    """Before training on them: Brier skill (1 − Brier ÷ the best constant's) and AUC of the
+    predictor as earlier fits left it, on this call's roots (prompts) and deeper prefixes
+    that no replayed row holds — what stage 1 and stage 2 ranked this iteration's budget
+    with. The constant is the replayed rows' leaf-weighted mean target of the same kind.
+    NaN on the first fit (nothing before it) and where a set holds one outcome only."""
 
 
 @dataclass
@@ -278,6 +286,7 @@ class ValuePredictor:
         report_rows, replayed = len(rows), len(x) - len(rows)
         if not len(x):
             return FitReport(0, 0, math.nan, math.nan, time.perf_counter() - start)
+        forecast = self._forecast(new) if self.fits else {}
 
         last = self.head[-1]
         assert isinstance(last, nn.Linear)
@@ -302,8 +311,42 @@ class ValuePredictor:
         self.fits += 1
         self._push_replay(new)
         return FitReport(
-            report_rows, replayed, loss_before, loss_after, time.perf_counter() - start
+            report_rows, replayed, loss_before, loss_after, time.perf_counter() - start, **forecast
         )
+
+    @torch.no_grad()
+    def unseen_forecasts(
+        self, rows: TrainingRows, features: torch.Tensor | None = None
+    ) -> dict[str, Forecast]:
+        """This predictor's forecasts of ``rows`` that no replayed row holds, by kind: ``root``
+        (prompts) and ``prefix`` (deeper), each with the replayed rows' leaf-weighted mean
+        target of that kind as the constant to beat. ``features``: ``rows``' own, if known."""
+        old = concat_rows([r.rows for r in self._replay])
+        seen = {tuple(p) for p in old.prefixes}
+        unseen = np.asarray([tuple(p) not in seen for p in rows.prefixes], dtype=bool)
+        x = self.featurizer.features(rows.prefixes) if features is None else features
+        p = torch.sigmoid(self.head(x).squeeze(-1)).double().numpy() if len(rows) else np.zeros(0)
+        out = {}
+        for kind, mask, old_mask in (
+            ("root", rows.depth == 0, old.depth == 0),
+            ("prefix", rows.depth > 0, old.depth > 0),
+        ):
+            keep = unseen & mask
+            kept = rows.select(keep)
+            out[kind] = Forecast(
+                p[keep], kept.successes, kept.weight - kept.successes,
+                _weighted_mean(old.select(old_mask)),
+            )  # fmt: skip
+        return out
+
+    def _forecast(self, new: _Replay) -> dict[str, float]:
+        """``FitReport``'s root_skill, prefix_skill and root_auc for rows not yet trained on."""
+        forecasts = self.unseen_forecasts(new.rows, new.features)
+        return {
+            "root_skill": forecasts["root"].brier_skill,
+            "prefix_skill": forecasts["prefix"].brier_skill,
+            "root_auc": forecasts["root"].auc,
+        }
 
     @torch.no_grad()
     def _loss(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
@@ -411,6 +454,43 @@ class ValuePredictor:
 
 
 # --- evaluation ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Forecast:
+    """Forecasts ``p`` of nodes with ``successes`` and ``failures`` leaves below each, and the
+    constant forecast they are measured against."""
+
+    p: FloatArray
+    successes: FloatArray
+    failures: FloatArray
+    constant: float
+
+    @property
+    def brier_skill(self) -> float:
+        """1 − Brier ÷ the constant's Brier; NaN without outcomes or against a perfect constant."""
+        base = brier_score(np.full(len(self.p), self.constant), self.successes, self.failures)
+        if not base > 0:
+            return math.nan
+        return 1.0 - brier_score(self.p, self.successes, self.failures) / base
+
+    @property
+    def auc(self) -> float:
+        return auc(self.p, self.successes, self.failures)
+
+    def reliability(self, bins: int = 10) -> list[tuple[float, float, float]]:
+        """(mean forecast, observed success rate, outcomes) per non-empty forecast bin of
+        width 1/bins, every outcome weighing one: the points of a reliability diagram."""
+        index = np.minimum((self.p * bins).astype(int), bins - 1)
+        n = self.successes + self.failures
+        out = []
+        for b in range(bins):
+            at = index == b
+            total = float(n[at].sum())
+            if total > 0:
+                mean = float((self.p[at] * n[at]).sum() / total)
+                out.append((mean, float(self.successes[at].sum() / total), total))
+        return out
+
+
 @dataclass(frozen=True)
 class ForecastScores:
     """Brier score and AUC of one node set, for the predictor and for the constant baseline."""

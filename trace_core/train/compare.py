@@ -16,6 +16,9 @@ metric → {mean, std, low, high, n}; std with ddof 1):
   ``anchor_effective_ratio`` (the same over sibling groups), ``mixed_per_100_units``: of the
   rollout trees, averaged over iterations;
 - ``tokens``: generated rollout tokens over all iterations;
+- ``root_skill``: the predictor's Brier skill on each iteration's new prompts before it
+  trained on them (``FitReport.root_skill``: what ranked stage 1's roots), mean over the
+  iterations that have one (from the second);
 - ``tokens_to_grpo_final``: per seed, the generated tokens after which the strategy's held-out
   accuracy first reaches grpo's final one of the same seed, divided by grpo's total tokens of
   that seed — below 1 means it got there with fewer tokens. Interpolated linearly between the
@@ -55,6 +58,7 @@ METRICS = (
     "mixed_per_100_units",
     "tokens",
     "tokens_to_grpo_final",
+    "root_skill",
 )
 PAIRED = ("accuracy", "pass1", "prompt_effective_ratio", "anchor_effective_ratio")
 # Student t's 97.5% quantile for 1..30 degrees of freedom; the normal's 1.96 beyond.
@@ -267,6 +271,10 @@ def _seed_rows(
     def over_iterations(key: str) -> list[float]:
         return [float(np.mean([r.rollout[key] for r in rec[1:]])) for rec in per_seed]
 
+    def skill(rec: Sequence[IterationRecord]) -> float:
+        scored = [r.predictor["root_skill"] for r in rec if "root_skill" in r.predictor]
+        return float(np.mean(scored)) if scored else float("nan")
+
     return {
         "accuracy": [float(f["mean_k"][ALL]) for f in finals],  # type: ignore[index]
         "pass1": [float(f["pass1"][ALL]) for f in finals],  # type: ignore[index]
@@ -274,6 +282,7 @@ def _seed_rows(
         "anchor_effective_ratio": over_iterations("anchor_effective_ratio"),
         "mixed_per_100_units": over_iterations("mixed_per_100_units"),
         "tokens": [float(rec[-1].total_tokens) for rec in per_seed],
+        "root_skill": [skill(rec) for rec in per_seed],
     }
 
 

@@ -35,6 +35,7 @@ an uninterrupted one would have.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -186,16 +187,18 @@ def train(
                 update=stats.as_dict(),
                 eval=_eval_dict(report) if report else None,
                 seconds=seconds,
-                predictor={k: float(v) for k, v in asdict(fit).items()},
+                predictor={k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)},
             )
             _append_log(out, record)
             move_latest(out, i)
             records.append(record)
             accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
+            skill = "root_skill" in record.predictor
+            skill_text = f", predictor root skill {fit.root_skill:+.2f}" if skill else ""
             phases = _phases_line(seconds, stats)
             say(
                 f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "
-                f"ratio {metrics.prompt_effective_ratio:.2f}{accuracy}; {phases}"
+                f"ratio {metrics.prompt_effective_ratio:.2f}{skill_text}{accuracy}; {phases}"
             )
     return records
 

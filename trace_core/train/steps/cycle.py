@@ -103,7 +103,8 @@ def fit_predictor_step(
     draws = read_draws(trees_dir, iteration)
     fit = fit_predictor(predictor, trees, draws)
     predictor.save(predictor_out)
-    metrics = {"iteration": float(iteration), **{k: float(v) for k, v in asdict(fit).items()}}
+    measured = {k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)}  # JSON: no NaN
+    metrics = {"iteration": float(iteration), **measured}
     write_metrics(predictor_out, metrics)
     return metrics
 
