@@ -68,7 +68,6 @@ def sharpened(kv_heads: int = 2, seed: int = 0, arch: str = "qwen3"):
     return model
 
 
-
 def float64(model):
     """A float64 copy of HF's model: the reference the float32 decoder is held to.
 

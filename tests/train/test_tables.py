@@ -31,6 +31,10 @@ def test_a_budget_shape_sets_the_runs_m_and_n() -> None:
     plain = config.run_config("grpo", 3, Path("w"))
     assert (plain.budget, plain.continuations) == (config.run.budget, config.run.continuations)
     assert parse_arm("treepo@8x0").continuations == 0
+    # the run's own shape is the plain strategy's run: the tables share it with a comparison
+    own = config.run_config(f"trace@{config.run.budget}x{config.run.continuations}", 3, Path("w"))
+    assert own.output == Path("build/compare/trace/seed-3")
+    assert own == config.run_config("trace", 3, Path("w"))
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,10 @@ class Predictor(Protocol):
 
     def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray: ...
 
+    def predict_roots(self, prompts: Sequence[Sequence[int]]) -> FloatArray:
+        """V of prompts, for stage 1: ``predict`` unless the predictor has a head for them."""
+        ...
+
 
 @dataclass(frozen=True)
 class TrainingRows:

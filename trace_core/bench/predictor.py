@@ -28,13 +28,8 @@ from transformers import PreTrainedTokenizerBase
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.format import TurnFormat
-from trace_core.policy.value import (
-    FEATURIZERS,
-    ValueConfig,
-    ValuePredictor,
-    ValueReport,
-    evaluate_predictor,
-)
+from trace_core.policy.value import FEATURIZERS, ValueConfig, ValuePredictor
+from trace_core.policy.value_scores import ValueReport, evaluate_predictor
 from trace_core.rollout.predictor import HashedFeaturePredictor
 from trace_core.store.schema import read_trees
 

@@ -68,7 +68,7 @@ def grow_trees(
     """
     rng = np.random.default_rng(config.seed)
     prompt_ids = [fmt.prompt_ids(task.prompt) for task in pool]
-    scores = predictor.predict(prompt_ids)
+    scores = predictor.predict_roots(prompt_ids)
     root_plan = plan(config.strategy, scores, config.budget, rng)
     turn = SamplingParams(
         n=1,

@@ -45,6 +45,9 @@ class ConstantPredictor:
     def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray:
         return np.full(len(prefixes), self.value)
 
+    def predict_roots(self, prompts: Sequence[Sequence[int]]) -> FloatArray:
+        return self.predict(prompts)
+
 
 @dataclass
 class HashedFeaturePredictor:
@@ -77,6 +80,9 @@ class HashedFeaturePredictor:
         if not len(prefixes):
             return np.zeros(0)
         return _sigmoid(self.features(prefixes) @ self.weights)
+
+    def predict_roots(self, prompts: Sequence[Sequence[int]]) -> FloatArray:
+        return self.predict(prompts)
 
     def observe(self, trees: Sequence[RolloutTree]) -> None:
         self._rows.append(training_rows(trees))

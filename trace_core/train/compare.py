@@ -4,7 +4,8 @@ units per iteration for every strategy; then the paper-style table, a plot and a
     trace-rl compare --task calc --seeds 3 --iterations 12 --budget 128 --json build/compare.json
 
 Every (strategy, seed) pair is one ``train`` run in ``OUTPUT/STRATEGY/seed-S`` (so a stopped
-comparison resumes where it was), started from one warm start in ``OUTPUT/warmstart``. Runs
+comparison resumes where it was, and comparisons into one ``OUTPUT`` share the runs they have
+in common), started from one warm start in ``OUTPUT/warmstart``. Runs
 go ``parallel`` at a time, each in its own process with its share of the cores.
 
 Reported per strategy, as the mean over seeds with its 95% Student-t interval (the JSON:
@@ -100,12 +101,21 @@ class CompareConfig:
     def seed_list(self) -> list[int]:
         return list(range(self.first_seed, self.first_seed + self.seeds))
 
+    def folder(self, name: str) -> str:
+        """The arm's folder under ``output``: an arm whose shape is the run's own M×N is the
+        plain strategy (``trace@128x2`` at M=128, N=2 is ``trace``), so the tables and a plain
+        comparison into one ``--output`` share those runs instead of repeating them."""
+        arm = parse_arm(name)
+        same_m = arm.budget in (None, self.run.budget)
+        same_n = arm.continuations in (None, self.run.continuations)
+        return arm.strategy if same_m and same_n else name
+
     def run_config(self, name: str, seed: int, init: Path) -> TrainConfig:
         arm = parse_arm(name)
         return replace(
             self.run,
             task=self.task,
-            output=self.output / name / f"seed-{seed}",
+            output=self.output / self.folder(name) / f"seed-{seed}",
             init=init,
             strategy=arm.strategy,
             seed=seed,
