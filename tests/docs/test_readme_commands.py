@@ -82,6 +82,18 @@ RULES: list[tuple[str, str, str, str]] = [
         "every strategy × 3 seeds × 10 iterations",
     ),
     (
+        r"trace-rl compare --task calc-mix --table ablation .*",
+        SMALLER,
+        "train/test_tables.py",
+        "5 strategies × 5 seeds; the test runs the table's arithmetic on made-up runs",
+    ),
+    (
+        r"trace-rl predictor score build/train/calc-trace .*",
+        SMALLER,
+        "train/test_loop.py",
+        "needs the training run above",
+    ),
+    (
         r"trace-rl bench allocation .*",
         SMALLER,
         "bench/test_bench_commands.py",
