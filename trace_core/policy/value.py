@@ -125,7 +125,7 @@ class ValueConfig:
     """The root head's ridge penalty λ·‖w‖² beside its weighted squared error (rows' weights
     scaled to mean 1). On calc-mix (``trace-rl compare --task calc-mix --strategies grpo,trace
     --seeds 1 --iterations 4``), grpo's uniformly drawn prompts were forecast with root skill
-    0.46–0.66 at 1e-4 and 0.17–0.68 at 1e-3, and trace's effective ratio was 0.51 and 0.49."""
+    0.46–0.66 at 1e-4 and 0.32–0.47 at 1e-3, and trace's effective ratio was 0.51 and 0.49."""
 
     def __post_init__(self) -> None:
         if self.featurizer not in FEATURIZERS:
