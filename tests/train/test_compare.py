@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from trace_core.train.compare import (
@@ -90,3 +91,30 @@ def test_paired_differences_over_seeds_from_the_first_seed() -> None:
     assert result.to_json()["config"]["first_seed"] == 5  # type: ignore[index]
     with pytest.raises(ValueError, match="first_seed"):
         CompareConfig(first_seed=-1)
+
+
+def test_a_result_reads_back_from_its_json() -> None:
+    """``CompareResult.from_json`` gives the figures ``to_json`` wrote (the tables in
+    docs/results.md are printed from it); a non-finite figure reads back as NaN."""
+    import json
+
+    from trace_core.train.compare import CompareResult
+
+    config = CompareConfig(strategies=("grpo", "trace"), seeds=2)
+    runs = {
+        (name, seed): [record(0, 0, 0.4), record(1, 100, None, 0.3 + 0.1 * seed),
+                       record(2, 200, 0.5 if name == "grpo" else 0.45)]
+        for name in ("grpo", "trace") for seed in (0, 1)
+    }  # fmt: skip
+    result = summarize(config, runs)
+    back = CompareResult.from_json(json.loads(json.dumps(result.to_json())))
+    np.testing.assert_equal(back.per_seed, result.per_seed)  # NaN equals NaN here
+    assert back.config == result.config
+    assert back.curves == result.curves and back.by_difficulty == result.by_difficulty
+    for name, row in result.strategies.items():
+        for metric, stats in row.items():
+            for key, value in stats.items():
+                again = back.strategies[name][metric][key]
+                assert again == value or (math.isnan(again) and not math.isfinite(value))
+    np.testing.assert_equal(back.paired, result.paired)
+    assert math.isnan(back.strategies["trace"]["tokens_to_grpo_final"]["mean"])  # never reached

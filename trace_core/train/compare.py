@@ -34,12 +34,14 @@ from ``first_seed``, so a result can be checked on seeds it was not tuned on.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -190,6 +192,27 @@ class CompareResult:
             "curves": {k: asdict(v) for k, v in self.curves.items()},
             "by_difficulty": self.by_difficulty,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CompareResult:
+        """The result ``to_json`` wrote, so its tables can be printed again without training
+        anything. JSON has no infinity: a null (a strategy that never reached grpo's accuracy,
+        a bound over one seed) reads back as NaN."""
+
+        def numbers(row: dict[str, dict[str, float | None]]) -> dict[str, dict[str, float]]:
+            return {
+                metric: {k: math.nan if v is None else float(v) for k, v in stats.items()}
+                for metric, stats in row.items()
+            }
+
+        return cls(
+            config=data["config"],
+            strategies={name: numbers(row) for name, row in data["strategies"].items()},
+            curves={name: Curve(**curve) for name, curve in data["curves"].items()},
+            by_difficulty=data["by_difficulty"],
+            paired={name: numbers(row) for name, row in data["paired_vs_grpo"].items()},
+            per_seed=data["per_seed"],
+        )
 
 
 def run_compare(
