@@ -293,3 +293,15 @@ def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> N
     assert grpo["tokens"]["mean"] == final["total_tokens"]
     assert grpo["accuracy"]["mean"] == final["eval"]["mean_k"]["all"]
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+    # The stored result prints again, as Markdown too, without training anything.
+    again = trace_rl(
+        "compare", "--from-json", str(out), "--markdown", str(tmp_path / "compare.md"),
+        "--plot", str(tmp_path / "again.png"), cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, said(again)[-2000:]
+    text = (tmp_path / "compare.md").read_text()
+    assert f"| `grpo` | {grpo['accuracy']['mean']:.3f} |" in text
+    assert "Paired against grpo" in text and "| `trace` |" in text
+    assert not (tmp_path / "runs" / "trace" / "seed-1").exists()
+    refused = trace_rl("compare", "--from-json", str(out), "--table", "shape", cwd=tmp_path)
+    assert refused.returncode == 2 and "not a --table shape result" in said(refused)

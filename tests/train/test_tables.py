@@ -10,7 +10,7 @@ import pytest
 
 from trace_core.train.compare import CompareConfig, parse_arm, summarize
 from trace_core.train.record import IterationRecord
-from trace_core.train.tables import markdown, table_arms
+from trace_core.train.tables import markdown, summary_markdown, table_arms
 
 
 def record(i: int, accuracy: float, ratio: float) -> IterationRecord:
@@ -96,3 +96,23 @@ def test_shape_markdown_pairs_trace_with_treepo_per_shape() -> None:
     ]
     assert all("| +0.200 |" in row or "| +0.200 [" in row for row in rows)
     assert rows[1].endswith("| 512×6 | 49.4 / 50.3 | 37.7% / 47.8% |")
+
+
+def test_summary_markdown_holds_every_strategy_and_its_pairing() -> None:
+    """Without --table, --markdown writes every strategy's figures and its paired difference
+    from grpo: trace 0.6 and 0.8 against grpo's 0.2 and 0.3, +0.45 on average."""
+    runs = {}
+    for seed, (low, high) in enumerate(((0.2, 0.6), (0.3, 0.8))):
+        for arm in ("grpo", "trace"):
+            runs[arm, seed] = [record(0, 0.5, 0), record(1, 0.6, high if arm == "trace" else low)]
+    result = summarize(CompareConfig(strategies=("grpo", "trace"), seeds=2), runs)
+    lines = summary_markdown(result, "trace-rl compare").splitlines()
+    assert lines[0].startswith("`trace-rl compare` (calc, seeds 0..1;")
+    grpo = next(line for line in lines if line.startswith("| `grpo` |"))
+    assert grpo.startswith("| `grpo` | 0.600 [0.600, 0.600] | 0.600 [0.600, 0.600] | 0.250 [")
+    assert grpo.endswith("| — |")  # no root skill in made-up records
+    paired = lines[lines.index("Paired against grpo, seed by seed (strategy − grpo):") :]
+    assert any(
+        line.startswith("| `trace` | +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] | +0.450 [")
+        for line in paired
+    )

@@ -124,3 +124,16 @@ def write_json(path: Path | None, data: object) -> None:
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
     console.print(f"wrote {path}")
+
+
+def read_json(path: Path, flag: str) -> Any:
+    """The JSON object in ``path``; a missing or unreadable file fails naming ``flag`` and it."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise fail(f"{flag} {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise fail(f"{flag} {path}: not JSON ({describe(err)})") from None
+    if not isinstance(data, dict):
+        raise fail(f"{flag} {path}: not a JSON object")
+    return data

@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 
 from trace_core.cli.options import config_options
-from trace_core.cli.output import console, fail, progress, write_json
+from trace_core.cli.output import console, fail, progress, read_json, write_json
 from trace_core.train.config import TrainConfig
 
 DEFAULT_STRATEGIES = "trace,grpo,pcl,treepo"  # compare.DEFAULT_STRATEGIES, without its imports
@@ -171,7 +171,15 @@ def compare_command(
         ),
     ] = None,
     markdown: Annotated[
-        Path | None, typer.Option(help="With --table: write the table as Markdown here.")
+        Path | None,
+        typer.Option(help="Write the tables as Markdown here (with --table: that table)."),
+    ] = None,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            help="Print (and --markdown, --plot) the tables of a stored --json result instead "
+            "of training anything."
+        ),
     ] = None,
 ) -> None:
     """Every strategy from the same warm start, seeds and budget: table, plot, JSON.
@@ -179,33 +187,58 @@ def compare_command(
     A strategy may carry its own budget shape: trace@64x6 is trace with M=64 roots and N=6
     continuations per root."""
     from trace_core.train.compare import METRICS as COMPARE_METRICS
-    from trace_core.train.compare import PAIRED, CompareConfig, plot_compare, run_compare
-    from trace_core.train.tables import markdown as table_markdown
-    from trace_core.train.tables import table_arms
-
-    arms = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    if paper_table is not None:
-        if strategies != DEFAULT_STRATEGIES:
-            raise fail("--table runs its own strategies: leave out --strategies")
-        arms = table_arms(paper_table, run.budget)
-    elif markdown is not None:
-        raise fail("--markdown writes a paper table: give --table ablation or --table shape")
-    config = CompareConfig(
-        task=run.task,
-        output=output,
-        init=init,
-        strategies=arms,
-        seeds=seeds,
-        first_seed=first_seed,
-        parallel=parallel,
-        run=run,
+    from trace_core.train.compare import (
+        PAIRED,
+        CompareConfig,
+        CompareResult,
+        plot_compare,
+        run_compare,
     )
-    with console.status("training every strategy") as status:
-        result = run_compare(config, progress=lambda m: status.update(m))
+    from trace_core.train.tables import markdown as table_markdown
+    from trace_core.train.tables import summary_markdown, table_arms
+
+    if from_json is not None:
+        try:
+            result = CompareResult.from_json(read_json(from_json, "--from-json"))
+        except (KeyError, TypeError, ValueError) as err:
+            raise fail(f"--from-json {from_json}: not a compare --json result ({err})") from None
+        stored = result.config["run"]
+        assert isinstance(stored, dict)
+        budget, continuations = int(stored["budget"]), int(stored["continuations"])
+        iterations, task = int(stored["iterations"]), str(result.config["task"])
+        first_seed, seeds = int(str(result.config["first_seed"])), int(str(result.config["seeds"]))
+        if paper_table is not None:
+            missing = set(table_arms(paper_table, budget)) - set(result.strategies)
+            if missing:
+                raise fail(
+                    f"--from-json {from_json}: holds no {', '.join(sorted(missing))}: "
+                    f"not a --table {paper_table} result"
+                )
+    else:
+        arms = tuple(s.strip() for s in strategies.split(",") if s.strip())
+        if paper_table is not None:
+            if strategies != DEFAULT_STRATEGIES:
+                raise fail("--table runs its own strategies: leave out --strategies")
+            arms = table_arms(paper_table, run.budget)
+        config = CompareConfig(
+            task=run.task,
+            output=output,
+            init=init,
+            strategies=arms,
+            seeds=seeds,
+            first_seed=first_seed,
+            parallel=parallel,
+            run=run,
+        )
+        with console.status("training every strategy") as status:
+            result = run_compare(config, progress=lambda m: status.update(m))
+        budget, continuations, iterations, task = (
+            run.budget, run.continuations, run.iterations, run.task
+        )  # fmt: skip
     last = first_seed + seeds - 1
     table = Table(
-        title=f"{run.task}: seeds {first_seed}..{last} × {run.iterations} iterations, "
-        f"M={run.budget} N={run.continuations}: mean [95% interval]",
+        title=f"{task}: seeds {first_seed}..{last} × {iterations} iterations, "
+        f"M={budget} N={continuations}: mean [95% interval]",
         caption="95% intervals: Student t over seeds. accuracy: held-out mean@k; pass1: greedy. "
         "effective ratios: share of prompts (anchors: sibling groups) whose rollouts hold both "
         "rewards. tokens to grpo final: tokens to reach grpo's final accuracy ÷ grpo's tokens "
@@ -230,20 +263,23 @@ def compare_command(
         for name, row in result.paired.items():
             table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
     console.print(table)
-    write_json(json_path, result.to_json())
+    if from_json is None:
+        write_json(json_path, result.to_json())
     if plot:
         plot_compare(result, plot)
         console.print(f"wrote {plot}")
+    command = "trace-rl " + shlex.join(sys.argv[1:])
     if paper_table is not None:
-        command = "trace-rl " + shlex.join(sys.argv[1:])
-        text = table_markdown(paper_table, result, run.budget, command)
+        text = table_markdown(paper_table, result, budget, command)
         console.print(text, markup=False, highlight=False)
-        if markdown is not None:
-            markdown.parent.mkdir(parents=True, exist_ok=True)
-            tmp = markdown.with_name(f".{markdown.name}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, markdown)
-            console.print(f"wrote {markdown}")
+    else:
+        text = summary_markdown(result, command)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        tmp = markdown.with_name(f".{markdown.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, markdown)
+        console.print(f"wrote {markdown}")
 
 
 @predictor_app.command("fit")

@@ -88,6 +88,46 @@ def markdown(table: str, result: CompareResult, budget: int, command: str) -> st
     )
 
 
+SUMMARY = (
+    ("accuracy", "mean@k"),
+    ("pass1", "pass@1"),
+    ("prompt_effective_ratio", "prompt eff."),
+    ("anchor_effective_ratio", "anchor eff."),
+    ("tokens_to_grpo_final", "tokens to grpo final"),
+    ("root_skill", "root skill"),
+)
+"""The summary's columns: metric, header."""
+
+
+def summary_markdown(result: CompareResult, command: str) -> str:
+    """Every strategy's figures (mean [95% interval]) and each one's paired difference from
+    grpo, as Markdown: what ``trace-rl compare --markdown`` writes without ``--table``."""
+    first, count = int(str(result.config["first_seed"])), int(str(result.config["seeds"]))
+    lines = [
+        f"`{command}` ({result.config['task']}, seeds {first}..{first + count - 1}; "
+        "mean [95% Student-t interval over seeds])",
+        "",
+        "| strategy | " + " | ".join(header for _, header in SUMMARY) + " |",
+        "|---|" + "---|" * len(SUMMARY),
+    ]
+    for name, row in result.strategies.items():
+        cells = " | ".join(_cell(row.get(metric)) for metric, _ in SUMMARY)
+        lines.append(f"| `{name}` | {cells} |")
+    if result.paired:
+        paired = [(m, h) for m, h in SUMMARY if m in next(iter(result.paired.values()))]
+        lines += [
+            "",
+            "Paired against grpo, seed by seed (strategy − grpo):",
+            "",
+            "| strategy | " + " | ".join(header for _, header in paired) + " |",
+            "|---|" + "---|" * len(paired),
+        ]
+        for name, row in result.paired.items():
+            cells = " | ".join(_cell(row[metric], signed=True) for metric, _ in paired)
+            lines.append(f"| `{name}` | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def _ablation(result: CompareResult) -> str:
     lines = [
         "| stage 1 (roots) | stage 2 (prefixes) | strategy | mean@k | eff. | eff. − grpo (paired) "
@@ -134,7 +174,7 @@ def _shape(result: CompareResult, budget: int) -> str:
 
 
 def _cell(stats: dict[str, float] | None, signed: bool = False) -> str:
-    if stats is None:
+    if stats is None or not np.isfinite(stats["mean"]):
         return "—"
     sign = "+" if signed else ""
     mean, low, high = stats["mean"], stats["low"], stats["high"]
