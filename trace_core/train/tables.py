@@ -93,6 +93,7 @@ SUMMARY = (
     ("pass1", "pass@1"),
     ("prompt_effective_ratio", "prompt eff."),
     ("anchor_effective_ratio", "anchor eff."),
+    ("mixed_per_100_units", "mixed / 100 units"),
     ("tokens_to_grpo_final", "tokens to grpo final"),
     ("root_skill", "root skill"),
 )
@@ -111,7 +112,7 @@ def summary_markdown(result: CompareResult, command: str) -> str:
         "|---|" + "---|" * len(SUMMARY),
     ]
     for name, row in result.strategies.items():
-        cells = " | ".join(_cell(row.get(metric)) for metric, _ in SUMMARY)
+        cells = " | ".join(_summary_cell(metric, row.get(metric), count) for metric, _ in SUMMARY)
         lines.append(f"| `{name}` | {cells} |")
     if result.paired:
         paired = [(m, h) for m, h in SUMMARY if m in next(iter(result.paired.values()))]
@@ -126,6 +127,14 @@ def summary_markdown(result: CompareResult, command: str) -> str:
             cells = " | ".join(_cell(row[metric], signed=True) for metric, _ in paired)
             lines.append(f"| `{name}` | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def _summary_cell(metric: str, stats: dict[str, float] | None, seeds: int) -> str:
+    """A summary cell; tokens to grpo's final accuracy, where a seed never got there, says how
+    many did (the mean over the seeds is then infinite)."""
+    if metric == "tokens_to_grpo_final" and stats and not np.isfinite(stats["mean"]):
+        return f"not reached ({int(stats['n'])} of {seeds} seeds did)"
+    return _cell(stats)
 
 
 def _ablation(result: CompareResult) -> str:
