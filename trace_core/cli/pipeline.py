@@ -126,7 +126,6 @@ def pipeline_compile(
     """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take). The
     iteration count, the steps' S3 endpoint, their images and pull secrets are fixed here, not
     run parameters."""
-    from components.images import image as image_of
     from pipelines.client import DEFAULT_PACKAGE, read_package
     from pipelines.trace_training import PipelineOptions, compile_pipeline
 
@@ -134,9 +133,7 @@ def pipeline_compile(
         options = PipelineOptions(
             iterations=iterations,
             s3_endpoint=s3_endpoint,
-            image=image or image_of("TRACE_IMAGE"),
-            gpu_image=gpu_image or image_of("TRACE_GPU_IMAGE"),
-            image_pull_secrets=tuple(image_pull_secrets or ()),
+            **_images(image, gpu_image, image_pull_secrets),
         )
     except ValueError as err:
         raise fail(f"pipeline compile: {err}") from None
@@ -311,16 +308,11 @@ def pipeline_argo(
     image_pull_secrets: PullSecrets = None,
 ) -> None:
     """Write the Argo WorkflowTemplate and CronWorkflow (same steps, no KFP) and kustomization."""
-    from components.images import image as image_of
     from pipelines.argo import DEFAULT_DIR, ArgoOptions, write_manifests
 
     try:
         options = ArgoOptions(
-            iterations=iterations,
-            gpus=gpus,
-            image=image or image_of("TRACE_IMAGE"),
-            gpu_image=gpu_image or image_of("TRACE_GPU_IMAGE"),
-            image_pull_secrets=tuple(image_pull_secrets or ()),
+            iterations=iterations, gpus=gpus, **_images(image, gpu_image, image_pull_secrets)
         )
     except ValueError as err:
         raise fail(f"pipeline argo: {err}") from None
@@ -407,3 +399,17 @@ def step_command(
         pairs(params or [], "--param", empty=True),
     )
     console.print(f"{step} {iteration}: wrote {', '.join(written.values())}")
+
+
+def _images(
+    image: str | None, gpu_image: str | None, pull_secrets: list[str] | None
+) -> dict[str, object]:
+    """The image options ``pipeline compile`` and ``pipeline argo`` share: a flag, else the
+    setting in ``images/images.env``."""
+    from components.images import image as image_of
+
+    return {
+        "image": image or image_of("TRACE_IMAGE"),
+        "gpu_image": gpu_image or image_of("TRACE_GPU_IMAGE"),
+        "image_pull_secrets": tuple(pull_secrets or ()),
+    }
