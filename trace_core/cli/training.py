@@ -9,7 +9,6 @@ one start), ``trace-rl predictor fit``. Their flags are ``TrainConfig``'s fields
 from __future__ import annotations
 
 import math
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -194,6 +193,7 @@ def compare_command(
         plot_compare,
         run_compare,
     )
+    from trace_core.train.run_folder import write_atomic
     from trace_core.train.tables import markdown as table_markdown
     from trace_core.train.tables import summary_markdown, table_arms
 
@@ -206,7 +206,7 @@ def compare_command(
         assert isinstance(stored, dict)
         budget, continuations = int(stored["budget"]), int(stored["continuations"])
         iterations, task = int(stored["iterations"]), str(result.config["task"])
-        first_seed, seeds = int(str(result.config["first_seed"])), int(str(result.config["seeds"]))
+        first_seed, seeds = result.seeds
         if paper_table is not None:
             missing = set(table_arms(paper_table, budget)) - set(result.strategies)
             if missing:
@@ -276,9 +276,7 @@ def compare_command(
         text = summary_markdown(result, command)
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
-        tmp = markdown.with_name(f".{markdown.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, markdown)
+        write_atomic(markdown, text)
         console.print(f"wrote {markdown}")
 
 

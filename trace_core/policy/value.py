@@ -235,6 +235,11 @@ def _head(dim: int, hidden: int, generator: torch.Generator) -> nn.Sequential:
     return nn.Sequential(*layers, last)
 
 
+def _probabilities(head: nn.Module, x: torch.Tensor) -> FloatArray:
+    """σ(head(x)) as float64: (N,) success probabilities of the feature rows ``x``."""
+    return torch.sigmoid(head(x).squeeze(-1)).double().numpy()
+
+
 def _fit_root_head(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, l2: float) -> nn.Linear:
     """σ(w·x + b) on prompts: L-BFGS on the weighted squared error (weights scaled to mean 1)
     plus ``l2``·‖w‖², from w = 0 and σ(b) = the weighted mean target. Deterministic: the same
@@ -304,7 +309,7 @@ class ValuePredictor:
         out = []
         for start in range(0, len(prefixes), 1024):  # bounds the (chunk, dim) feature matrix
             x = self.featurizer.features(prefixes[start : start + 1024])  # (n, dim)
-            out.append(torch.sigmoid(head(x).squeeze(-1)).double().numpy())
+            out.append(_probabilities(head, x))
         return np.concatenate(out)
 
     # --- training ------------------------------------------------------------------------------
@@ -389,10 +394,10 @@ class ValuePredictor:
         seen = {tuple(p) for p in old.prefixes}
         unseen = np.asarray([tuple(p) not in seen for p in rows.prefixes], dtype=bool)
         x = self.featurizer.features(rows.prefixes) if features is None else features
-        p = torch.sigmoid(self.head(x).squeeze(-1)).double().numpy() if len(rows) else np.zeros(0)
+        p = _probabilities(self.head, x) if len(rows) else np.zeros(0)
         if self.root is not None and len(rows):
             at = rows.depth == 0
-            p[at] = torch.sigmoid(self.root(x[torch.from_numpy(at)]).squeeze(-1)).double().numpy()
+            p[at] = _probabilities(self.root, x[torch.from_numpy(at)])
         out = {}
         for kind, mask, old_mask in (
             ("root", rows.depth == 0, old.depth == 0),

@@ -193,6 +193,11 @@ class CompareResult:
             "by_difficulty": self.by_difficulty,
         }
 
+    @property
+    def seeds(self) -> tuple[int, int]:
+        """(first seed, how many seeds): the comparison ran seeds first .. first + n − 1."""
+        return int(str(self.config["first_seed"])), int(str(self.config["seeds"]))
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompareResult:
         """The result ``to_json`` wrote, so its tables can be printed again without training

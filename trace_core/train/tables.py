@@ -79,7 +79,7 @@ def markdown(table: str, result: CompareResult, budget: int, command: str) -> st
         body = _shape(result, budget)
     else:
         raise ValueError(f"table: unknown table {table!r}; choose one of {', '.join(TABLES)}")
-    first, count = int(str(result.config["first_seed"])), int(str(result.config["seeds"]))
+    first, count = result.seeds
     return (
         f"`{command}` ({result.config['task']}, seeds {first}..{first + count - 1}; "
         "mean [95% Student-t interval over seeds]; mean@k: held-out accuracy sampled at "
@@ -103,7 +103,7 @@ SUMMARY = (
 def summary_markdown(result: CompareResult, command: str) -> str:
     """Every strategy's figures (mean [95% interval]) and each one's paired difference from
     grpo, as Markdown: what ``trace-rl compare --markdown`` writes without ``--table``."""
-    first, count = int(str(result.config["first_seed"])), int(str(result.config["seeds"]))
+    first, count = result.seeds
     lines = [
         f"`{command}` ({result.config['task']}, seeds {first}..{first + count - 1}; "
         "mean [95% Student-t interval over seeds])",
