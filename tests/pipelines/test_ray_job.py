@@ -91,7 +91,12 @@ def inputs(tmp_path: Path) -> tuple[Path, Path]:
     return base, tmp_path
 
 
-def config_for(base: Path, address: str, root: Path, rollout_workers: int = 0) -> PipelineConfig:
+SETTINGS = {"prompts": 12, "max_tokens": 8, "eval_tasks": 4, "group": 2}
+
+
+def config_for(
+    base: Path, address: str, root: Path, rollout_workers: int = 0, **settings: object
+) -> PipelineConfig:
     parameters = PipelineParameters(
         task="calc",
         base_model_uri=str(base),
@@ -101,7 +106,7 @@ def config_for(base: Path, address: str, root: Path, rollout_workers: int = 0) -
         ray_address=address,
         rollout_workers=rollout_workers,
         store_uri=f"s3://{BUCKET}/ray-test",
-        settings_json='{"prompts": 12, "max_tokens": 8, "eval_tasks": 4, "group": 2}',
+        settings_json=json.dumps({**SETTINGS, **settings}),
     )
     prep = prep_step(parameters, root / "prompts")
     config = PipelineConfig.from_json(prep.config_json)
@@ -248,3 +253,42 @@ def test_trace_rl_step_sends_evaluate_to_the_engine_actors_of_a_ray_job(
     )
     alone = evaluate_step(here, root / "prompts", root / "policy")
     assert alone["pass1"] == report["pass1"]
+
+
+@pytest.mark.usefixtures("client_env")
+def test_kept_engine_actors_serve_every_step_of_the_run_and_stop_with_it(
+    ray_dashboard: str, inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """keep_alive_s with rollout_workers = 2: the start's evaluation (one Ray job) starts two
+    named engine actors; the rollout (the next job) finds the same processes and reloads its
+    checkpoint into them, and says so in its metrics; the final evaluation stops them."""
+    from ray.util.state import list_actors
+
+    base, root = inputs
+    config = config_for(base, ray_dashboard, root, 2, engine={"keep_alive_s": 600})
+    name = config.engine_name
+    assert name.startswith("pipeline-")  # prep names them, one name per pipeline run
+
+    def engines() -> dict[str, int]:
+        actors = list_actors(
+            address=ray_dashboard, filters=[("class_name", "=", "EngineWorker")], detail=True
+        )
+        return {a.name: a.pid for a in actors if a.name.startswith(name) and a.state == "ALIVE"}
+
+    folders = {n: str(root / n) for n in ("prompts", "policy", "predictor")}
+    start = {n: folders[n] for n in ("prompts", "policy")}
+    submit_step(StepCall("evaluate", 0, start, {"result": str(tmp_path / "start")}), config)
+    started = engines()
+    assert sorted(started) == [f"{name}-0", f"{name}-1"]
+
+    trees = str(tmp_path / "trees")
+    submit_step(StepCall("rollout", 1, folders, {"trees": trees}), config, log=lambda _t: None)
+    assert engines() == started  # the same two processes
+    metrics = read_metrics(Path(trees))
+    assert metrics["engine_kept_workers"] == 2
+    assert metrics["engine_reloads"] == 1  # each job stages the policy anew: a new checkpoint
+    assert sum(t.units for t in read_trees(Path(trees) / "trees.parquet")) == 6 * (1 + 2 / 2)
+
+    final = StepCall("evaluate", 0, folders, {"result": str(tmp_path / "final")})
+    submit_step(final, config, log=lambda _t: None)
+    assert engines() == {}

@@ -89,3 +89,7 @@ def test_engine_config_names_the_field_it_refuses() -> None:
         EngineConfig(gpus_per_worker=1)
     with pytest.raises(ValueError, match="memory_fraction"):
         EngineConfig("vllm", memory_fraction=1.5)
+    with pytest.raises(ValueError, match="keep_alive_s needs workers"):
+        EngineConfig(keep_alive_s=600)
+    with pytest.raises(ValueError, match="keep_alive_s must be >= 0"):
+        EngineConfig(workers=1, keep_alive_s=-1)

@@ -127,6 +127,24 @@ def test_config_json_round_trips_and_names_bad_fields(init: Path) -> None:
         PipelineParameters(task="bfcl").config()
 
 
+def test_prep_names_the_kept_engines_of_a_run_on_a_ray_cluster(init: Path, tmp_path: Path) -> None:
+    """keep_alive_s on a Ray cluster: prep gives the run's engine actors a name of their own,
+    new for every pipeline run; without a cluster (every step its own process) there is none."""
+    keep = json.dumps({**SETTINGS, "engine": {"keep_alive_s": 900}})
+    cluster = {"ray_address": "http://head:8265", "store_uri": "s3://b/p", "rollout_workers": 2}
+    names = []
+    for i in range(2):
+        prep = prep_step(params(init, settings_json=keep, **cluster), tmp_path / f"p{i}")
+        config = PipelineConfig.from_json(prep.config_json)
+        assert config.train.engine.keep_alive_s == 900
+        names.append(config.engine_name)
+    assert names[0].startswith("pipeline-") and names[0] != names[1]
+    alone = prep_step(params(init, rollout_workers=2, settings_json=keep), tmp_path / "alone")
+    assert PipelineConfig.from_json(alone.config_json).engine_name == ""
+    with pytest.raises(ValueError, match="engine_name 'a b'"):
+        PipelineConfig.from_json(json.dumps({"train": {}, "engine_name": "a b"}))
+
+
 def test_resume_from_the_registry_and_report(init: Path, tmp_path: Path) -> None:
     """A named run registers its final policy; the next run of that name starts after it."""
     store = tmp_path / "store"

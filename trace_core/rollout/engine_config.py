@@ -54,6 +54,14 @@ class EngineConfig:
     """Torch engine: token slots of its prefix-cache KV pool, allocated at start. A slot holds
     layers × 2 × kv_heads × head_dim values: 2 KB for the tiny policy, 45 KB for SmolLM2-135M
     in fp32, 144 KB for an 8B Qwen3 in bf16; the longest prompt of a call must fit in half."""
+    keep_alive_s: float = 0.0
+    """Pipeline steps sent to a Ray cluster (``ray_address``): the engine actors outlive the
+    step's Ray job, named after the run, and the run's next rollout or evaluation loads its
+    new weights into them (vLLM in place) instead of starting engines again; the final
+    evaluation stops them, and an actor left without a call for this many seconds (a run that
+    failed) stops itself. Set it above the longest update (the gap between two rollouts).
+    While kept, the actors hold their GPUs: the update's Ray Train workers need GPUs of their
+    own. 0: every step starts and stops its own engines."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -81,6 +89,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(VLLM_DTYPES)}; got {self.dtype!r}")
         if not self.kv_cache_gib >= 0:
             raise ValueError(f"kv_cache_gib must be >= 0, got {self.kv_cache_gib}")
+        if not self.keep_alive_s >= 0:
+            raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
+        if self.keep_alive_s and not self.workers:
+            raise ValueError("keep_alive_s needs workers >= 1 (it keeps Ray engine actors)")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 

@@ -31,11 +31,13 @@ def open_engine(
     checkpoint: str | Path,
     model: PreTrainedModel | None = None,
     address: str | None = None,
+    name: str = "",
 ) -> Iterator[Engine]:
     """The engine ``config`` names, for the block; what it started is stopped after it.
 
     ``address``: the Ray head of a pool (``workers >= 1``); None starts Ray in this process,
-    unless it is already connected (a Ray job's driver)."""
+    unless it is already connected (a Ray job's driver). ``name``, with ``config.keep_alive_s``:
+    the pool's actors are the run's kept ones (``rollout.ray_pool``), left running after it."""
     if config.workers:
         from trace_core.rollout.ray_pool import RayEnginePool
 
@@ -52,6 +54,8 @@ def open_engine(
             cache_tokens=config.cache_tokens,
             eager=config.eager,
             dtype=config.dtype,
+            name=name,
+            keep_alive_s=config.keep_alive_s,
             **config.vllm_kwargs(),
         ) as pool:
             yield pool

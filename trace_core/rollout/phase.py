@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,6 +39,9 @@ class RolloutResult:
     metrics: BatchMetrics
     seconds: float
     """Wall time of the phase, engine start-up included."""
+    engine: dict[str, float] = field(default_factory=dict)
+    """How the engine was had: ``kept_workers`` (kept actors found running), ``reloads`` and
+    ``reload_seconds`` (new weights put into running engines); only what applies."""
 
 
 def run_rollout(
@@ -54,6 +57,7 @@ def run_rollout(
     progress: Callable[[float], None] | None = None,
     style: TurnStyle | None = None,
     session: EngineSession | None = None,
+    engine_name: str = "",
 ) -> RolloutResult:
     """Grow one tree per rolled-out prompt of ``pool`` with the policy at ``checkpoint``.
 
@@ -63,7 +67,8 @@ def run_rollout(
     ``progress`` is called with the rollout units spent so far; ``style``: the system prompt
     and thinking switch the chat template gets (``policy.format``). ``session``: a run's kept
     engine (its config and address replace ``engine`` and ``address``), which takes this
-    checkpoint in place instead of starting again.
+    checkpoint in place instead of starting again. ``engine_name``: the run's kept engine actors
+    (``EngineConfig.keep_alive_s``), found running or started and left running.
     """
     start = time.perf_counter()
     tokenizer = tokenizer or load_tokenizer(checkpoint)
@@ -71,7 +76,7 @@ def run_rollout(
     if session is not None:
         opened = session.engine(checkpoint, model)
     else:
-        opened = open_engine(engine, checkpoint, model, address)
+        opened = open_engine(engine, checkpoint, model, address, engine_name)
     with opened as sampler:
         trees = grow_trees(
             sampler,
@@ -82,7 +87,9 @@ def run_rollout(
             grow,
             progress=progress,
         )
-    return RolloutResult(trees, measure(trees), time.perf_counter() - start)
+        extra = sampler.stats.extra
+        had = {k: extra[k] for k in ("kept_workers", "reloads", "reload_seconds") if k in extra}
+    return RolloutResult(trees, measure(trees), time.perf_counter() - start, had)
 
 
 def load_predictor(

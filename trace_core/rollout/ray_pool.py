@@ -1,9 +1,10 @@
 """``RayEnginePool``: the ``Engine`` protocol over engine replicas running as Ray actors.
 
-The only module that imports Ray. Each worker is an actor that holds one policy replica,
-loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU), an
-``HFGenerateEngine`` or a ``VLLMEngine``. ``grow_trees`` and everything else see one engine
-(``rollout.engines.open_engine`` builds the pool from an ``EngineConfig``)::
+With ``rollout.ray_worker`` (the actor), the only module that imports Ray. Each worker is an
+actor (``EngineWorker``) that holds one policy replica, loaded from an HF checkpoint directory,
+behind a ``TorchEngine`` (CPU or one GPU), an ``HFGenerateEngine`` or a ``VLLMEngine``.
+``grow_trees`` and everything else see one engine (``rollout.engines.open_engine`` builds the
+pool from an ``EngineConfig``)::
 
     with RayEnginePool("build/policy/calc", workers=2) as engine:   # in-process Ray
         trees = grow_trees(engine, fmt, suite.make_env, pool, predictor, config)
@@ -63,16 +64,19 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from trace_core.policy.engine import Completion, Engine, EngineStats, SamplingParams
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.rollout.ray_worker import (
+    KEPT_NAMESPACE,
+    EngineKind,
+    EngineWorker,
+    SubBatchResult,
+    WorkerSpec,
+)
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
-
-EngineKind = Literal["torch", "hf", "vllm"]
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 """Object store of an in-process Ray (Ray's default is 30% of RAM); prompts and completions
@@ -106,166 +110,6 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         ray.shutdown()
 
 
-# -- the actor ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SubBatchResult:
-    """What a worker returns for one sub-batch: completions and the work it took."""
-
-    completions: list[list[Completion]]
-    prompt_tokens: int
-    prefill_tokens: int
-    generated_tokens: int
-    seconds: float
-    """Time inside the engine (the worker was busy)."""
-    cache_used_tokens: float
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """How every engine actor of a pool builds its engine (``EngineWorker``)."""
-
-    engine: EngineKind = "torch"
-    device: str = "cpu"
-    """torch and hf engines: cpu or cuda (vLLM picks its own platform)."""
-    threads: int = 1
-    tensor_parallel: int = 1
-    memory_fraction: float = 0.9
-    max_rows: int = 256
-    cache_tokens: int = 65_536
-    max_model_len: int | None = None
-    """vLLM: longest sequence (prompt and sample); None: the model's own."""
-    kv_cache_bytes: int | None = None
-    """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU (on CPU, vLLM's default)."""
-    eager: bool = False
-    """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
-    dtype: str = "auto"
-    """vLLM: weights' and arithmetic's dtype (auto: vLLM's choice)."""
-
-
-@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
-class EngineWorker:
-    """One policy replica. ``generate`` runs one at a time; ``where`` answers while it runs.
-
-    The checkpoint may be an ``s3://`` URI: each node downloads it once (``rollout.weights``).
-    New weights go into the running engine (``load``): vLLM reloads them in place, the torch
-    engine keeps its KV pool; only the first load builds the engine.
-    """
-
-    def __init__(self, spec: WorkerSpec, checkpoint: str) -> None:
-        import torch
-        from transformers.utils import logging as hf_logging
-
-        torch.set_num_threads(spec.threads)
-        # vLLM logs every step of its start and stop at INFO, into the driver's log (Ray
-        # forwards it): warnings only, unless the cluster's environment says otherwise.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # vLLM's CPU backend pins one OpenMP thread to every core of the node by default, in
-        # every engine: two workers on one node then fight over all of its cores. A worker keeps
-        # to the threads it asked Ray for (Ray's OMP_NUM_THREADS), unpinned, unless the
-        # cluster's environment says otherwise. (No effect on GPUs.)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
-        self.spec = spec
-        self.engine: Engine | None = None
-        self.checkpoint = ""
-        self.load(checkpoint)
-
-    def load(self, checkpoint: str) -> float:
-        """Swap in the weights of ``checkpoint`` (the prefix cache is dropped); returns the
-        seconds it took, the download to this node included."""
-        from trace_core.rollout.weights import node_checkpoint
-
-        start = time.perf_counter()
-        spec, folder = self.spec, str(node_checkpoint(checkpoint))
-        if spec.engine == "vllm":
-            from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
-
-            if isinstance(self.engine, VLLMEngine):
-                self.engine.reload(folder)
-            else:
-                self.engine = VLLMEngine(
-                    folder,
-                    dtype=spec.dtype,
-                    gpu_memory_utilization=spec.memory_fraction,
-                    tensor_parallel_size=spec.tensor_parallel,
-                    max_model_len=spec.max_model_len,
-                    options=VLLMOptions(
-                        enforce_eager=spec.eager, kv_cache_memory_bytes=spec.kv_cache_bytes
-                    ),
-                )
-        elif spec.engine == "hf":
-            from trace_core.policy.hf_engine import HFGenerateEngine
-            from trace_core.policy.model import load_checkpoint
-
-            self.engine = HFGenerateEngine(load_checkpoint(folder, spec.device)[0])
-        else:
-            from trace_core.policy.model import load_checkpoint
-            from trace_core.policy.torch_engine import TorchEngine
-
-            model, _ = load_checkpoint(folder, spec.device)
-            if isinstance(self.engine, TorchEngine):
-                self.engine.update_weights(model)  # keeps the preallocated KV pool
-            else:
-                self.engine = TorchEngine(
-                    model,
-                    device=spec.device,
-                    max_batch=spec.max_rows,
-                    cache_tokens=spec.cache_tokens,
-                )
-        self.checkpoint = checkpoint
-        return time.perf_counter() - start
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        seed: int | None,
-        checkpoint: str,
-    ) -> SubBatchResult:
-        if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
-            self.load(checkpoint)
-        assert self.engine is not None
-        stats = self.engine.stats
-        before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
-        start = time.perf_counter()
-        completions = self.engine.generate(prompts, params, seed)
-        seconds = time.perf_counter() - start
-        return SubBatchResult(
-            completions,
-            stats.prompt_tokens - before[0],
-            stats.prefill_tokens - before[1],
-            stats.generated_tokens - before[2],
-            seconds,
-            stats.extra.get("cache_used_tokens", 0.0),
-        )
-
-    def shutdown(self) -> None:
-        """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
-        self.engine = None
-
-    @ray.method(concurrency_group="control")
-    def pid(self) -> int:
-        return os.getpid()
-
-    @ray.method(concurrency_group="control")
-    def where(self) -> dict[str, object]:
-        """This actor's process, node and GPUs (Ray's ids), and the engine it runs."""
-        context = ray.get_runtime_context()
-        return {
-            "pid": os.getpid(),
-            "node_id": context.get_node_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "engine": type(self.engine).__name__,
-            "checkpoint": self.checkpoint,
-        }
-
-
 # -- the pool ----------------------------------------------------------------------------------
 
 
@@ -291,12 +135,15 @@ class RayEnginePool:
         kv_cache_bytes: int | None = None,
         eager: bool = False,
         dtype: str = "auto",
+        name: str = "",
+        keep_alive_s: float = 0.0,
     ) -> None:
         """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
         may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
         long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
-        ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``)."""
+        ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``).
+        ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring)."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -307,6 +154,8 @@ class RayEnginePool:
             raise ValueError(f"engine must be torch, hf or vllm, got {engine!r}")
         self.checkpoint = str(checkpoint)
         self.slack = slack
+        self.name, self.kept = name, bool(name) and keep_alive_s > 0
+        self._token = os.urandom(8).hex()
         self.stats = EngineStats()
         self._owners = PrefixOwners()
         self._length_share = 1.0  # mean generated / max_tokens so far: decode work estimate
@@ -317,12 +166,12 @@ class RayEnginePool:
         )
         try:
             gpus = num_gpus_per_worker * (tensor_parallel if engine == "vllm" else 1)
-            actor = EngineWorker.options(  # type: ignore[attr-defined]
-                num_cpus=threads_per_worker,
-                num_gpus=gpus,
-                max_restarts=max_restarts,
-                max_task_retries=max_restarts,
-            )
+            options = {
+                "num_cpus": threads_per_worker,
+                "num_gpus": gpus,
+                "max_restarts": max_restarts,
+                "max_task_retries": max_restarts,
+            }
             spec = WorkerSpec(
                 engine=engine,
                 device="cuda" if num_gpus_per_worker > 0 else "cpu",
@@ -336,12 +185,43 @@ class RayEnginePool:
                 eager=eager,
                 dtype=dtype,
             )
-            self._actors = [actor.remote(spec, self.checkpoint) for _ in range(workers)]
+            if self.kept:  # detached and named: found by the next pool of this name
+                self._actors = [
+                    EngineWorker.options(  # type: ignore[attr-defined]
+                        **options,
+                        name=f"{name}-{i}",
+                        namespace=KEPT_NAMESPACE,
+                        lifetime="detached",
+                        get_if_exists=True,
+                    ).remote(spec, self.checkpoint, keep_alive_s, self._token)
+                    for i in range(workers)
+                ]
+            else:
+                actor = EngineWorker.options(**options)  # type: ignore[attr-defined]
+                self._actors = [actor.remote(spec, self.checkpoint) for _ in range(workers)]
             self._live = list(range(workers))
             self._wait_ready(ready_timeout_s)
+            if self.kept:
+                self._take_over(spec, ready_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _take_over(self, spec: WorkerSpec, timeout_s: float) -> None:
+        """Kept actors another pool started get this pool's checkpoint; one started with other
+        settings is refused (a name is one run's: ``PipelineConfig.engine_name``)."""
+        states = ray.get([a.state.remote() for a in self._actors], timeout=timeout_s)
+        for i, (theirs, _, _) in enumerate(states):
+            if theirs != spec:
+                raise RuntimeError(
+                    f"kept engine actor {self.name}-{i} (Ray namespace {KEPT_NAMESPACE}) runs "
+                    f"{theirs}, not {spec}; stop it with release_engines({self.name!r})"
+                )
+        found = [i for i, (_, _, started_by) in enumerate(states) if started_by != self._token]
+        stale = [i for i in found if states[i][1] != self.checkpoint]
+        if stale:
+            self.update_weights(self.checkpoint, stale)
+        self.stats.extra["kept_workers"] = float(len(found))
 
     def _wait_ready(self, timeout_s: float) -> None:
         try:
@@ -483,12 +363,16 @@ class RayEnginePool:
 
     # -- weights and lifetime ----------------------------------------------------------------
 
-    def update_weights(self, checkpoint: str | os.PathLike[str]) -> float:
-        """Load ``checkpoint`` into every running worker (their prefix caches are dropped);
-        returns the wall seconds, which ``stats.extra["reload_seconds"]`` adds up."""
+    def update_weights(
+        self, checkpoint: str | os.PathLike[str], workers: Sequence[int] | None = None
+    ) -> float:
+        """Load ``checkpoint`` into every running worker (or those of ``workers``; their prefix
+        caches are dropped); returns the wall seconds, which ``stats.extra["reload_seconds"]``
+        adds up."""
         start = time.perf_counter()
         self.checkpoint = str(checkpoint)
-        ray.get([self._actors[w].load.remote(self.checkpoint) for w in self._live])
+        chosen = self._live if workers is None else workers
+        ray.get([self._actors[w].load.remote(self.checkpoint) for w in chosen])
         self._owners.clear()
         seconds = time.perf_counter() - start
         extra = self.stats.extra
@@ -501,13 +385,10 @@ class RayEnginePool:
         return list(ray.get([self._actors[w].where.remote() for w in self._live]))
 
     def close(self) -> None:
-        """Stop the engines and actors, and Ray itself if this pool started it. Idempotent."""
-        actors = getattr(self, "_actors", [])
-        with contextlib.suppress(Exception):  # a dead or hung worker must not block closing
-            ray.get([a.shutdown.remote() for a in actors], timeout=30)
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
+        """Stop the engines and actors (kept ones stay up), and Ray itself if this pool started
+        it. Idempotent."""
+        actors = [] if getattr(self, "kept", False) else getattr(self, "_actors", [])
+        _stop(actors)
         self._actors, self._live = [], []
         self._session.close()
 
@@ -516,3 +397,31 @@ class RayEnginePool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def release_engines(name: str, address: str | None = None) -> int:
+    """Stop the kept engine actors of ``name`` (``<name>-0``, ``<name>-1``, ...) on the cluster
+    at ``address`` (None: the connected one, else a local Ray); returns how many ran."""
+    with ray_session(address):
+        named = ray.util.list_named_actors(all_namespaces=True)
+        ours = sorted(
+            a["name"]
+            for a in named
+            if a["namespace"] == KEPT_NAMESPACE and a["name"].rpartition("-")[0] == name
+        )
+        handles = []
+        for actor in ours:
+            with contextlib.suppress(ValueError):  # gone since the listing (idle)
+                handles.append(ray.get_actor(actor, namespace=KEPT_NAMESPACE))
+        _stop(handles)
+    return len(handles)
+
+
+def _stop(actors: Sequence[ray.actor.ActorHandle]) -> None:
+    """Stop the actors' engines (vLLM's engine processes would outlive a killed actor), then
+    the actors."""
+    with contextlib.suppress(Exception):  # a dead or hung worker must not block closing
+        ray.get([a.shutdown.remote() for a in actors], timeout=30)
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)

@@ -123,6 +123,10 @@ class PipelineConfig:
     """Empty: every step runs in its own process (Ray, where used, in-process). A Ray dashboard
     address http://HEAD:8265: rollout, update and evaluate are submitted there as Ray
     jobs."""
+    engine_name: str = ""
+    """What the run's kept engine actors are named after on the Ray cluster (with
+    ``train.engine.keep_alive_s``): set by prep, one per pipeline run. Empty: every rollout and
+    evaluate step starts and stops its own engines."""
 
     def __post_init__(self) -> None:
         if self.run_name:
@@ -140,6 +144,8 @@ class PipelineConfig:
                     "ray_address needs store_uri to be an s3:// prefix: steps run as Ray jobs "
                     f"exchange their inputs and outputs there (got {self.store!r})"
                 )
+        if self.engine_name and not re.fullmatch(r"[\w][\w.-]{0,99}", self.engine_name, re.A):
+            raise ValueError(f"engine_name {self.engine_name!r}: letters, digits, '.', '_', '-'")
 
     def to_json(self) -> str:
         body = {
@@ -148,6 +154,8 @@ class PipelineConfig:
             "store": self.store,
             "ray_address": self.ray_address,
         }
+        if self.engine_name:
+            body["engine_name"] = self.engine_name
         return json.dumps(body, sort_keys=True)
 
     @classmethod
@@ -158,7 +166,7 @@ class PipelineConfig:
             raise ValueError(f"config_json is not JSON: {err}") from None
         if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
             raise ValueError("config_json: expected an object with a 'train' object")
-        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_address"})
+        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_address", "engine_name"})
         if unknown:
             raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")
         return cls(
@@ -166,6 +174,7 @@ class PipelineConfig:
             run_name=str(body.get("run_name", "")),
             store=str(body.get("store", "")),
             ray_address=str(body.get("ray_address", "")),
+            engine_name=str(body.get("engine_name", "")),
         )
 
     @property

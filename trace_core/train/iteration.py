@@ -96,10 +96,12 @@ def roll_out(
     address: str | None = None,
     session: EngineSession | None = None,
     progress: Callable[[float], None] | None = None,
+    engine_name: str = "",
 ) -> RolloutResult:
     """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``,
     with the policy at ``checkpoint`` (or already in memory) on ``config.engine``, or on the
-    run's kept engine (``session``); ``progress(units spent)`` after every engine call."""
+    run's kept engine (``session``, or the kept actors of ``engine_name``); ``progress(units
+    spent)`` after every engine call."""
     grow = GrowConfig(
         config.strategy,
         Budget(config.budget, config.continuations, config.group),
@@ -113,6 +115,7 @@ def roll_out(
     return run_rollout(
         checkpoint, pool, suite.make_env, predictor, grow, config.engine, address, model,
         tokenizer, progress, style=turn_style(config, suite), session=session,
+        engine_name=engine_name,
     )  # fmt: skip
 
 
@@ -153,15 +156,17 @@ def evaluate(
     session: EngineSession | None = None,
     address: str | None = None,
     stage: Callable[[str], None] | None = None,
+    engine_name: str = "",
 ) -> EvalReport:
     """Held-out pass@1 and mean@k of the policy at ``checkpoint`` (or already in memory:
     ``model``) on ``tasks``, on the run's engine: its kept one (``session``: the rollout's actors
     or vLLM, which then need not reload for the next rollout), else one opened for it as
-    ``config.engine`` says (in this process, or actors at ``address``)."""
+    ``config.engine`` says (in this process, or actors at ``address``: the run's kept ones with
+    ``engine_name``)."""
     engine = (
         session.engine(checkpoint, model)
         if session is not None
-        else open_engine(config.engine, checkpoint, model, address)
+        else open_engine(config.engine, checkpoint, model, address, engine_name)
     )
     with engine as played:
         return evaluate_policy(

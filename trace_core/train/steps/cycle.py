@@ -70,7 +70,7 @@ def rollout_step(
     result = roll_out(
         engine_checkpoint or policy_dir, tasks, suite, predictor, train, iteration, draws,
         run_id=config.run_id, tokenizer=tokenizer, address=worker_address(config),
-        progress=lambda spent: bar(math.floor(spent)),
+        progress=lambda spent: bar(math.floor(spent)), engine_name=config.engine_name,
     )  # fmt: skip
     trees_dir.mkdir(parents=True, exist_ok=True)
     write_trees(trees_dir / TREES, result.trees)
@@ -79,6 +79,7 @@ def rollout_step(
         "iteration": float(iteration),
         **result.metrics.as_dict(),
         "seconds": result.seconds,
+        **{f"engine_{name}": value for name, value in result.engine.items()},
     }
     write_metrics(trees_dir, metrics)
     return metrics

@@ -31,7 +31,8 @@ def evaluate_step(
     """Held-out pass@1 and mean@k of the policy on the eval prompts, on the run's engine (in
     this process, or its engine actors). With ``predictor_dir`` (the final evaluation) and a run
     name, the policy and predictor are then registered as the run's latest checkpoint, which
-    the next run of that name resumes from. ``engine_checkpoint``: where the engine actors load
+    the next run of that name resumes from, and the run's kept engine actors are stopped.
+    ``engine_checkpoint``: where the engine actors load
     the policy from (its ``s3://`` URI), when ``policy_dir`` holds only its tokenizer and
     config."""
     from trace_core.envs.prompts import read_prompts
@@ -48,8 +49,12 @@ def evaluate_step(
     bar = LineProgress("evaluate", len(tasks), "tasks")
     report = evaluate(
         engine_checkpoint or policy_dir, fmt, suite.make_env, tasks, train,
-        address=worker_address(config), stage=bar.note,
+        address=worker_address(config), stage=bar.note, engine_name=config.engine_name,
     )  # fmt: skip
+    if predictor_dir is not None and config.engine_name:  # the run's last use of its engines
+        from trace_core.rollout.ray_pool import release_engines
+
+        release_engines(config.engine_name, worker_address(config))
     history = read_log(policy_dir)
     result: dict[str, object] = {
         **report.as_dict(),

@@ -65,6 +65,8 @@ def prep_step(
 
     config = _base_model_defaults(params.config(), params)
     train = config.train
+    if train.engine.keep_alive_s and config.ray_address:  # this run's kept engine actors
+        config = dataclasses.replace(config, engine_name=f"{config.run_id}-{uuid.uuid4().hex[:8]}")
     suite = suite or make_suite(train.task, train.data, train.seed)
     train_tasks = suite.tasks("train")
     eval_tasks = suite.tasks("eval")[: train.eval_tasks]

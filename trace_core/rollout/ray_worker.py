@@ -1,0 +1,230 @@
+"""``EngineWorker``: one policy replica as a Ray actor, the unit ``RayEnginePool`` routes to.
+
+It holds a ``TorchEngine`` (CPU or one GPU), an ``HFGenerateEngine`` or a ``VLLMEngine``, built
+from a ``WorkerSpec`` and an HF checkpoint directory or ``s3://`` URI (each node downloads it
+once: ``rollout.weights``). New weights go into the running engine (``load``): vLLM reloads
+them in place, the torch engine keeps its KV pool; only the first load builds the engine.
+
+A kept actor (``idle_exit_s`` > 0: detached and named, see ``rollout.ray_pool``) outlives the
+Ray job that started it, and stops itself after that long without a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import ray
+
+from trace_core.policy.engine import Completion, Engine, SamplingParams
+
+EngineKind = Literal["torch", "hf", "vllm"]
+KEPT_NAMESPACE = "trace-engines"
+"""The Ray namespace of kept (detached, named) engine actors."""
+
+
+@dataclass(frozen=True)
+class SubBatchResult:
+    """What a worker returns for one sub-batch: completions and the work it took."""
+
+    completions: list[list[Completion]]
+    prompt_tokens: int
+    prefill_tokens: int
+    generated_tokens: int
+    seconds: float
+    """Time inside the engine (the worker was busy)."""
+    cache_used_tokens: float
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How every engine actor of a pool builds its engine (``EngineWorker``)."""
+
+    engine: EngineKind = "torch"
+    device: str = "cpu"
+    """torch and hf engines: cpu or cuda (vLLM picks its own platform)."""
+    threads: int = 1
+    tensor_parallel: int = 1
+    memory_fraction: float = 0.9
+    max_rows: int = 256
+    cache_tokens: int = 65_536
+    max_model_len: int | None = None
+    """vLLM: longest sequence (prompt and sample); None: the model's own."""
+    kv_cache_bytes: int | None = None
+    """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU (on CPU, vLLM's default)."""
+    eager: bool = False
+    """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
+    dtype: str = "auto"
+    """vLLM: weights' and arithmetic's dtype (auto: vLLM's choice)."""
+
+
+@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
+class EngineWorker:
+    """One policy replica. ``generate`` runs one at a time; ``where`` answers while it runs.
+
+    The checkpoint may be an ``s3://`` URI: each node downloads it once (``rollout.weights``).
+    New weights go into the running engine (``load``): vLLM reloads them in place, the torch
+    engine keeps its KV pool; only the first load builds the engine.
+    """
+
+    def __init__(
+        self, spec: WorkerSpec, checkpoint: str, idle_exit_s: float = 0.0, started_by: str = ""
+    ) -> None:
+        """``idle_exit_s`` > 0: a kept actor (``_exit_when_idle``); ``started_by``: the pool
+        that created it (``state``)."""
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        torch.set_num_threads(spec.threads)
+        # vLLM logs every step of its start and stop at INFO, into the driver's log (Ray
+        # forwards it): warnings only, unless the cluster's environment says otherwise.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's CPU backend pins one OpenMP thread to every core of the node by default, in
+        # every engine: two workers on one node then fight over all of its cores. A worker keeps
+        # to the threads it asked Ray for (Ray's OMP_NUM_THREADS), unpinned, unless the
+        # cluster's environment says otherwise. (No effect on GPUs.)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # else on every load
+        self.spec = spec
+        self.engine: Engine | None = None
+        self.checkpoint = ""
+        self.started_by = started_by
+        self._lock = threading.Lock()
+        self._busy, self._last_call = 0, time.monotonic()
+        self.load(checkpoint)
+        if idle_exit_s > 0:
+            threading.Thread(target=self._exit_when_idle, args=(idle_exit_s,), daemon=True).start()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """A call that keeps a kept engine alive (``_exit_when_idle``)."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._last_call = time.monotonic()
+
+    def _exit_when_idle(self, idle_s: float) -> None:
+        """A kept actor outlives the job that started it: after ``idle_s`` seconds without a
+        call (its run failed before releasing it) it stops its engine and itself."""
+        while True:
+            time.sleep(min(idle_s, 5.0))
+            with self._lock:
+                if self._busy == 0 and time.monotonic() - self._last_call >= idle_s:
+                    self._busy = 1  # refuse what might still come in
+                    break
+        self.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def load(self, checkpoint: str) -> float:
+        """Swap in the weights of ``checkpoint`` (the prefix cache is dropped); returns the
+        seconds it took, the download to this node included."""
+        with self._call():
+            return self._load(checkpoint)
+
+    def _load(self, checkpoint: str) -> float:
+        from trace_core.rollout.weights import node_checkpoint
+
+        start = time.perf_counter()
+        spec, folder = self.spec, str(node_checkpoint(checkpoint))
+        if spec.engine == "vllm":
+            from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
+
+            if isinstance(self.engine, VLLMEngine):
+                self.engine.reload(folder)
+            else:
+                self.engine = VLLMEngine(
+                    folder,
+                    dtype=spec.dtype,
+                    gpu_memory_utilization=spec.memory_fraction,
+                    tensor_parallel_size=spec.tensor_parallel,
+                    max_model_len=spec.max_model_len,
+                    options=VLLMOptions(
+                        enforce_eager=spec.eager, kv_cache_memory_bytes=spec.kv_cache_bytes
+                    ),
+                )
+        elif spec.engine == "hf":
+            from trace_core.policy.hf_engine import HFGenerateEngine
+            from trace_core.policy.model import load_checkpoint
+
+            self.engine = HFGenerateEngine(load_checkpoint(folder, spec.device)[0])
+        else:
+            from trace_core.policy.model import load_checkpoint
+            from trace_core.policy.torch_engine import TorchEngine
+
+            model, _ = load_checkpoint(folder, spec.device)
+            if isinstance(self.engine, TorchEngine):
+                self.engine.update_weights(model)  # keeps the preallocated KV pool
+            else:
+                self.engine = TorchEngine(
+                    model,
+                    device=spec.device,
+                    max_batch=spec.max_rows,
+                    cache_tokens=spec.cache_tokens,
+                )
+        self.checkpoint = checkpoint
+        return time.perf_counter() - start
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int | None,
+        checkpoint: str,
+    ) -> SubBatchResult:
+        with self._call():
+            if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
+                self._load(checkpoint)
+            assert self.engine is not None
+            stats = self.engine.stats
+            before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
+            start = time.perf_counter()
+            completions = self.engine.generate(prompts, params, seed)
+            seconds = time.perf_counter() - start
+        return SubBatchResult(
+            completions,
+            stats.prompt_tokens - before[0],
+            stats.prefill_tokens - before[1],
+            stats.generated_tokens - before[2],
+            seconds,
+            stats.extra.get("cache_used_tokens", 0.0),
+        )
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+        self.engine = None
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def state(self) -> tuple[WorkerSpec, str, str]:
+        """The engine's settings, its checkpoint and the pool that started it (what a pool
+        finding a kept actor checks); a call, so the actor's idle time starts again."""
+        with self._call():
+            return self.spec, self.checkpoint, self.started_by
+
+    @ray.method(concurrency_group="control")
+    def where(self) -> dict[str, object]:
+        """This actor's process, node and GPUs (Ray's ids), and the engine it runs."""
+        context = ray.get_runtime_context()
+        return {
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "engine": type(self.engine).__name__,
+            "checkpoint": self.checkpoint,
+        }
