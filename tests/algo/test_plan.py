@@ -17,6 +17,7 @@ def test_every_design_strategy_exists() -> None:
         "trace",
         "trace-root",
         "trace-prefix",
+        "trace-auto",
         "oracle",
     }
     with pytest.raises(ValueError, match="unknown strategy 'ppo'; choose one of grpo, pcl"):
@@ -54,6 +55,11 @@ def test_every_strategy_spends_the_same_units(name: str) -> None:
     assert not (root_plan.counts == 1).any()
     if strategy(name).flat:
         assert root_plan.counts.sum() == 512 and root_plan.continuations.sum() == 0
+    elif strategy(name).auto_shape:  # 256 × 2 or 128 × 6: the same 512 units
+        roots = int(root_plan.counts.sum())
+        assert roots in (256, 128)
+        per_root = 2 if roots == 256 else 6
+        np.testing.assert_array_equal(root_plan.continuations, per_root * root_plan.counts)
     else:
         assert root_plan.counts.sum() == 256
         np.testing.assert_array_equal(root_plan.continuations, 2 * root_plan.counts)

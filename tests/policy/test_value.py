@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from trace_core.algo.prefix import TrainingRows, training_rows
+from trace_core.algo.shape import PRIOR_WORTH
 from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
 from trace_core.policy.featurizer import EXTRA_FEATURES, EmbeddingFeaturizer, HashedNgramFeaturizer
 from trace_core.policy.format import TurnFormat
@@ -260,6 +261,25 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     predictor.fit(more, generator(2))
     loaded.fit(more, generator(2))
     assert np.allclose(loaded.predict(held), predictor.predict(held), atol=1e-6)
+
+
+def test_fit_measures_the_continuation_worth_and_keeps_it(tmp_path: Path) -> None:
+    """ω (algo.shape) from the fitted trees, averaged with what came before, saved and loaded:
+    the next rollout step's trace-auto reads it from the predictor folder."""
+    builder = TreeBuilder(TreeInfo(prompt_id="p"), prompt_tokens=[FILLER[0], TURN])
+    builder.set_predicted_v(0, 0.5)
+    first = builder.add_turn(0, [FILLER[0], TURN])
+    builder.set_reward(builder.add_turn(first, [FILLER[0], TURN]), 1.0)
+    for _ in range(2):  # both continuations flip the won rollout: 2 flips where 1 was expected
+        builder.set_reward(builder.add_turn(first, [FILLER[0], TURN], branch=True), 0.0)
+    predictor = ValuePredictor(SMALL, generator=generator(0))
+    assert predictor.continuation_worth == PRIOR_WORTH
+    report = predictor.fit([builder.build()], generator(1))
+    assert report.continuation_worth == predictor.continuation_worth == 0.5 * (PRIOR_WORTH + 2.0)
+    predictor.save(tmp_path / "value")
+    assert ValuePredictor.load(tmp_path / "value").continuation_worth == 1.25
+    predictor.fit(synthetic_trees(4, 0, "s"), generator(2))  # no scored root: unchanged
+    assert predictor.continuation_worth == 1.25
 
 
 def test_load_rejects_what_it_cannot_read(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ one place that says how a strategy picks prompts (stage 1) and prefixes (stage 2
 | trace        | adaptive (``allocate_roots``)  | predicted flips    |
 | trace-root   | adaptive                       | uniform at random  |
 | trace-prefix | uniform, fixed group           | predicted flips    |
+| trace-auto   | adaptive, and the shape M × N  | predicted flips    |
 | oracle       | adaptive, on the true V        | true flips         |
 
 Budget is counted in rollout units: a root rollout costs 1 and a continuation 0.5, so M roots
@@ -20,7 +21,8 @@ m_i·N continuations; flat strategies spend all M(1 + N/2) units on roots.
 ``plan`` is stage 1 (root counts for a pool of prompts, from their scores) and
 ``RootPlan.expand`` stage 2 (one prompt's continuations over its visited prefixes, as soon as
 that prompt's roots are done). ``oracle`` is ``trace`` fed the true V: the caller decides what
-the scores are, and only the simulator can pass true values.
+the scores are, and only the simulator can pass true values. ``trace-auto`` is ``trace`` on the
+shape of the iteration's units that ``algo.shape.choose_shape`` picks from the pool's scores.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trace_core.algo.allocate import allocate_prefixes, allocate_roots
+from trace_core.algo.shape import PRIOR_WORTH, choose_shape
 from trace_core.algo.tree import CONTINUATION_UNIT, ROOT_UNIT
 
 IntArray = npt.NDArray[np.int64]
@@ -45,6 +48,7 @@ class Strategy:
     roots: RootRule
     prefixes: PrefixRule
     uses_true_value: bool = False  # only the simulator can run it
+    auto_shape: bool = False  # M × N chosen per iteration (algo.shape)
 
     @property
     def flat(self) -> bool:
@@ -64,6 +68,7 @@ STRATEGIES: dict[str, Strategy] = {
     "trace": Strategy("adaptive", "predicted"),
     "trace-root": Strategy("adaptive", "random"),
     "trace-prefix": Strategy("uniform", "predicted"),
+    "trace-auto": Strategy("adaptive", "predicted", auto_shape=True),
     "oracle": Strategy("adaptive", "predicted", uses_true_value=True),
 }
 
@@ -180,14 +185,20 @@ def plan(
     scores: npt.ArrayLike,
     budget: Budget,
     rng: np.random.Generator,
+    worth: float = PRIOR_WORTH,
 ) -> RootPlan:
     """Stage 1: root rollouts per prompt of a pool.
 
     ``scores[i]`` is prompt i's success probability as the strategy sees it: the predictor's
     V for the learned strategies, the true V for ``oracle``; uniform strategies ignore it.
+    ``worth``: how often a continuation flips against a fresh root (``algo.shape``), which
+    ``trace-auto`` weighs its shapes with.
     """
     spec = strategy(name)
     v = np.asarray(scores, dtype=np.float64)
+    if spec.auto_shape:
+        roots, per_root = choose_shape(v, budget.roots, budget.continuations, worth)
+        budget = Budget(roots, per_root, budget.group)
     pool = len(v)
     total = budget.flat_roots if spec.flat else budget.roots
     counts = np.zeros(pool, dtype=np.int64)

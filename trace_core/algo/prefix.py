@@ -32,6 +32,11 @@ class Predictor(Protocol):
         """V of prompts, for stage 1: ``predict`` unless the predictor has a head for them."""
         ...
 
+    @property
+    def continuation_worth(self) -> float:
+        """How often a continuation flips against a fresh root (``algo.shape``'s ω)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TrainingRows:

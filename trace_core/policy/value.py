@@ -63,6 +63,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from trace_core.algo.prefix import TrainingRows, concat_rows, training_rows
+from trace_core.algo.shape import PRIOR_WORTH, continuation_worth
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.checkpoint import check_safetensors
 from trace_core.policy.featurizer import (
@@ -205,6 +206,9 @@ class FitReport:
     that no replayed row holds — what stage 1 and stage 2 ranked this iteration's budget
     with. The constant is the replayed rows' leaf-weighted mean target of the same kind.
     NaN on the first fit (nothing before it) and where a set holds one outcome only."""
+    continuation_worth: float = math.nan
+    """ω after this fit (``algo.shape``): how often the trees' continuations flipped against a
+    fresh root of the predicted prompt V, averaged with the earlier fits'."""
 
 
 @dataclass
@@ -291,6 +295,9 @@ class ValuePredictor:
         self.root: nn.Linear | None = None
         """The prompts' own head (``root_head``); None until a fit has seen a root row."""
         self.fits = 0
+        self.continuation_worth = PRIOR_WORTH
+        """ω of ``algo.shape`` (``trace-auto`` weighs its shapes with it): the mean of the prior
+        and every fit's trees' measured worth, the newest weighing half."""
         self._replay: list[_Replay] = []
 
     # --- Predictor protocol --------------------------------------------------------------------
@@ -379,9 +386,13 @@ class ValuePredictor:
                 self.root = _fit_root_head(x[roots], y[roots], w[roots], c.root_l2)
         self.fits += 1
         self._push_replay(new)
+        measured = None if isinstance(data, TrainingRows) else continuation_worth(data)
+        if measured is not None:
+            self.continuation_worth = 0.5 * (self.continuation_worth + measured)
         return FitReport(
-            report_rows, replayed, loss_before, loss_after, time.perf_counter() - start, **forecast
-        )
+            report_rows, replayed, loss_before, loss_after, time.perf_counter() - start,
+            **forecast, continuation_worth=self.continuation_worth,
+        )  # fmt: skip
 
     @torch.no_grad()
     def unseen_forecasts(
@@ -458,6 +469,7 @@ class ValuePredictor:
                 **({"model": EMBEDDING_MODEL} if self.config.featurizer == "embedding" else {}),
             },
             "fits": self.fits,
+            "continuation_worth": self.continuation_worth,
         }
         (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         replay = concat_rows([r.rows for r in self._replay])
@@ -521,6 +533,7 @@ class ValuePredictor:
             predictor.root = nn.Linear(predictor.featurizer.dim, 1)
             predictor.root.load_state_dict(load_file(src / ROOT_FILE), strict=True)
         predictor.fits = int(meta["fits"])
+        predictor.continuation_worth = float(meta.get("continuation_worth", PRIOR_WORTH))
         if (src / REPLAY_FILE).exists():
             saved = {k: v.numpy() for k, v in load_file(src / REPLAY_FILE).items()}
             bounds = np.cumsum(saved["lengths"])[:-1]

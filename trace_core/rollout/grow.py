@@ -69,7 +69,7 @@ def grow_trees(
     rng = np.random.default_rng(config.seed)
     prompt_ids = [fmt.prompt_ids(task.prompt) for task in pool]
     scores = predictor.predict_roots(prompt_ids)
-    root_plan = plan(config.strategy, scores, config.budget, rng)
+    root_plan = plan(config.strategy, scores, config.budget, rng, predictor.continuation_worth)
     turn = SamplingParams(
         n=1,
         temperature=config.sampling.temperature,

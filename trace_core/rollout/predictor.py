@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trace_core.algo.prefix import Predictor, TrainingRows, training_rows
+from trace_core.algo.shape import PRIOR_WORTH, continuation_worth
 from trace_core.algo.tree import RolloutTree
 
 FloatArray = npt.NDArray[np.float64]
@@ -41,6 +42,7 @@ class ConstantPredictor:
     """The same V everywhere: what a strategy sees before any predictor is trained."""
 
     value: float = 0.5
+    continuation_worth: float = PRIOR_WORTH
 
     def predict(self, prefixes: Sequence[Sequence[int]]) -> FloatArray:
         return np.full(len(prefixes), self.value)
@@ -59,6 +61,8 @@ class HashedFeaturePredictor:
     l2: float = 1e-2
     steps: int = 300
     lr: float = 0.2
+    continuation_worth: float = PRIOR_WORTH
+    """``algo.shape``'s ω, measured on the observed trees (``observe``)."""
     weights: FloatArray = field(init=False)
     _rows: list[TrainingRows] = field(init=False, default_factory=list)
 
@@ -86,6 +90,9 @@ class HashedFeaturePredictor:
 
     def observe(self, trees: Sequence[RolloutTree]) -> None:
         self._rows.append(training_rows(trees))
+        measured = continuation_worth(trees)
+        if measured is not None:
+            self.continuation_worth = 0.5 * (self.continuation_worth + measured)
 
     def fit(self) -> None:
         """Full-batch Adam on the weighted cross-entropy of every row observed so far."""

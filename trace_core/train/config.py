@@ -34,7 +34,7 @@ class TrainConfig:
     """Fine-tune ``init`` on the task's reference solutions before the first iteration, so a
     pretrained model learns the action grammar (``train.warmstart``; calc, calc-mix, multihop)."""
     strategy: str = "trace"
-    """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
+    """Allocation strategy: grpo, pcl, treepo, trace, trace-root, trace-prefix or trace-auto."""
     iterations: int = 12
     """K: rollout → fit predictor → update iterations."""
     budget: int = 128

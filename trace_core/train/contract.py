@@ -198,7 +198,7 @@ class PipelineParameters:
     base_model_uri: str = ""
     """Starting policy: an HF directory or s3:// prefix; empty warm-starts calc/multihop."""
     strategy: str = "trace"
-    """Allocation strategy: grpo, pcl, treepo, trace, trace-root or trace-prefix."""
+    """Allocation strategy: grpo, pcl, treepo, trace, trace-root, trace-prefix or trace-auto."""
     budget: int = 128
     """M: root rollouts per iteration of a tree strategy."""
     continuations: int = 2
