@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
@@ -105,6 +106,8 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     # Iteration 2's trees, forecast by iteration 1's predictor: what the loop logged, recomputed
     # from the stored run (a skill the trees cannot define, one outcome only, is left out).
     assert "root_skill" not in records[1].predictor  # nothing before the first fit
+    held_out = [r.predictor.get("eval_root_skill", 0.0) for r in records[1:]]
+    assert all(math.isfinite(x) and x <= 1 for x in held_out)
     scored = {s.kind: s for s in score_run(out)}
     assert set(scored) == {"root", "prefix"} and scored["root"].iteration == 2
     assert scored["root"].nodes == len(read_trees(out / "iterations/0002/trees.parquet"))
@@ -118,6 +121,32 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     assert shown.exit_code == 0, shown.output
     assert "2 roots" in shown.output and "2 prefixes" in shown.output
     assert plot.stat().st_size > 0
+
+
+def test_held_out_root_skill_scores_the_eval_prompts_against_their_samples() -> None:
+    """4 held-out prompts, 4 samples each: 4, 3, 1 and 0 successes (rate 0.5, the constant's
+    Brier 0.25). A predictor that says 0.9, 0.7, 0.3, 0.1 has Brier 1.6 / 16 = 0.1: skill 0.6."""
+    from types import SimpleNamespace
+
+    from trace_core.envs.base import Task
+    from trace_core.train.evaluate import EvalReport
+    from trace_core.train.iteration import held_out_root_skill
+
+    tasks = [Task(f"t{i}", "x" * (i + 1), "", "any", "eval") for i in range(4)]
+    ids = tuple(t.id for t in tasks)
+    said = {1: 0.9, 2: 0.7, 3: 0.3, 4: 0.1}
+    predictor = SimpleNamespace(predict_roots=lambda ps: np.array([said[p[0]] for p in ps]))
+    fmt = SimpleNamespace(prompt_ids=lambda text: [len(text)])
+    per_task = {"pass1": [1.0, 1.0, 0.0, 0.0], "mean_k": [1.0, 0.75, 0.25, 0.0]}
+    report = EvalReport(4, 4, {}, {}, 0, per_task=per_task, task_ids=ids)
+    skill = held_out_root_skill(predictor, fmt, tasks, report)  # type: ignore[arg-type]
+    assert skill == pytest.approx(0.6)
+    constant = SimpleNamespace(predict_roots=lambda ps: np.full(len(ps), 0.5))
+    assert held_out_root_skill(constant, fmt, tasks, report) == pytest.approx(0.0)  # type: ignore[arg-type]
+    one_kind = EvalReport(4, 4, {}, {}, 0, per_task={"mean_k": [1.0] * 4}, task_ids=ids)
+    assert math.isnan(held_out_root_skill(predictor, fmt, tasks, one_kind))  # type: ignore[arg-type]
+    other = EvalReport(4, 4, {}, {}, 0, per_task=per_task, task_ids=("a", "b", "c", "d"))
+    assert math.isnan(held_out_root_skill(predictor, fmt, tasks, other))  # type: ignore[arg-type]
 
 
 def test_the_iteration_line_gives_each_phase_and_the_update_measurements() -> None:

@@ -110,7 +110,7 @@ def test_summary_markdown_holds_every_strategy_and_its_pairing() -> None:
     assert lines[0].startswith("`trace-rl compare` (calc, seeds 0..1;")
     grpo = next(line for line in lines if line.startswith("| `grpo` |"))
     assert grpo.startswith("| `grpo` | 0.600 [0.600, 0.600] | 0.600 [0.600, 0.600] | 0.250 [")
-    assert grpo.endswith("| 1.000 [1.000, 1.000] | — |")  # no root skill in made-up records
+    assert grpo.endswith("| 1.000 [1.000, 1.000] | — | — |")  # no skills in made-up records
     paired = lines[lines.index("Paired against grpo, seed by seed (strategy − grpo):") :]
     assert any(
         line.startswith("| `trace` | +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] | +0.450 [")

@@ -19,7 +19,9 @@ metric → {mean, std, low, high, n}; std with ddof 1):
 - ``tokens``: generated rollout tokens over all iterations;
 - ``root_skill``: the predictor's Brier skill on each iteration's new prompts before it
   trained on them (``FitReport.root_skill``: what ranked stage 1's roots), mean over the
-  iterations that have one (from the second);
+  iterations that have one (from the second); ``eval_root_skill``: its Brier skill on the
+  held-out evaluation prompts (which no tree holds) against their sampled outcomes, after each
+  evaluated iteration's fit, mean over those iterations;
 - ``tokens_to_grpo_final``: per seed, the generated tokens after which the strategy's held-out
   accuracy first reaches grpo's final one of the same seed, divided by grpo's total tokens of
   that seed — below 1 means it got there with fewer tokens. Interpolated linearly between the
@@ -62,6 +64,7 @@ METRICS = (
     "tokens",
     "tokens_to_grpo_final",
     "root_skill",
+    "eval_root_skill",
 )
 PAIRED = ("accuracy", "pass1", "prompt_effective_ratio", "anchor_effective_ratio")
 # Student t's 97.5% quantile for 1..30 degrees of freedom; the normal's 1.96 beyond.
@@ -309,8 +312,8 @@ def _seed_rows(
     def over_iterations(key: str) -> list[float]:
         return [float(np.mean([r.rollout[key] for r in rec[1:]])) for rec in per_seed]
 
-    def skill(rec: Sequence[IterationRecord]) -> float:
-        scored = [r.predictor["root_skill"] for r in rec if "root_skill" in r.predictor]
+    def skill(rec: Sequence[IterationRecord], key: str = "root_skill") -> float:
+        scored = [r.predictor[key] for r in rec if key in r.predictor]
         return float(np.mean(scored)) if scored else float("nan")
 
     return {
@@ -321,6 +324,7 @@ def _seed_rows(
         "mixed_per_100_units": over_iterations("mixed_per_100_units"),
         "tokens": [float(rec[-1].total_tokens) for rec in per_seed],
         "root_skill": [skill(rec) for rec in per_seed],
+        "eval_root_skill": [skill(rec, "eval_root_skill") for rec in per_seed],
     }
 
 

@@ -183,3 +183,24 @@ def evaluate(
 
 def eval_tasks(suite: TaskSuite, config: TrainConfig) -> list[Task]:
     return list(suite.tasks("eval")[: config.eval_tasks])
+
+
+def held_out_root_skill(
+    predictor: ValuePredictor, fmt: TurnFormat, tasks: Sequence[Task], report: EvalReport
+) -> float:
+    """The predictor's Brier skill at ranking the held-out prompts ``tasks`` (which no tree
+    holds) against their sampled outcomes in ``report`` (k per task): 1 − its Brier score over
+    the best constant's (the outcomes' own mean). NaN without sampled outcomes of both kinds."""
+    from trace_core.algo.forecast import brier_score
+
+    sampled = (report.per_task or {}).get("mean_k")
+    if not sampled or report.task_ids != tuple(t.id for t in tasks):
+        return float("nan")
+    successes = np.asarray(sampled) * report.k
+    failures = report.k - successes
+    p = predictor.predict_roots([fmt.prompt_ids(task.prompt) for task in tasks])
+    rate = float(successes.sum() / (successes.sum() + failures.sum()))
+    constant = brier_score(np.full(len(p), rate), successes, failures)
+    if not constant > 0:
+        return float("nan")
+    return 1.0 - brier_score(p, successes, failures) / constant

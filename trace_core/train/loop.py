@@ -171,11 +171,13 @@ def train(
             # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
             _write_iteration(out, i, model, tokenizer, optimizer, predictor, trees, metrics)
             policy_dir = iteration_dir(out, i) / "policy"
-            report = None
+            report, held_out = None, {}
             if i % config.eval_every == 0 or i == config.iterations:
                 start = time.perf_counter()
                 report = evaluate(policy_dir)
                 seconds["eval"] = time.perf_counter() - start
+                skill = iteration.held_out_root_skill(predictor, fmt, eval_tasks, report)
+                held_out = {"eval_root_skill": skill} if math.isfinite(skill) else {}
             if session.reload_seconds > reloaded:  # the kept engine took a policy in place
                 seconds["reload"] = session.reload_seconds - reloaded
             record = IterationRecord(
@@ -187,14 +189,20 @@ def train(
                 update=stats.as_dict(),
                 eval=_eval_dict(report) if report else None,
                 seconds=seconds,
-                predictor={k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)},
+                predictor={
+                    **{k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)},
+                    **held_out,
+                },
             )
             _append_log(out, record)
             move_latest(out, i)
             records.append(record)
             accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
-            skill = "root_skill" in record.predictor
-            skill_text = f", predictor root skill {fit.root_skill:+.2f}" if skill else ""
+            skill_text = "".join(
+                f", predictor {label} {record.predictor[key]:+.2f}"
+                for key, label in (("root_skill", "root skill"), ("eval_root_skill", "held out"))
+                if key in record.predictor
+            )
             phases = _phases_line(seconds, stats)
             say(
                 f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "

@@ -26,7 +26,8 @@ class IterationRecord:
     eval: dict[str, object] | None
     seconds: dict[str, float]
     predictor: dict[str, float] = field(default_factory=dict)
-    """The predictor fit: rows, replayed rows, weighted MSE before and after."""
+    """The predictor fit: rows, replayed rows, weighted MSE before and after, skills; where the
+    iteration was evaluated, ``eval_root_skill`` (``iteration.held_out_root_skill``)."""
 
 
 def read_log(out: Path) -> list[IterationRecord]:

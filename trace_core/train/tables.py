@@ -96,6 +96,7 @@ SUMMARY = (
     ("mixed_per_100_units", "mixed / 100 units"),
     ("tokens_to_grpo_final", "tokens to grpo final"),
     ("root_skill", "root skill"),
+    ("eval_root_skill", "root skill (held out)"),
 )
 """The summary's columns: metric, header."""
 
