@@ -435,7 +435,8 @@ class CalcMixSuite(CalcSuite):
     Measured with ``trace-rl train --task calc-mix --strategy grpo --iterations 2
     --warmstart-steps 2000`` (seed 0): the warm-started policy's mean@4 is 0.985 on the easiest
     level and 0.044 on the hardest, and GRPO's prompt effective ratio is 0.28 at iteration 1 and
-    0.19 at iteration 2. With the default 1,000 warm-start steps more prompts stay in between.
+    0.19 at iteration 2. With calc's 1,000 warm-start steps more prompts stay in between, so
+    calc-mix's runs warm-start for 2,000 unless told otherwise (``train.config.warmstart_steps``).
     """
 
     name = "calc-mix"

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from trace_core.algo.plan import strategy as check_strategy
-from trace_core.train.config import TrainConfig
+from trace_core.train.config import TrainConfig, warmstart_steps
 from trace_core.train.evaluate import ALL
 from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord
@@ -249,14 +249,14 @@ def run_compare(
 
 
 def _warm_start(config: CompareConfig, say: Callable[[str], None]) -> Path:
-    path = config.output / "warmstart"
+    path, run = config.output / "warmstart", replace(config.run, task=config.task)
     if not (path / "config.json").exists():
         say(f"warm start of the {config.task} policy → {path}")
         warmstart(
             WarmstartConfig(
                 task=config.task,
                 output=path,
-                sft=replace(WarmstartConfig().sft, steps=config.run.warmstart_steps),
+                sft=replace(WarmstartConfig().sft, steps=warmstart_steps(run)),
                 eval_tasks=50,
                 eval_samples=1,
             )

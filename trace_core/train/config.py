@@ -58,8 +58,9 @@ class TrainConfig:
     """Samples per task for mean@k."""
     eval_every: int = 2
     """Evaluate after every this many iterations (and before the first, and after the last)."""
-    warmstart_steps: int = 1000
-    """SFT steps of the warm start (of the tiny policy, or of ``init`` with ``warmstart_init``)."""
+    warmstart_steps: int = 0
+    """SFT steps of the warm start (of the tiny policy, or of ``init`` with ``warmstart_init``);
+    0: the task's (2000 for calc-mix, whose easiest level then saturates; else 1000)."""
     predictor: str = "hashed"
     """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
     train_workers: int = 0
@@ -96,9 +97,12 @@ class TrainConfig:
             raise ValueError("train_gpus needs train_workers >= 1 (one Ray Train worker per GPU)")
         if self.train_fsdp and not self.train_workers:
             raise ValueError("train_fsdp needs train_workers >= 1 (the ranks it shards across)")
-        for name in ("eval_tasks", "eval_k", "max_tokens", "warmstart_steps"):
+        for name in ("eval_tasks", "eval_k", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmstart_steps < 0:
+            steps = self.warmstart_steps
+            raise ValueError(f"warmstart_steps must be >= 0 (0: the task's), got {steps}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.init is None and self.task not in SYNTHETIC:
@@ -147,6 +151,16 @@ few GB (``trace-rl bench update``). warmstart_steps: with ``warmstart_init``, th
 ``train.warmstart.PRETRAINED_SFT`` (the tiny policy's 1,000 steps learn the task from scratch)."""
 
 
+TASK_WARMSTART_STEPS = {"calc-mix": 2000}
+"""Warm-start SFT steps of a task whose regime needs other than ``DEFAULT_WARMSTART_STEPS``."""
+DEFAULT_WARMSTART_STEPS = 1000
+
+
+def warmstart_steps(config: TrainConfig) -> int:
+    """The warm start's SFT steps: the config's, or (0) its task's."""
+    return config.warmstart_steps or TASK_WARMSTART_STEPS.get(config.task, DEFAULT_WARMSTART_STEPS)
+
+
 def with_pretrained_defaults(
     config: TrainConfig, explicit: Collection[str]
 ) -> tuple[TrainConfig, list[str]]:
@@ -165,7 +179,7 @@ def with_pretrained_defaults(
         notes.append(f"max_tokens {max_tokens} (tiny policy: {TrainConfig().max_tokens})")
     if config.warmstart_init and "warmstart_steps" not in explicit:
         steps = int(PRETRAINED["warmstart_steps"])
-        notes.append(f"warmstart_steps {steps} (tiny policy: {TrainConfig().warmstart_steps})")
+        notes.append(f"warmstart_steps {steps} (tiny policy: {DEFAULT_WARMSTART_STEPS})")
     changed = replace(config, update=update, max_tokens=max_tokens, warmstart_steps=steps)
     return changed, notes
 

@@ -33,7 +33,7 @@ from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
 from trace_core.rollout.engines import EngineSession, open_engine
 from trace_core.rollout.grow import GrowConfig
 from trace_core.rollout.phase import RolloutResult, run_rollout
-from trace_core.train.config import TrainConfig
+from trace_core.train.config import TrainConfig, warmstart_steps
 from trace_core.train.draws import IterationDraws
 from trace_core.train.evaluate import EvalReport, evaluate_policy
 from trace_core.train.warmstart import PRETRAINED_SFT, WarmstartConfig
@@ -47,7 +47,7 @@ def warmstart_config(
     solutions (``PRETRAINED_SFT``) in the run's turn length. Its steps come from the run's
     config, and it plays no more demonstrations than its steps can see (steps × batch)."""
     base = PRETRAINED_SFT if init else WarmstartConfig().sft
-    sft = replace(base, steps=config.warmstart_steps, seed=config.seed if init else base.seed)
+    sft = replace(base, steps=warmstart_steps(config), seed=config.seed if init else base.seed)
     return WarmstartConfig(
         task=config.task,
         output=output,
