@@ -14,6 +14,7 @@ import typer
 from trace_core.cli import (
     bench,
     bench_ray,  # noqa: F401  (its commands join the bench group)
+    bench_scale,  # noqa: F401  (its commands join the bench group)
     models,
     pipeline,
     tasks,

@@ -244,7 +244,8 @@ def compare_command(
         "rewards. tokens to grpo final: tokens to reach grpo's final accuracy ÷ grpo's tokens "
         "(same seed; below 1: sooner). root skill: the predictor's Brier skill on each "
         "iteration's new prompts before it trained on them (above 0: it ranks them better "
-        "than a constant).",
+        "than a constant); eval root skill: the same on the held-out prompts, against their "
+        "sampled outcomes.",
     )
     table.add_column("strategy")
     for metric in COMPARE_METRICS:

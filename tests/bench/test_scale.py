@@ -1,0 +1,323 @@
+"""``trace-rl bench scale``: the request stream read off real trees, the simulation's
+invariants, the calibration fit, the validation and the CLI.
+
+The trees are grown once by ``scale_calibrate.grow_workload`` (the ``bench workers``
+workload, tiny) with a random tiny policy on calc: its turns are noise that runs to the token
+limit, which is all the simulation reads (token counts and tree shape). Nothing here asserts
+on how long anything took.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from trace_core.algo.tree import RolloutTree
+from trace_core.bench.iteration_cost import QWEN3, SHAPES, run_iteration_cost
+from trace_core.bench.scale import GPU_PROFILES, ScaleBenchConfig, load_stream, validate
+from trace_core.bench.scale_calibrate import grow_workload, nonnegative_lstsq
+from trace_core.bench.scale_sim import (
+    COEFFICIENTS,
+    VARIANTS,
+    CostModel,
+    assign,
+    batch_features,
+    batch_seconds,
+    simulate,
+)
+from trace_core.bench.scale_trace import TurnStream, flat_stream, resize_stream, turn_stream
+from trace_core.bench.workers import WorkersBenchConfig
+from trace_core.cli import app
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.rollout.routing import split_work
+from trace_core.store.schema import write_trees
+
+BY_NAME = {v.name: v for v in VARIANTS}
+CPU = CostModel(
+    call_s=1e-3, prefill_token_s=1e-5, prefill_attention_s=1e-9, prompt_token_s=1e-6,
+    decode_step_s=3e-4, decode_row_s=1e-5, decode_context_s=1e-7, max_batch=256,
+    transport_s=1e-3, route_token_s=5e-7, driver_turn_s=1e-4,
+)  # fmt: skip
+"""About what ``scale-calibrate`` fits for the tiny policy here."""
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    fmt = TurnFormat(build_word_tokenizer(CalcSuite(seed=0).vocabulary()))
+    path = tmp_path_factory.mktemp("policy") / "calc"
+    save_checkpoint(create_policy(fmt.tokenizer, TinyPolicyConfig(), seed=0), fmt.tokenizer, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trees(checkpoint: Path) -> list[RolloutTree]:
+    from trace_core.policy.model import load_checkpoint
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    workload = WorkersBenchConfig(checkpoint, prompts=16, roots=16, max_tokens=6)
+    return grow_workload(TorchEngine(model), TurnFormat(tokenizer), workload)
+
+
+@pytest.fixture(scope="module")
+def tree_file(trees: list[RolloutTree], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trees") / "trees.parquet"
+    write_trees(path, trees)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stream(tree_file: Path) -> TurnStream:
+    return load_stream(ScaleBenchConfig((tree_file,), GPU_PROFILES["h100-8b-vllm"]))
+
+
+# --- the request stream ------------------------------------------------------------------
+def test_every_turn_is_the_request_that_grew_it(trees: list[RolloutTree]) -> None:
+    """Brute force: a turn's prompt is the concatenation of its path's tokens."""
+    s = turn_stream(trees)
+    assert s.turns == sum(t.size - 1 for t in trees)
+    for row in range(s.turns):
+        tree = trees[s.tree[row]]
+        path = tree.path(int(s.node[row]))[:-1]
+        prompt = sum(len(tree.gen_tokens[n]) + len(tree.obs_tokens[n]) for n in path)
+        assert s.prompt_tokens[row] == prompt
+        assert s.generated_tokens[row] == len(tree.gen_tokens[s.node[row]])
+        if s.parent[row] >= 0:  # the parent row is the parent node of the same tree
+            assert s.tree[s.parent[row]] == s.tree[row]
+            assert s.node[s.parent[row]] == tree.parent[s.node[row]]
+        in_stage2 = any(tree.branch[n] for n in tree.path(int(s.node[row])))
+        assert s.stage[row] == (2 if in_stage2 else 1)
+    assert s.branch.sum() == sum(t.continuations for t in trees) > 0
+    assert (s.reusable_tokens <= s.prompt_tokens).all()
+
+
+def test_flat_grpo_spends_the_same_units(trees: list[RolloutTree]) -> None:
+    s = turn_stream(trees)
+    flat = flat_stream(s)
+    firsts = np.bincount(flat.tree[flat.parent < 0], minlength=s.trees)
+    for t, tree in enumerate(trees):
+        assert firsts[t] == round(tree.units)  # 1 per root, 0.5 per continuation, as episodes
+    assert not flat.branch.any() and (flat.stage == 1).all()
+
+
+def test_resizing_keeps_prompts_consistent(stream: TurnStream) -> None:
+    big = resize_stream(stream, copies=3, token_scale=2.5)
+    assert big.trees == 3 * stream.trees and big.turns == 3 * stream.turns
+    child = np.flatnonzero(big.parent >= 0)
+    p = big.parent[child]
+    assert (big.prompt_tokens[child] == big.prompt_tokens[p] + big.generated_tokens[p]
+            + big.observation_tokens[p]).all()  # fmt: skip
+    assert (big.tree[child] == big.tree[p]).all()
+
+
+# --- the service-time model --------------------------------------------------------------
+def test_batch_seconds_by_hand() -> None:
+    """Two rows: prompt 10 (4 cached, 6 prefilled) making 3 tokens; prompt 5 (all new), 1."""
+    cost = CostModel(
+        call_s=1.0, prefill_token_s=0.1, prefill_attention_s=0.01, prompt_token_s=0.001,
+        decode_step_s=2.0, decode_row_s=0.5, decode_context_s=0.02,
+    )  # fmt: skip
+    rows = np.array([6, 5]), np.array([4, 0]), np.array([3, 1])
+    # Both: call 1 + prefill 0.1 × 11 + attention 0.01 × (6 × (4 + 3) + 5 × 2.5)
+    # + prompt 0.001 × 15.
+    head = 1 + 1.1 + 0.01 * 54.5 + 0.015
+    # vLLM (continuous): row 1 takes 2 steps (its first token came with the prefill), row 2
+    # none: steps 2 × 2.0 + row-steps 2 × 0.5 + context 0.02 × ((10 + 1) + (10 + 2)).
+    vllm = replace(cost, continuous=True, max_batch=1)  # max(2 steps, 2 row-steps / 1 slot)
+    assert batch_seconds(vllm, *rows) == pytest.approx(head + 4.0 + 1.0 + 0.02 * 23)
+    # TorchEngine: step 0 runs both rows over 10 + 1 columns; row 2 is done (half the rows:
+    # it leaves); row 1 runs steps 1 and 2 over 12 and 13 columns, done after step 2.
+    # steps 3 × 2.0 + row-steps 4 × 0.5 + columns 0.02 × (2 × 11 + 12 + 13).
+    assert batch_seconds(cost, *rows) == pytest.approx(head + 6.0 + 2.0 + 0.02 * 47)
+
+
+def test_affinity_routing_is_split_work_from_empty_loads() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        workers, groups = int(rng.integers(1, 6)), int(rng.integers(1, 12))
+        owners = [None if o < 0 else int(o) for o in rng.integers(-1, workers, size=groups)]
+        home = rng.integers(1, 50, size=groups).astype(float).tolist()
+        away = [h + float(rng.integers(0, 50)) for h in home]
+        mine = assign(owners, home, away, np.zeros(workers), "affinity", 0.15, rng)
+        assert mine == split_work(owners, home, away, list(range(workers)), 0.15)
+
+
+def test_the_fit_recovers_the_model_that_made_the_timings() -> None:
+    """Calls shaped as ``scale-calibrate`` times them (fresh, decode, cached, and rows that
+    stop early), their seconds made by a known model: the fit gives that model back."""
+    c = replace(CPU, decode_copy_s=3e-6)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in (1, 4, 16, 64):
+        for length in (32, 160):
+            prompts = rng.integers(length // 4, length + 1, b)
+            zeros, ones = np.zeros(b, np.int64), np.ones(b, np.int64)
+            stops = rng.integers(1, 25, b)  # a rollout call: rows stop at different tokens
+            for prefill, cached, gen in (
+                (prompts, zeros, ones), (prompts, zeros, ones * 24), (ones, prompts - 1, ones),
+                (prompts // 2, prompts - prompts // 2, stops),
+            ):  # fmt: skip
+                rows.append(batch_features(prefill, cached, gen, 256, continuous=False))
+    x = np.array(rows)
+    y = x @ np.array([getattr(c, name) for name in COEFFICIENTS])
+    assert nonnegative_lstsq(x, y) == pytest.approx([getattr(c, n) for n in COEFFICIENTS])
+
+
+def test_torch_engine_rows_leave_a_quarter_at_a_time() -> None:
+    """Four rows of prompt 10 making 1, 5, 5, 5 tokens: the short row is done after step 0
+    (1 of 4: a quarter, so it leaves), the rest run steps 1-4 (done after step 4)."""
+    f = batch_features(np.full(4, 10), np.zeros(4, np.int64), np.array([1, 5, 5, 5]), 256, False)
+    steps, row_steps, columns, copied = f[4:]
+    assert steps == 5 and row_steps == 4 + 3 * 4
+    assert columns == 4 * 11 + 3 * (12 + 13 + 14 + 15)  # the longest prompt + t + 1 columns
+    assert copied == 3 * 11  # three rows kept after step 0
+
+
+# --- the simulation ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_the_simulation_conserves_tokens(stream: TurnStream, name: str) -> None:
+    workload = flat_stream(stream) if BY_NAME[name].workload == "flat" else stream
+    for w in (1, 3, 16):
+        r = simulate(stream, BY_NAME[name], w, CPU)
+        assert r.generated_tokens == workload.generated_tokens.sum()
+        assert r.prefill_tokens + r.cache_hit_tokens == workload.prompt_tokens.sum()
+        assert r.cache_hit_tokens <= workload.reusable_tokens.sum()  # nothing hits unseen tokens
+        assert 0 < r.utilisation <= 1 and r.imbalance >= 0
+
+
+def test_one_worker_hits_every_reusable_token(stream: TurnStream) -> None:
+    r = simulate(stream, BY_NAME["trace"], 1, CPU)
+    assert r.cache_hit_tokens == stream.reusable_tokens.sum()
+    # An async driver changes nothing with one worker: every turn waits for the last call.
+    assert simulate(stream, BY_NAME["trace-async"], 1, CPU).makespan_s == pytest.approx(
+        r.makespan_s
+    )
+
+
+def test_a_global_barrier_is_never_faster_with_an_async_driver(stream: TurnStream) -> None:
+    """With an async driver the barrier leaves workers idle while the slowest prompt's roots
+    finish. (Lock-step already waits for the slowest turn of every call, so there the
+    barrier costs little and may even batch stage 2 better: no assertion.)"""
+    for w in (2, 8, 64):
+        local = simulate(stream, BY_NAME["trace-async"], w, CPU).makespan_s
+        assert simulate(stream, BY_NAME["trace-async-barrier"], w, CPU).makespan_s >= local
+
+
+def test_affinity_keeps_more_tokens_in_cache_than_random(stream: TurnStream) -> None:
+    for w in (2, 8):
+        affinity = simulate(stream, BY_NAME["trace"], w, CPU).cache_hit_tokens
+        random = simulate(stream, BY_NAME["trace-random"], w, CPU, seed=1).cache_hit_tokens
+        least = simulate(stream, BY_NAME["trace-least-loaded"], w, CPU).cache_hit_tokens
+        assert affinity > random and affinity > least
+
+
+def test_more_workers_never_slow_least_loaded_routing(stream: TurnStream) -> None:
+    # Until W exceeds the widest call, then it stays flat: the extra workers get nothing.
+    spans = [
+        simulate(stream, BY_NAME["trace-least-loaded"], w, CPU).makespan_s for w in range(1, 9)
+    ]
+    assert all(b <= a * 1.0001 for a, b in itertools.pairwise(spans))
+    assert spans[-1] < spans[0]
+
+
+def test_the_simulation_is_deterministic(stream: TurnStream) -> None:
+    a = simulate(stream, BY_NAME["trace-random"], 8, CPU, seed=3)
+    assert a == simulate(stream, BY_NAME["trace-random"], 8, CPU, seed=3)
+
+
+# --- validation and the per-iteration cost -----------------------------------------------
+def test_validation_compares_with_the_measured_runs(stream: TurnStream) -> None:
+    measured = {
+        "runs": [
+            {"engine": "in-process", "workers": 0, "tokens_per_s": 900.0, "busy_share": 1.0},
+            {"engine": "torch ray×1", "workers": 1, "tokens_per_s": 800.0, "busy_share": 0.8},
+            {"engine": "torch ray×2", "workers": 2, "tokens_per_s": 1200.0, "busy_share": 0.6},
+            {"engine": "vllm ray×2", "workers": 2, "tokens_per_s": 50.0, "busy_share": 0.5},
+        ]
+    }
+    rows = validate(stream, CPU, measured)
+    assert [r.run for r in rows] == ["in-process", "torch ray×1", "torch ray×2"]
+    two = simulate(stream, BY_NAME["trace"], 2, CPU)
+    assert rows[2].predicted_tokens_per_s == two.tokens_per_s
+    assert rows[2].error == pytest.approx(two.tokens_per_s / 1200.0 - 1)
+    no_ray = replace(CPU, transport_s=0.0, route_token_s=0.0)
+    assert (
+        rows[0].predicted_tokens_per_s == simulate(stream, BY_NAME["trace"], 1, no_ray).tokens_per_s
+    )
+    with pytest.raises(ValueError, match="bench workers"):
+        validate(stream, CPU, {"rows": []})
+
+
+def test_iteration_cost_arithmetic(tree_file: Path) -> None:
+    rows = run_iteration_cost([tree_file], models=("8b",))
+    (r,) = rows
+    params = QWEN3["8b"].params
+    assert r.policy_bytes == 2 * params and r.optimizer_bytes == 8 * params
+    # Policy: written, read by the update and by every rollout node (16 GPUs: 2 nodes).
+    assert r.s3_bytes >= (2 + 2) * r.policy_bytes + 2 * r.optimizer_bytes
+    assert 0 < r.outside_share < 1 and r.rollout_s > 0 and r.update_s > 0
+    assert r.total_s == pytest.approx(r.s3_s + r.reload_s + r.pods_s + r.rollout_s + r.update_s)
+    assert set(SHAPES) == set(QWEN3)
+
+
+# --- the command line --------------------------------------------------------------------
+def test_bench_scale_command(tree_file: Path, tmp_path: Path) -> None:
+    out, plot = tmp_path / "scale.json", tmp_path / "scale.png"
+    measured = tmp_path / "workers.json"
+    measured.write_text(json.dumps({"runs": [
+        {"engine": "torch ray×1", "workers": 1, "tokens_per_s": 100.0, "busy_share": 0.8},
+    ]}))  # fmt: skip
+    args = ["bench", "scale", "--trees", str(tree_file), "--profile", "h100-8b-vllm"]
+    result = CliRunner().invoke(
+        app, [*args, "--measured", str(measured), "--json", str(out), "--plot", str(plot)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["config"]["workers"] == [1, 2, 8, 64, 256]
+    runs = {(r["variant"], r["workers"]) for r in data["runs"]}
+    assert runs == {(v, w) for v in BY_NAME for w in (1, 2, 8, 64, 256)}
+    assert data["ratios"]["trace W=64"]["vs_trace"] == 1.0
+    assert data["validation"][0]["measured_tokens_per_s"] == 100.0
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert "÷ grpo" in result.output and "speed-up" in result.output
+
+
+def test_bench_scale_names_a_missing_profile(tree_file: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    args = ["bench", "scale", "--trees", str(tree_file), "--profile", str(missing)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "--profile" in result.output and "scale-calibrate" in result.output
+
+
+@pytest.mark.slow
+def test_calibrate_command_feeds_bench_scale(checkpoint: Path, tmp_path: Path) -> None:
+    """The real fit on the tiny policy, without Ray; the profile it writes then runs."""
+    trees, profile, out = tmp_path / "trees.parquet", tmp_path / "cpu.json", tmp_path / "s.json"
+    result = CliRunner().invoke(app, [
+        "bench", "scale-calibrate", "--checkpoint", str(checkpoint), "--trees", str(trees),
+        "--output", str(profile), "--prompts", "8", "--budget", "8", "--max-tokens", "6",
+        "--no-transport",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(profile.read_text())
+    cost = data["cost"]
+    assert cost["transport_s"] == 0.0 and cost["decode_step_s"] + cost["decode_row_s"] > 0
+    kinds = [m["kind"] for m in data["measurements"]]
+    # 4 batch sizes × 2 prompt lengths × (equal, mixed) × (fresh, decode, cached), then one
+    # per engine call of the practice rollout.
+    assert kinds[:48] == ["fresh", "decode", "cached"] * 16 and set(kinds[48:]) == {"rollout"}
+    args = ["bench", "scale", "--trees", str(trees), "--profile", str(profile)]
+    result = CliRunner().invoke(app, [*args, "--workers", "1,2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["profile"]["name"] == "cpu-calc"
