@@ -15,7 +15,7 @@ from trace_core.algo.shape import (
     candidate_shapes,
     choose_shape,
     continuation_worth,
-    episode_reward,
+    episode_rewards,
     shape_value,
 )
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
@@ -68,7 +68,7 @@ def test_worth_is_observed_flips_over_a_fresh_roots() -> None:
     # The rollout won; a fresh root of V 0.5 would lose half the time: 2 continuations expect
     # 1 flip, and 1 happened.
     one = tree(0.5, [1.0], [0.0, 1.0])
-    assert episode_reward(one, 1) == 1.0 and episode_reward(one, 3) == 0.0
+    assert episode_rewards(one)[1] == 1.0 and episode_rewards(one)[3] == 0.0
     assert continuation_worth([one]) == pytest.approx(1.0)
     # V 0.8 and a lost rollout: a fresh root wins 0.8 of the time; 2 of 2 continuations won.
     two = tree(0.8, [0.0], [1.0, 1.0])

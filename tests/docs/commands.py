@@ -8,6 +8,12 @@ at the start or after a blank) are dropped, and so are lines left empty.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 
 def commands(text: str) -> list[str]:
     found: list[str] = []
@@ -37,3 +43,16 @@ def without_comment(line: str) -> str:
         elif char == "#" and (i == 0 or line[i - 1].isspace()):
             return line[:i]
     return line
+
+
+def run_in_docs_copy(command: str, repo: Path, where: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` as a reader types it, in ``where`` holding a copy of ``repo``'s docs/ (so
+    what it writes leaves the repository alone), with this environment's ``trace-rl`` first on
+    PATH; asserts it exits 0."""
+    shutil.copytree(repo / "docs", where / "docs")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        command, shell=True, cwd=where, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    return done

@@ -14,15 +14,11 @@ names), and every command of the page is accounted for.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from trace_test_commands import commands  # registered by tests/conftest.py
+from trace_test_commands import commands, run_in_docs_copy  # registered by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "results.md"
@@ -53,12 +49,7 @@ def test_every_command_is_accounted_for() -> None:
 
 @pytest.mark.parametrize("command", PRINTING)
 def test_each_table_is_what_the_stored_result_prints(command: str, tmp_path: Path) -> None:
-    shutil.copytree(REPO / "docs", tmp_path / "docs")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    run_in_docs_copy(command, REPO, tmp_path)
     written = re.search(r"--markdown (\S+)", command)
     assert written, f"{command}: the page's tables come from --markdown"
     text = (tmp_path / written.group(1)).read_text()

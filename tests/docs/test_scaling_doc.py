@@ -16,15 +16,11 @@ verbatim: a figure copied by hand that drifts from its result fails.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from trace_test_commands import commands  # registered by tests/conftest.py
+from trace_test_commands import commands, run_in_docs_copy  # registered by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "scaling.md"
@@ -147,12 +143,7 @@ def test_the_validation_and_cost_tables_are_the_stored_results() -> None:
     "command", [c for c in commands(PAGE.read_text()) if PRINTING.fullmatch(c)]
 )
 def test_runs_as_printed(command: str, tmp_path: Path) -> None:
-    shutil.copytree(REPO / "docs", tmp_path / "docs")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    run_in_docs_copy(command, REPO, tmp_path)
     written = re.search(r"--json (\S+)", command)
     assert written, command
     fresh = json.loads((tmp_path / written.group(1)).read_text())

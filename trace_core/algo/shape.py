@@ -31,6 +31,8 @@ import numpy.typing as npt
 from trace_core.algo.allocate import allocate_roots, contrast
 from trace_core.algo.tree import CONTINUATION_UNIT, ROOT, ROOT_UNIT, RolloutTree
 
+FloatArray = npt.NDArray[np.float64]
+
 SHAPES = (2, 4, 6)
 """Continuations per root ``trace-auto`` considers, besides the run's own."""
 PRIOR_WORTH = 0.5
@@ -64,14 +66,14 @@ def choose_shape(v: npt.ArrayLike, roots: int, continuations: int, worth: float)
     return max(shapes, key=lambda s: (shape_value(v, s[0], s[1], worth), s[0]))
 
 
-def episode_reward(tree: RolloutTree, node: int) -> float:
-    """The reward of the episode that made ``node``: down its own (not branched) turns."""
-    kids = tree.children()
-    while True:
-        own = [int(k) for k in kids[node] if not tree.branch[k]]
-        if not own:
-            return float(tree.reward[node])
-        node = own[0]
+def episode_rewards(tree: RolloutTree) -> FloatArray:
+    """Per node, the reward of the episode that made it: its own (not branched) turns lead to
+    one leaf. One pass from the last node up (``parent[i] < i``)."""
+    reward = tree.reward.copy()
+    for node in range(tree.size - 1, 0, -1):
+        if not tree.branch[node]:
+            reward[tree.parent[node]] = reward[node]
+    return reward
 
 
 def continuation_worth(trees: Iterable[RolloutTree]) -> float | None:
@@ -82,9 +84,10 @@ def continuation_worth(trees: Iterable[RolloutTree]) -> float | None:
         v = float(tree.predicted_v[ROOT])
         if math.isnan(v):
             continue
+        episode = episode_rewards(tree)
         for start in np.flatnonzero(tree.branch):
-            r = episode_reward(tree, int(tree.parent[start]))
-            flips += float(episode_reward(tree, int(start)) != r)
+            r = float(episode[tree.parent[start]])
+            flips += float(episode[start] != r)
             expected += r * (1.0 - v) + (1.0 - r) * v
     if expected <= 0:
         return None

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trace_core.algo.forecast import brier_score
 from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task, TaskSuite
@@ -191,8 +192,6 @@ def held_out_root_skill(
     """The predictor's Brier skill at ranking the held-out prompts ``tasks`` (which no tree
     holds) against their sampled outcomes in ``report`` (k per task): 1 − its Brier score over
     the best constant's (the outcomes' own mean). NaN without sampled outcomes of both kinds."""
-    from trace_core.algo.forecast import brier_score
-
     sampled = (report.per_task or {}).get("mean_k")
     if not sampled or report.task_ids != tuple(t.id for t in tasks):
         return float("nan")
