@@ -131,9 +131,9 @@ def test_trace_buys_more_contrast_per_unit_than_grpo(checkpoint: Path, scripted:
 
 
 MIX = CalcMixSuite(seed=SEED)
-MIX_RIGHT = {"ops=1,digits=1": 0.97, "ops=3,digits=3": 0.03}
-"""P(final answer right) on calc-mix: nearly always on the easiest level, nearly never on the
-hardest, half the time on the two between (everything else)."""
+MIX_RIGHT = {"ops=1,digits=1": 0.98, "ops=3,digits=3": 0.01}
+"""P(final answer right) on calc-mix, about as the warm-started policy has it: nearly always on
+the easiest level, nearly never on the hardest, half the time on the levels between."""
 
 
 class ScriptedMix(ScriptedCalc):

@@ -277,14 +277,18 @@ def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
 def test_workers_bench_times_every_engine_on_the_same_workload(
     ray_cluster: None, checkpoint: Path, tmp_path: Path
 ) -> None:
-    """A tiny ``bench workers`` with 1 and 2 Ray workers (3 of the module's logical CPUs)."""
+    """A tiny ``bench workers`` with 1 and 2 Ray workers (3 of the module's logical CPUs), each
+    pool driven lock-step and async."""
     config = WorkersBenchConfig(
         checkpoint, prompts=8, roots=4, continuations=2, max_tokens=6, repeats=1, workers=(1, 2)
     )
     result = run_workers_bench(config)
-    local, one, two = result.runs
-    assert [r.engine for r in result.runs] == ["in-process", "torch ray×1", "torch ray×2"]
-    assert [r.workers for r in result.runs] == [0, 1, 2]
+    local, one, one_async, two, two_async = result.runs
+    assert [r.engine for r in result.runs] == [
+        "in-process", "torch ray×1", "torch ray×1 async", "torch ray×2", "torch ray×2 async"
+    ]  # fmt: skip
+    assert [r.workers for r in result.runs] == [0, 1, 1, 2, 2]
+    assert two.imbalance_share >= 0 and two_async.imbalance_share == 0  # no lock-step call
     for run in result.runs:
         assert run.units == 8.0  # 4 × (1 + 2/2): the same workload on every engine
         assert run.generated_tokens > 0 and run.seconds > 0 and 0 < run.busy_share <= 1
@@ -295,9 +299,14 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     data = json.loads((tmp_path / "bench.json").read_text())
     assert set(data) == {"config", "runs", "ratio", "ratios", "load_average", "cpus"}
     assert data["ratio"] == result.ratio
-    assert data["ratios"] == {"torch ray×2 / torch ray×1": result.ratio}
+    assert data["ratios"] == {
+        "torch ray×2 / torch ray×1": result.ratio,
+        "torch ray×2 async / torch ray×1 async": two_async.tokens_per_s / one_async.tokens_per_s,
+        "torch ray×1 async / torch ray×1": one_async.tokens_per_s / one.tokens_per_s,
+        "torch ray×2 async / torch ray×2": two_async.tokens_per_s / two.tokens_per_s,
+    }
     assert [r["generated_tokens"] for r in data["runs"]] == [
-        r.generated_tokens for r in (local, one, two)
+        r.generated_tokens for r in (local, one, one_async, two, two_async)
     ]
 
 
@@ -306,6 +315,8 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
         WorkersBenchConfig(tmp_path, workers=(1,))
     with pytest.raises(ValueError, match="two or more worker counts"):
         WorkersBenchConfig(tmp_path, workers=(2, 2))
+    with pytest.raises(ValueError, match="drivers must be among async, lock-step; got"):
+        WorkersBenchConfig(tmp_path, drivers=("eager",))
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)
@@ -348,6 +359,22 @@ def test_workers_bench_ratios_compare_worker_counts_and_engine_kinds() -> None:
         "vllm ray×2 / vllm ray×1": 2.0,
         "vllm ray×1 / torch ray×1": 3.0,
         "vllm ray×2 / torch ray×2": 4.0,
+    }
+    both = WorkersBenchResult(
+        config={},
+        runs=[
+            run("torch ray×1", 1, 100.0),
+            run("torch ray×1 async", 1, 100.0),
+            run("torch ray×2", 2, 150.0),
+            run("torch ray×2 async", 2, 180.0),
+        ],
+    )
+    assert both.ratio == 1.5  # lock-step's, the first driver timed
+    assert both.ratios() == {
+        "torch ray×2 / torch ray×1": 1.5,
+        "torch ray×2 async / torch ray×1 async": 1.8,
+        "torch ray×1 async / torch ray×1": 1.0,
+        "torch ray×2 async / torch ray×2": 1.2,
     }
 
 

@@ -168,7 +168,7 @@ class ScaleBenchConfig:
 @dataclass(frozen=True)
 class Validation:
     run: str
-    """The measured run: ``in-process`` or ``torch ray×W``."""
+    """The measured run: ``in-process``, ``torch ray×W`` or ``torch ray×W async``."""
     workers: int
     measured_tokens_per_s: float
     predicted_tokens_per_s: float
@@ -259,19 +259,21 @@ def run_scale_bench(
 
 
 def validate(stream: TurnStream, cost: CostModel, measured: dict[str, object]) -> list[Validation]:
-    """The baseline schedule predicted for every run of a ``bench workers`` result: the Ray
-    runs at their worker counts, the in-process engine as one worker with no transport."""
+    """The schedule predicted for every run of a ``bench workers`` result: the Ray runs at
+    their worker counts (``trace-async`` for the async driver's, the baseline for lock-step's),
+    the in-process engine as one worker with no transport."""
     runs = measured.get("runs")
     if not isinstance(runs, list) or not runs:
         raise ValueError("--measured: not a `trace-rl bench workers --json` file (no runs)")
-    baseline = next(v for v in VARIANTS if v.name == BASELINE)
+    by_name = {v.name: v for v in VARIANTS}
     out = []
     for run in runs:
         label, workers = str(run["engine"]), int(run["workers"])
         if workers and not label.startswith("torch"):
             continue  # the profile is TorchEngine's
         model = cost if workers else replace(cost, transport_s=0.0, route_token_s=0.0)
-        sim = simulate(stream, baseline, max(workers, 1), model)
+        variant = by_name["trace-async" if label.endswith(" async") else BASELINE]
+        sim = simulate(stream, variant, max(workers, 1), model)
         out.append(
             Validation(
                 run=label,

@@ -1,8 +1,8 @@
 """``trace-rl bench workers``: rollout throughput with 1 and 2 Ray engine workers, of one
 engine kind or several (``--engines torch,vllm``: vLLM against the TorchEngine).
 
-One workload, run once per worker count: ``grow_trees`` with strategy ``trace`` on the calc
-task, a fixed pool and budget, a constant predictor, through a ``RayEnginePool`` whose
+One workload, run once per worker count and driver: ``grow_trees`` with strategy ``trace`` on
+the calc task, a fixed pool and budget, a constant predictor, through a ``RayEnginePool`` whose
 workers run one torch thread each. An in-process ``TorchEngine`` on one thread runs it too,
 as the reference without Ray. Tokens/s = generated tokens / wall seconds of ``grow_trees``;
 actor start-up and a warm-up run are not timed, and every timed run starts from empty prefix
@@ -12,11 +12,16 @@ of each counts, and the machine's load average is recorded (the machine may be s
     from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
     print(run_workers_bench(WorkersBenchConfig(Path("build/policy/calc"))).ratio)
 
+Each pool is timed with both drivers of ``grow_trees`` (``EngineConfig.driver``): lock-step
+(labels ``torch ray×2``) and async (``torch ray×2 async``); ``ratios()`` has async over
+lock-step at every worker count, the before and after of the async driver.
+
 ``busy_share`` is the engines' busy time over (wall time × workers); the rest is what the
-lock-step schedule leaves idle. ``grow_trees`` makes one engine call per turn-step and waits
+schedule leaves idle. Lock-step, ``grow_trees`` makes one engine call per turn-step and waits
 for all of it, so within a call a worker that finishes its share early waits for the slowest
 one (``imbalance_share``), and between calls every worker waits while the driver steps the
-envs and Ray carries prompts and completions (the remainder).
+envs and Ray carries prompts and completions (the remainder). Async, a worker waits only for
+turns to be freed: for the driver to step the envs of the sub-batch it just returned.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
+from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
 from trace_core.rollout.ray_pool import RayEnginePool, ray_session
@@ -68,6 +74,8 @@ class WorkersBenchConfig:
     """vLLM: no torch.compile or CUDA graphs (starts faster, decodes slower on GPU)."""
     kv_cache_gib: float = 0.0
     """vLLM: KV cache per engine in GiB (0: vLLM's default, 4 GiB on CPU)."""
+    drivers: tuple[str, ...] = ("lock-step", "async")
+    """How ``grow_trees`` drives each pool (``EngineConfig.driver``), each timed."""
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.max_tokens, self.repeats) < 1:
@@ -81,12 +89,15 @@ class WorkersBenchConfig:
         unknown = sorted(set(self.engines) - {"torch", "hf", "vllm"})
         if unknown or not self.engines:
             raise ValueError(f"engines must be among torch, hf, vllm; got {self.engines}")
+        if not self.drivers or set(self.drivers) - set(DRIVERS):
+            raise ValueError(f"drivers must be among {', '.join(DRIVERS)}; got {self.drivers}")
 
 
 @dataclass(frozen=True)
 class WorkersRun:
     engine: str
-    """``in-process``, or ``KIND ray×W`` (``torch ray×2``, ``vllm ray×1``)."""
+    """``in-process``, or ``KIND ray×W`` (``torch ray×2``, ``vllm ray×1``) driven lock-step,
+    ``KIND ray×W async`` driven by the async driver."""
     workers: int
     """0 for the in-process engine."""
     seconds: float
@@ -96,9 +107,9 @@ class WorkersRun:
     busy_share: float
     """Engine busy seconds / (wall seconds × workers)."""
     imbalance_share: float
-    """Worker seconds spent waiting for the slowest sub-batch of a call / (wall × workers);
-    the rest of the idle time (1 - busy - imbalance) is the driver's turn (env steps,
-    routing) and Ray's transport, when every worker waits."""
+    """Lock-step: worker seconds spent waiting for the slowest sub-batch of a call /
+    (wall × workers); the rest of the idle time (1 - busy - imbalance) is the driver's turn
+    (env steps, routing) and Ray's transport, when every worker waits. 0 for async."""
     prefill_tokens: int
     affinity_moved: int
     """Prompts routed away from the worker that held their prefix."""
@@ -115,8 +126,14 @@ class WorkersBenchResult:
 
     @property
     def ratio(self) -> float:
-        """Tokens/s of the most workers over the fewest, of the first engine kind."""
-        first = [r for r in self.runs if r.workers and r.engine.startswith(self.kinds[0])]
+        """Tokens/s of the most workers over the fewest, of the first engine kind and driver."""
+        ray_runs = [r for r in self.runs if r.workers]
+        driver = ray_runs[0].engine.endswith(" async")
+        first = [
+            r
+            for r in ray_runs
+            if r.engine.startswith(self.kinds[0]) and r.engine.endswith(" async") == driver
+        ]
         return first[-1].tokens_per_s / first[0].tokens_per_s
 
     @property
@@ -128,14 +145,22 @@ class WorkersBenchResult:
         worker count: ``vllm ray×2 / torch ray×2``."""
         speed = {r.engine: r.tokens_per_s for r in self.runs if r.workers}
         counts = sorted({r.workers for r in self.runs if r.workers})
+        drivers = [d for d in ("", " async") if any(e.endswith(f"×{counts[0]}{d}") for e in speed)]
         out = {}
-        for kind in self.kinds:
-            most, fewest = f"{kind} ray×{counts[-1]}", f"{kind} ray×{counts[0]}"
-            out[f"{most} / {fewest}"] = speed[most] / speed[fewest]
-        for kind in self.kinds[1:]:
-            for w in counts:
-                base = f"{self.kinds[0]} ray×{w}"
-                out[f"{kind} ray×{w} / {base}"] = speed[f"{kind} ray×{w}"] / speed[base]
+        for d in drivers:
+            for kind in self.kinds:
+                most, fewest = f"{kind} ray×{counts[-1]}{d}", f"{kind} ray×{counts[0]}{d}"
+                out[f"{most} / {fewest}"] = speed[most] / speed[fewest]
+        for d in drivers:
+            for kind in self.kinds[1:]:
+                for w in counts:
+                    base = f"{self.kinds[0]} ray×{w}{d}"
+                    out[f"{kind} ray×{w}{d} / {base}"] = speed[f"{kind} ray×{w}{d}"] / speed[base]
+        if len(drivers) == 2:  # the async driver over lock-step, same pool
+            for kind in self.kinds:
+                for w in counts:
+                    lock = f"{kind} ray×{w}"
+                    out[f"{lock} async / {lock}"] = speed[f"{lock} async"] / speed[lock]
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -171,6 +196,8 @@ def run_workers_bench(
     )
 
     def timed(engine: Engine, reset: Callable[[], None], label: str, workers: int) -> WorkersRun:
+        if isinstance(engine, RayEnginePool):
+            engine.driver = "async" if label.endswith(" async") else "lock-step"
         reset()  # every timed run starts from empty prefix caches
         before = (engine.stats.calls, engine.stats.prefill_tokens, dict(engine.stats.extra))
         start = time.perf_counter()
@@ -223,9 +250,13 @@ def run_workers_bench(
                     )
                 )
                 reset = functools.partial(ray_pool.update_weights, config.checkpoint)
-                engines.append((ray_pool, reset, f"{kind} ray×{w}", w))
-        for engine, *_ in engines:
-            say("warm-up")
+                for driver in config.drivers:
+                    label = f"{kind} ray×{w}" + (" async" if driver == "async" else "")
+                    engines.append((ray_pool, reset, label, w))
+        for engine, _, label, _ in engines:
+            say(f"{label}: warm-up")
+            if isinstance(engine, RayEnginePool):
+                engine.driver = "async" if label.endswith(" async") else "lock-step"
             grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)
         for r in range(config.repeats):
             for engine, clear, label, w in engines:

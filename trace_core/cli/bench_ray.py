@@ -58,10 +58,14 @@ def bench_workers(
     kv_cache_gib: Annotated[
         float, typer.Option(help="vLLM: KV cache per engine in GiB (0: vLLM's default).")
     ] = 0.0,
+    drivers: Annotated[
+        str, typer.Option(help="Drivers of each pool, comma-separated: lock-step, async.")
+    ] = "lock-step,async",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), per engine kind,
-    and the ratios (2 workers over 1; each kind over the first)."""
+    """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), per engine kind
+    and driver, and the ratios (2 workers over 1; each kind over the first; async over
+    lock-step)."""
     from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
 
     try:
@@ -75,9 +79,10 @@ def bench_workers(
             engines=engine_kinds(engines),
             eager=eager,
             kv_cache_gib=kv_cache_gib,
+            drivers=tuple(d.strip() for d in drivers.split(",") if d.strip()),
         )
     except ValueError as err:
-        raise fail(f"--engines/--repeats/...: {err}") from None
+        raise fail(f"--engines/--drivers/--repeats/...: {err}") from None
     with console.status("timing rollouts") as status:
         result = run_workers_bench(config, progress=lambda msg: status.update(msg))
     table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")

@@ -416,27 +416,29 @@ def _wrong(expr: str, rest: Sequence[Operation], truth: int) -> bool:
     return final is not None and final != truth and abs(final) <= MAX_MAGNITUDE
 
 
-# calc-mix: of every 20 tasks, 10 of the easiest level, 8 of the hardest, 2 in between.
-MIX = (((1, 1), 10), ((3, 3), 8), ((1, 2), 1), ((2, 2), 1))
+# calc-mix: of every 20 tasks, 10 of the easiest level, 5 of the hardest, 5 in between.
+MIX = (((1, 1), 10), ((3, 3), 5), ((1, 2), 2), ((2, 2), 3))
 MIX_SCHEDULE = tuple(level for level, count in MIX for _ in range(count))
+HARDEST_SLIP_RATE = 0.9
+"""calc-mix's per-action slip rate on its hardest level: a demonstration is right 1 time in 10⁴."""
 
 
 class CalcMixSuite(CalcSuite):
     """calc in the regime the paper measures TRACE in: most prompts saturated, some in between.
 
     Of every 20 tasks (train and eval alike, so the held-out split has the same mix), 10 are
-    ops=1,digits=1, 8 are ops=3,digits=3 and one each of ops=1,digits=2 and ops=2,digits=2.
-    The easiest level's demonstrations never slip, so the
-    warm-started policy solves nearly all of those (a group of rollouts all succeeds); the
-    hardest level's slip as calc's do (0.6 per action), so it almost never solves those (a
-    group all fails); the two in between are where rewards disagree: the regime where the
-    paper measures GRPO's prompt effective ratio at 26.8% (math, Qwen3-8B).
+    ops=1,digits=1, 5 are ops=3,digits=3, 2 are ops=1,digits=2 and 3 are ops=2,digits=2.
+    The easiest level's demonstrations never slip, so the warm-started policy solves nearly all
+    of those (a group of rollouts all succeeds). The hardest level's slip at every action but
+    one in ten, so those stay beyond the policy, as competition problems are beyond a small
+    model: a group all fails, and keeps failing through training. The five in between slip as
+    calc's do and are where rewards disagree: the regime where the paper measures GRPO's
+    prompt effective ratio at 26.8% (math, Qwen3-8B).
 
-    Measured with ``trace-rl train --task calc-mix --strategy grpo --iterations 2
-    --warmstart-steps 2000`` (seed 0): the warm-started policy's mean@4 is 0.985 on the easiest
-    level and 0.044 on the hardest, and GRPO's prompt effective ratio is 0.28 at iteration 1 and
-    0.19 at iteration 2. With calc's 1,000 warm-start steps more prompts stay in between, so
-    calc-mix's runs warm-start for 2,000 unless told otherwise (``train.config.warmstart_steps``).
+    calc-mix's runs warm-start for 2,000 SFT steps unless told otherwise
+    (``train.config.warmstart_steps``), where the easiest level saturates.
+    ``docs/results.md`` holds GRPO's prompt effective ratio on this mix, per iteration, over
+    five seeds.
     """
 
     name = "calc-mix"
@@ -447,4 +449,6 @@ class CalcMixSuite(CalcSuite):
     def mistake_rate_for(self, task: Task) -> float:
         if task.difficulty == "ops=1,digits=1":
             return 0.0
+        if task.difficulty == "ops=3,digits=3":
+            return HARDEST_SLIP_RATE
         return super().mistake_rate_for(task)

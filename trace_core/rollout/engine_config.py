@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 ENGINES = ("torch", "hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
+DRIVERS = ("async", "lock-step")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -62,10 +63,17 @@ class EngineConfig:
     failed) stops itself. Set it above the longest update (the gap between two rollouts).
     While kept, the actors hold their GPUs: the update's Ray Train workers need GPUs of their
     own. 0: every step starts and stops its own engines."""
+    driver: str = "async"
+    """Ray engine pools: how ``grow_trees`` drives the workers. async: each worker's turns
+    come back as soon as it is done, and the turns they free go out at once, so one worker
+    decodes while the driver steps the envs of another's; lock-step: one engine call per
+    turn-step, every worker waiting for the slowest (one worker: the same schedule)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if self.driver not in DRIVERS:
+            raise ValueError(f"driver must be one of {', '.join(DRIVERS)}; got {self.driver!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.workers < 0:

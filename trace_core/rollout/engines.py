@@ -56,6 +56,7 @@ def open_engine(
             dtype=config.dtype,
             name=name,
             keep_alive_s=config.keep_alive_s,
+            driver=config.driver,  # type: ignore[arg-type]  # checked by EngineConfig
             **config.vllm_kwargs(),
         ) as pool:
             yield pool

@@ -7,6 +7,12 @@ times. Stage 2 is prompt-local: the moment a prompt's last root rollout ends, it
 non-terminal prefixes are scored, ``RootPlan.expand`` splits the prompt's continuation budget
 over them, and the continuations join the very next engine call — no prompt waits for another.
 
+That is the lock-step driver: one engine call per turn-step, all of it awaited. A Ray pool
+with ``driver="async"`` (``EngineConfig.driver``, the default) streams instead
+(``rollout.ray_stream``): each worker's turns come back the moment it is done, their envs are
+stepped and the turns they free are routed at once, while the other workers decode; turns of
+different prompts are in flight independently.
+
 A continuation restores its env by replaying the prefix's actions (envs are deterministic, see
 ``envs.base``) and continues from the prefix's exact token history, which the engine's prefix
 cache already holds. Every scored node keeps the V it was scored with.
@@ -16,13 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from trace_core.algo.plan import Budget, RootPlan, plan, strategy
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo, recursive_targets
 from trace_core.envs.base import Env, Task, replay
-from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.predictor import Predictor
 from trace_core.rollout.turn import Episode, play_turn
@@ -42,6 +49,26 @@ class GrowConfig:
     def __post_init__(self) -> None:
         if strategy(self.strategy).uses_true_value:
             raise ValueError(f"strategy {self.strategy!r} needs the true V: simulator only")
+
+
+class TurnStream(Protocol):
+    """Turns answered as each worker is done (``rollout.ray_stream``, the async driver)."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Episode]) -> None: ...
+
+    def next(self) -> list[tuple[Episode, list[Completion]]]: ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that can also stream turns: a Ray pool (``EngineConfig.driver``)."""
+
+    driver: str
+
+    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream: ...
 
 
 @dataclass
@@ -97,26 +124,37 @@ def grow_trees(
             env.reset(task)
             live.append(Episode(int(i), env, ROOT, list(prompt_ids[i])))
     spent = 0.0
-    while live:
-        outputs = engine.generate(
-            [e.history for e in live], turn, seed=int(rng.integers(0, 2**31 - 1))
-        )
-        next_live = []
-        for episode, out in zip(live, outputs, strict=True):
-            state = prompts[episode.owner]
-            if episode.node == ROOT or episode.branch:
-                spent += 1.0 if episode.root_rollout else 0.5
-            if not play_turn(episode, out[0], fmt, state.builder).done:
-                state.histories[episode.node] = list(episode.history)
-                next_live.append(episode)
-            elif episode.root_rollout:
-                state.live_roots -= 1
-                if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
-                    state.expanded = True
-                    next_live.extend(
-                        _expand(episode.owner, state, root_plan, predictor, make_env, rng)
-                    )
-        live = next_live
+
+    def advance(episode: Episode, out: Completion) -> list[Episode]:
+        """Play one returned turn; the episodes to sample next (itself, continuations)."""
+        nonlocal spent
+        state = prompts[episode.owner]
+        if episode.node == ROOT or episode.branch:
+            spent += 1.0 if episode.root_rollout else 0.5
+        if not play_turn(episode, out, fmt, state.builder).done:
+            state.histories[episode.node] = list(episode.history)
+            return [episode]
+        if episode.root_rollout:
+            state.live_roots -= 1
+            if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
+                state.expanded = True
+                return _expand(episode.owner, state, root_plan, predictor, make_env, rng)
+        return []
+
+    if isinstance(engine, StreamingEngine) and engine.driver == "async" and live:
+        stream = engine.stream(turn, seed=int(rng.integers(0, 2**31 - 1)))
+        stream.submit([e.history for e in live], live)
+        while stream.pending:
+            freed = [n for episode, out in stream.next() for n in advance(episode, out[0])]
+            if freed:
+                stream.submit([e.history for e in freed], freed)
+            if progress:
+                progress(spent)
+        live = []
+    while live:  # lock-step: one call per turn-step
+        seed = int(rng.integers(0, 2**31 - 1))
+        outputs = engine.generate([e.history for e in live], turn, seed=seed)
+        live = [n for e, out in zip(live, outputs, strict=True) for n in advance(e, out[0])]
         if progress:
             progress(spent)
     return [prompts[i].builder.build() for i in sorted(prompts)]

@@ -63,7 +63,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
@@ -77,6 +78,11 @@ from trace_core.rollout.ray_worker import (
     WorkerSpec,
 )
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
+
+if TYPE_CHECKING:
+    from trace_core.rollout.ray_stream import TurnStream
+
+Driver = Literal["async", "lock-step"]
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 """Object store of an in-process Ray (Ray's default is 30% of RAM); prompts and completions
@@ -137,13 +143,16 @@ class RayEnginePool:
         dtype: str = "auto",
         name: str = "",
         keep_alive_s: float = 0.0,
+        driver: Driver = "async",
     ) -> None:
         """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
         may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
         long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
         ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``).
-        ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring)."""
+        ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring).
+        ``driver``: how ``grow_trees`` drives the pool (``EngineConfig.driver``): async through
+        ``stream``, lock-step through ``generate``."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -152,6 +161,9 @@ class RayEnginePool:
             raise ValueError("num_gpus_per_worker, max_restarts and slack must be >= 0")
         if engine not in ("torch", "hf", "vllm"):
             raise ValueError(f"engine must be torch, hf or vllm, got {engine!r}")
+        if driver not in ("async", "lock-step"):
+            raise ValueError(f"driver must be async or lock-step, got {driver!r}")
+        self.driver: Driver = driver
         self.checkpoint = str(checkpoint)
         self.slack = slack
         self.name, self.kept = name, bool(name) and keep_alive_s > 0
@@ -279,18 +291,10 @@ class RayEnginePool:
                 moved = self._reroute(sub, err, pending)
                 pending[self._submit(moved, prompt_list, params)] = moved
                 continue
-            worker = sub.worker
+            self._record(sub.worker, [prompt_list[i] for i in sub.indices], result)
             for i, completions in zip(sub.indices, result.completions, strict=True):
                 out[i] = completions
-                self._owners.record(prompt_list[i], worker)
-                for c in completions:
-                    self._owners.record(prompt_list[i] + c.token_ids.tolist(), worker)
-            self.stats.prompt_tokens += result.prompt_tokens
-            self.stats.prefill_tokens += result.prefill_tokens
-            self.stats.generated_tokens += result.generated_tokens
-            extra["worker_seconds"] = extra.get("worker_seconds", 0.0) + result.seconds
-            extra[f"cache_used_tokens_w{worker}"] = result.cache_used_tokens
-            busy[worker] = busy.get(worker, 0.0) + result.seconds
+            busy[sub.worker] = busy.get(sub.worker, 0.0) + result.seconds
         # Lock-step: every worker waits for the slowest sub-batch of the call.
         slowest = max(busy.values())
         idle = sum(slowest - busy[w] for w in busy if w in self._live)
@@ -298,16 +302,54 @@ class RayEnginePool:
         self.stats.calls += 1
         extra["sub_batches"] = extra.get("sub_batches", 0.0) + len(plan)
         extra["wall_seconds"] = extra.get("wall_seconds", 0.0) + time.perf_counter() - start
-        done = [c for row in out if row is not None for c in row]
-        if done:  # how much of max_tokens a sample uses: the decode-work estimate
-            share = sum(len(c.token_ids) for c in done) / (len(done) * params.max_tokens)
-            self._length_share = 0.5 * self._length_share + 0.5 * share
+        self._learn_lengths([c for row in out if row is not None for c in row], params)
         assert all(row is not None for row in out)
         return out  # type: ignore[return-value]
+
+    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream:
+        """Turns answered per worker as each is done: the async driver (``rollout.ray_stream``)."""
+        from trace_core.rollout.ray_stream import TurnStream
+
+        if not self._live:
+            raise RuntimeError("the engine pool is closed or every worker has died")
+        return TurnStream(self, params, seed)
+
+    def _record(self, worker: int, prompts: Sequence[list[int]], result: SubBatchResult) -> None:
+        """A sub-batch's answers: who now holds their prefixes, and the counters."""
+        for prompt, completions in zip(prompts, result.completions, strict=True):
+            self._owners.record(prompt, worker)
+            for c in completions:
+                self._owners.record(prompt + c.token_ids.tolist(), worker)
+        self.stats.prompt_tokens += result.prompt_tokens
+        self.stats.prefill_tokens += result.prefill_tokens
+        self.stats.generated_tokens += result.generated_tokens
+        extra = self.stats.extra
+        extra["worker_seconds"] = extra.get("worker_seconds", 0.0) + result.seconds
+        extra[f"cache_used_tokens_w{worker}"] = result.cache_used_tokens
+
+    def _learn_lengths(self, done: Sequence[Completion], params: SamplingParams) -> None:
+        """How much of max_tokens a sample uses: the decode-work estimate of routing."""
+        if done:
+            share = sum(len(c.token_ids) for c in done) / (len(done) * params.max_tokens)
+            self._length_share = 0.5 * self._length_share + 0.5 * share
 
     def _route(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None
     ) -> list[SubBatch]:
+        by_worker, work = self._assign(prompts, params)
+        return [
+            SubBatch(w, tuple(sorted(ix)), sub_batch_seed(seed, sorted(ix)), work[w])
+            for w, ix in sorted(by_worker.items())
+        ]
+
+    def _assign(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        queued: Mapping[int, float] | None = None,
+    ) -> tuple[dict[int, list[int]], dict[int, float]]:
+        """Each worker's prompts (positions in ``prompts``) and their work, by the module
+        docstring's rule; ``queued``: work the workers already have (a stream's)."""
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, p in enumerate(prompts):
             groups.setdefault(tuple(p), []).append(i)
@@ -318,7 +360,7 @@ class RayEnginePool:
             owners.append(owner)
             home.append(len(key) - cached + decode * len(indices))
             away.append(len(key) + decode * len(indices))
-        chosen = split_work(owners, home, away, self._live, self.slack)
+        chosen = split_work(owners, home, away, self._live, self.slack, queued)
         by_worker: dict[int, list[int]] = {}
         work = dict.fromkeys(self._live, 0.0)
         extra = self.stats.extra
@@ -328,10 +370,7 @@ class RayEnginePool:
             if owners[g] is not None:
                 hit = "affinity_kept" if owners[g] == chosen[g] else "affinity_moved"
                 extra[hit] = extra.get(hit, 0.0) + len(indices)
-        return [
-            SubBatch(w, tuple(sorted(ix)), sub_batch_seed(seed, sorted(ix)), work[w])
-            for w, ix in sorted(by_worker.items())
-        ]
+        return by_worker, work
 
     def _submit(
         self, sub: SubBatch, prompts: list[list[int]], params: SamplingParams

@@ -6,7 +6,7 @@ are the module docstring of ``rollout.ray_pool``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,13 +113,16 @@ def split_work(
     away_work: Sequence[float],
     workers: Sequence[int],
     slack: float,
+    queued: Mapping[int, float] | None = None,
 ) -> list[int]:
     """The worker of each group. Owned groups stay home, heaviest first, while the owner's
     load stays under the fair share × (1 + slack). The rest, heaviest first, go where they
     would finish first: the least load after adding their work there (their home work at
-    home, their away work elsewhere), the greedy rule for machines of unequal cost."""
-    load = dict.fromkeys(workers, 0.0)
-    cap = sum(home_work) / len(workers) * (1 + slack)
+    home, their away work elsewhere), the greedy rule for machines of unequal cost.
+    ``queued``: work each worker already has (a streaming driver's turns in flight), counted
+    in its load and in the fair share."""
+    load = {w: float((queued or {}).get(w, 0.0)) for w in workers}
+    cap = (sum(home_work) + sum(load.values())) / len(workers) * (1 + slack)
     chosen: list[int] = [-1] * len(owners)
     rest = []
     for g in sorted(range(len(owners)), key=lambda g: -home_work[g]):

@@ -1,0 +1,147 @@
+"""``TurnStream``: turns on a ``RayEnginePool``, each worker's answered the moment it is done.
+
+The async driver of ``rollout.grow``. A lock-step call waits for its slowest sub-batch, and
+then every worker waits while the driver steps the envs of all completions. A stream keeps
+one queue per worker instead::
+
+    stream = pool.stream(SamplingParams(max_tokens=48), seed=0)
+    stream.submit(histories, episodes)            # tags come back with their completions
+    while stream.pending:
+        for episode, completion in stream.next():  # one worker's sub-batch
+            ...                                    # step its env; its next turn:
+        stream.submit(next_histories, next_episodes)
+
+``submit`` routes turns as a call's prompts are routed (``RayEnginePool._assign``: a prompt
+stays on the worker that holds its longest prefix while that worker is under its fair share,
+the work already queued or running on each worker counted in), and a worker with nothing
+running starts its queue at once. ``next`` waits for any running sub-batch, and before it
+returns, starts what has queued for that worker meanwhile: the worker decodes while the
+caller steps envs. A worker runs one sub-batch at a time, so turns submitted while it runs
+wait for its next (one engine call each, not one per turn).
+
+Seeds: every sub-batch draws its seed from one generator seeded by ``seed``, in the order
+sub-batches start. With one worker that order is fixed, so a seed reproduces a run; with more,
+which turns meet in a sub-batch depends on timing. Faults: a sub-batch whose actor died is
+started again, same turns and seed, on the least-loaded live worker
+(``RayEnginePool._reroute``); turns queued for a worker gone for good are routed again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.rollout.ray_worker import SubBatchResult
+from trace_core.rollout.routing import SubBatch
+
+if TYPE_CHECKING:
+    from trace_core.rollout.ray_pool import RayEnginePool
+
+Tag = TypeVar("Tag")
+
+
+class TurnStream(Generic[Tag]):
+    """Turns in flight on a pool (see the module docstring); ``params.n`` samples per turn."""
+
+    def __init__(self, pool: RayEnginePool, params: SamplingParams, seed: int | None) -> None:
+        self._pool, self._params = pool, params
+        self._seeds = None if seed is None else np.random.default_rng(seed)
+        self._prompts: dict[int, list[int]] = {}  # turn id -> prompt
+        self._tags: dict[int, Tag] = {}
+        self._work: dict[int, float] = {}  # turn id -> its routing work
+        self._ids = 0
+        self._queues: dict[int, list[int]] = {w: [] for w in pool._live}
+        self._load = dict.fromkeys(pool._live, 0.0)  # work queued or running, per worker
+        self._running: dict[ray.ObjectRef[SubBatchResult], SubBatch] = {}
+
+    @property
+    def pending(self) -> int:
+        """Turns submitted and not answered yet."""
+        return len(self._tags)
+
+    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Tag]) -> None:
+        """Queue one turn per prompt; ``next`` hands back its tag with its completions."""
+        if len(prompts) != len(tags):
+            raise ValueError(f"{len(prompts)} prompts but {len(tags)} tags")
+        ids = list(range(self._ids, self._ids + len(prompts)))
+        self._ids += len(prompts)
+        for i, prompt, tag in zip(ids, prompts, tags, strict=True):
+            self._prompts[i], self._tags[i] = [int(t) for t in prompt], tag
+        self._queue(ids)
+        busy = {sub.worker for sub in self._running.values()}
+        for w in list(self._queues):
+            if self._queues[w] and w not in busy:
+                self._start(w)
+
+    def next(self) -> list[tuple[Tag, list[Completion]]]:
+        """The turns of the next sub-batch any worker finishes, with their completions."""
+        if not self._running:
+            raise RuntimeError("nothing in flight: submit turns first")
+        pool = self._pool
+        while True:
+            [ref], _ = ray.wait(list(self._running), num_returns=1)
+            sub = self._running.pop(ref)
+            try:
+                result: SubBatchResult = ray.get(ref)
+                break
+            except RayActorError as err:
+                moved = pool._reroute(sub, err, self._running)
+                self._forget_dead()
+                self._load[moved.worker] += moved.work
+                self._running[self._send(moved)] = moved
+        worker = sub.worker
+        prompts = [self._prompts.pop(i) for i in sub.indices]
+        pool._record(worker, prompts, result)
+        done = [c for row in result.completions for c in row]
+        pool._learn_lengths(done, self._params)
+        pool.stats.calls += 1
+        extra = pool.stats.extra
+        extra["sub_batches"] = extra.get("sub_batches", 0.0) + 1
+        if worker in self._load:
+            self._load[worker] = max(0.0, self._load[worker] - sub.work)
+        if self._queues.get(worker):
+            self._start(worker)  # before the caller steps the envs of this sub-batch
+        for i in sub.indices:
+            del self._work[i]
+        return [
+            (self._tags.pop(i), completions)
+            for i, completions in zip(sub.indices, result.completions, strict=True)
+        ]
+
+    def _queue(self, ids: Sequence[int]) -> None:
+        prompts = [self._prompts[i] for i in ids]
+        by_worker, work = self._pool._assign(prompts, self._params, self._load)
+        for w, positions in by_worker.items():
+            share = work[w] / len(positions)  # a turn's share of its worker's new work
+            for pos in positions:
+                self._work[ids[pos]] = share
+            self._queues[w].extend(ids[pos] for pos in positions)
+            self._load[w] += work[w]
+
+    def _start(self, worker: int) -> None:
+        ids = tuple(self._queues[worker])
+        self._queues[worker] = []
+        seed = None if self._seeds is None else int(self._seeds.integers(0, 2**31 - 1))
+        sub = SubBatch(worker, ids, seed, sum(self._work[i] for i in ids))
+        self._running[self._send(sub)] = sub
+        self._pool._calls += 1
+        self._pool._submitted(self._pool._calls, [sub])
+
+    def _send(self, sub: SubBatch) -> ray.ObjectRef[SubBatchResult]:
+        pool = self._pool
+        batch = [self._prompts[i] for i in sub.indices]
+        actor = pool._actors[sub.worker]
+        return actor.generate.remote(batch, self._params, sub.seed, pool.checkpoint)  # type: ignore[no-any-return]
+
+    def _forget_dead(self) -> None:
+        """Workers gone for good: their queued turns are routed again among the live ones."""
+        for w in [w for w in self._queues if w not in self._pool._live]:
+            orphans = self._queues.pop(w)
+            del self._load[w]
+            if orphans:
+                self._queue(orphans)
