@@ -62,12 +62,12 @@ def test_task_check_calc_writes_json(tmp_path: Path) -> None:
         (
             ["task", "check", "nope"],
             "unknown task 'nope'; "
-            "choose one of calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa",
+            "choose one of calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler, hotpotqa",
         ),
         (["task", "check", "deepscaler"], "task 'deepscaler' reads a dataset"),
         (
             ["warmstart", "--task", "bfcl"],
-            "warm start needs a synthetic task (calc, calc-mix, multihop)",
+            "warm start needs a synthetic task (calc, calc-mix, multihop, multihop-mix)",
         ),
     ],
     ids=["unknown-task", "missing-data", "warmstart-task"],
@@ -278,7 +278,7 @@ def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> N
     data = json.loads(out.read_text())
     assert set(data["strategies"]) == {"trace", "grpo"}
     for metric in ("accuracy", "prompt_effective_ratio", "anchor_effective_ratio", "tokens"):
-        assert set(data["strategies"]["trace"][metric]) == {"mean", "std", "low", "high", "n"}
+        assert set(data["strategies"]["trace"][metric]) == {"mean", "std", "lo", "hi", "n"}
     assert data["interval"] == "95% Student t over seeds"
     assert set(data["paired_vs_grpo"]) == {"trace"}
     assert "paired against grpo, seed by seed" in said(run)

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from trace_test_models import save_sharpened_policy  # registered by tests/conftest.py
@@ -24,10 +25,12 @@ from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.engine_config import EngineConfig
-from trace_core.rollout.grow import GrowConfig, StreamingEngine, grow_trees
+from trace_core.rollout.flat import rollout_flat
+from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
 from trace_core.rollout.ray_pool import RayEnginePool, ray_session
 from trace_core.rollout.routing import SubBatch
+from trace_core.rollout.turn import StreamingEngine
 
 SUITE = CalcSuite(seed=3, train_size=40, eval_size=10)
 BUDGET = Budget(roots=8, continuations=2, group=4)
@@ -62,6 +65,13 @@ def grow(engine: RayEnginePool, fmt: TurnFormat) -> list[RolloutTree]:
 
 def check_planned(trees: Sequence[RolloutTree]) -> None:
     check_trees_are_the_planned_ones(trees, len(SUITE.tasks("train")), BUDGET, GROW.seed)
+
+
+def episodes(tree: RolloutTree) -> list[tuple[tuple[str, ...], float]]:
+    """Every root-to-leaf episode's actions and reward, sorted."""
+    leaves = np.flatnonzero(tree.leaf_mask)
+    paths = [tuple(tree.text[int(n)] for n in tree.path(int(leaf))[1:]) for leaf in leaves]
+    return sorted(zip(paths, tree.reward[leaves].tolist(), strict=True))
 
 
 def same_greedy(ours: list[Completion], theirs: list[Completion]) -> bool:
@@ -128,6 +138,23 @@ def test_both_drivers_grow_the_planned_trees(
     check_planned(streamed)
     check_planned(stepped)
     assert [t.info.prompt_id for t in streamed] == [t.info.prompt_id for t in stepped]
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_greedy_flat_rollouts_are_the_same_through_both_drivers(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    tasks = SUITE.tasks("eval")
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=10)
+    with RayEnginePool(checkpoint, workers=2) as pool:
+        streamed = rollout_flat(pool, fmt, SUITE.make_env, tasks, greedy, seed=3)
+        turns = pool.stats.extra["sub_batches"]
+        pool.driver = "lock-step"
+        stepped = rollout_flat(pool, fmt, SUITE.make_env, tasks, greedy, seed=3)
+    assert len(streamed) == len(tasks) and all(t.root_rollouts == 2 for t in streamed)
+    # The same episodes; their turns may be numbered in another order (they came back so).
+    assert [episodes(t) for t in streamed] == [episodes(t) for t in stepped]
+    assert turns > 2  # the first turn's call (two sub-batches), then streamed ones
 
 
 class KillingPool(RayEnginePool):

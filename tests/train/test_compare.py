@@ -13,6 +13,7 @@ from trace_core.train.compare import (
     PAIRED,
     CompareConfig,
     _tokens_to_reach,
+    bounds,
     interval,
     summarize,
 )
@@ -46,11 +47,11 @@ def test_interval_by_hand() -> None:
     stats = interval([1.0, 2.0, 3.0, 6.0])
     assert stats["mean"] == 3.0 and stats["n"] == 4.0
     assert stats["std"] == pytest.approx(2.1602, abs=1e-4)
-    assert (stats["low"], stats["high"]) == pytest.approx((3 - 3.4369, 3 + 3.4369), abs=1e-4)
+    assert (stats["lo"], stats["hi"]) == pytest.approx((3 - 3.4369, 3 + 3.4369), abs=1e-4)
     one = interval([0.5])
-    assert one["mean"] == 0.5 and math.isnan(one["low"])
+    assert one["mean"] == 0.5 and math.isnan(one["lo"])
     never = interval([0.5, float("inf")])  # one seed never got there
-    assert never["mean"] == float("inf") and never["n"] == 1.0 and math.isnan(never["low"])
+    assert never["mean"] == float("inf") and never["n"] == 1.0 and math.isnan(never["lo"])
 
 
 def test_summarize_by_hand() -> None:
@@ -85,9 +86,9 @@ def test_paired_differences_over_seeds_from_the_first_seed() -> None:
     result = summarize(config, runs)
     paired = result.paired["trace"]["accuracy"]
     assert paired["mean"] == pytest.approx(0.2)
-    assert (paired["low"], paired["high"]) == pytest.approx((0.2 - 0.2484, 0.2 + 0.2484), abs=1e-4)
+    assert (paired["lo"], paired["hi"]) == pytest.approx((0.2 - 0.2484, 0.2 + 0.2484), abs=1e-4)
     spread = result.strategies["grpo"]["accuracy"]
-    assert spread["high"] - spread["low"] > 2.5 * (paired["high"] - paired["low"])  # 3×
+    assert spread["hi"] - spread["lo"] > 2.5 * (paired["hi"] - paired["lo"])  # 3×
     assert result.to_json()["config"]["first_seed"] == 5  # type: ignore[index]
     with pytest.raises(ValueError, match="first_seed"):
         CompareConfig(first_seed=-1)
@@ -118,3 +119,9 @@ def test_a_result_reads_back_from_its_json() -> None:
                 assert again == value or (math.isnan(again) and not math.isfinite(value))
     np.testing.assert_equal(back.paired, result.paired)
     assert math.isnan(back.strategies["trace"]["tokens_to_grpo_final"]["mean"])  # never reached
+
+
+def test_bounds_read_the_interval_of_either_spelling() -> None:
+    assert bounds(interval([1.0, 2.0, 3.0])) == pytest.approx((2 - 2.4843, 2 + 2.4843), abs=1e-4)
+    assert bounds({"mean": 1.0, "low": 0.5, "high": 1.5}) == (0.5, 1.5)  # earlier JSON
+    assert all(math.isnan(b) for b in bounds({"mean": 1.0, "lo": None, "hi": None}))

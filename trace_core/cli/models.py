@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from trace_core.cli.output import console, write_json
+from trace_core.envs.suites import TASK_HELP
 
 app = typer.Typer(help="Pretrained models: import a GGUF file, check a model before training.")
 
@@ -42,7 +43,8 @@ def import_command(
 def check_command(
     model: Annotated[Path, typer.Argument(help="HF model directory.")],
     task: Annotated[
-        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+        str,
+        typer.Option(help=TASK_HELP),
     ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     samples: Annotated[int, typer.Option(help="First turns sampled for the parse rate.")] = 64,

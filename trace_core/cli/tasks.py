@@ -17,15 +17,19 @@ from rich.table import Table
 
 from trace_core.cli.options import config_options
 from trace_core.cli.output import console, expected_errors, fail, progress, write_json
+from trace_core.envs.suites import TASK_HELP
 from trace_core.rollout.engine_config import EngineConfig
 
-task_app = typer.Typer(help="Task suites: calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa.")
+task_app = typer.Typer(
+    help="Task suites: calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler, hotpotqa."
+)
 
 
 @task_app.command("check")
 def task_check(
     task: Annotated[
-        str, typer.Argument(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+        str,
+        typer.Argument(help=TASK_HELP),
     ],
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (deepscaler, hotpotqa).")] = (
         None
@@ -176,7 +180,8 @@ def rollout_demo(
 
 def prep_command(
     task: Annotated[
-        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+        str,
+        typer.Option(help=TASK_HELP),
     ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     split: Annotated[str, typer.Option(help="train or eval.")] = "train",
@@ -203,7 +208,8 @@ def rollout_command(
     config: EngineConfig,
     checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
     task: Annotated[
-        str, typer.Option(help="calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa.")
+        str,
+        typer.Option(help=TASK_HELP),
     ] = ("calc"),
     data: Annotated[str | None, typer.Option(help="Dataset path/URI (loader tasks).")] = None,
     prompt_file: Annotated[

@@ -124,7 +124,9 @@ def _interval_text(
     reached)``."""
     if stats is None:
         return "-"
-    mean, low, high = stats["mean"], stats["low"], stats["high"]
+    from trace_core.train.compare import bounds
+
+    mean, (low, high) = stats["mean"], bounds(stats)
     if mean is not None and math.isnan(mean):
         return "-"
     if mean is None or math.isinf(mean):

@@ -1,7 +1,9 @@
 """Flat multi-turn rollouts: n independent ReAct episodes per task, batched turn by turn.
 
 Every live episode's next turn is sampled in one engine call, so a batch of tasks advances
-together; an episode leaves the batch when its env says done. The first turn of a task's n
+together; an episode leaves the batch when its env says done. On a Ray pool with the async
+driver (``EngineConfig.driver``) the turns after the first stream instead: each worker's come
+back when it is done and go out again at once (``rollout.ray_stream``). The first turn of a task's n
 episodes is one prompt with n samples (one prefill); later turns extend each episode's own
 history, which the engine's prefix cache already holds up to the new observation tokens.
 
@@ -18,9 +20,9 @@ import numpy as np
 
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
 from trace_core.envs.base import Env, Task
-from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
-from trace_core.rollout.turn import Episode, play_turn
+from trace_core.rollout.turn import Episode, StreamingEngine, play_turn
 
 
 def rollout_flat(
@@ -72,13 +74,21 @@ def rollout_flat(
             env = make_env()
             env.reset(task)
             pending.append((Episode(i, env, ROOT, list(prompts[i])), completion))
-    while pending:
+
+    def play(turns: Sequence[tuple[Episode, Completion]]) -> list[Episode]:
+        """Play the returned turns; the episodes that go on."""
+        return [e for e, c in turns if not play_turn(e, c, fmt, builders[e.owner]).done]
+
+    live = play(pending)
+    if isinstance(engine, StreamingEngine) and engine.driver == "async" and live:
+        stream = engine.stream(turn_params, seed=call_seed())
+        stream.submit([e.history for e in live], live)
+        while stream.pending:
+            live = play([(e, out[0]) for e, out in stream.next()])
+            if live:
+                stream.submit([e.history for e in live], live)
         live = []
-        for episode, completion in pending:
-            if not play_turn(episode, completion, fmt, builders[episode.owner]).done:
-                live.append(episode)
-        if not live:
-            break
+    while live:  # lock-step: one call per turn-step
         outputs = engine.generate([e.history for e in live], turn_params, seed=call_seed())
-        pending = [(e, out[0]) for e, out in zip(live, outputs, strict=True)]
+        live = play([(e, out[0]) for e, out in zip(live, outputs, strict=True)])
     return [b.build() for b in builders]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -32,7 +31,7 @@ from trace_core.envs.base import Env, Task, replay
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.predictor import Predictor
-from trace_core.rollout.turn import Episode, play_turn
+from trace_core.rollout.turn import Episode, StreamingEngine, play_turn
 
 
 @dataclass(frozen=True)
@@ -49,26 +48,6 @@ class GrowConfig:
     def __post_init__(self) -> None:
         if strategy(self.strategy).uses_true_value:
             raise ValueError(f"strategy {self.strategy!r} needs the true V: simulator only")
-
-
-class TurnStream(Protocol):
-    """Turns answered as each worker is done (``rollout.ray_stream``, the async driver)."""
-
-    @property
-    def pending(self) -> int: ...
-
-    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Episode]) -> None: ...
-
-    def next(self) -> list[tuple[Episode, list[Completion]]]: ...
-
-
-@runtime_checkable
-class StreamingEngine(Protocol):
-    """An engine that can also stream turns: a Ray pool (``EngineConfig.driver``)."""
-
-    driver: str
-
-    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream: ...
 
 
 @dataclass

@@ -1,13 +1,18 @@
 """``RayEnginePool``: the ``Engine`` protocol over engine replicas running as Ray actors.
 
-With ``rollout.ray_worker`` (the actor), the only module that imports Ray. Each worker is an
-actor (``EngineWorker``) that holds one policy replica, loaded from an HF checkpoint directory,
-behind a ``TorchEngine`` (CPU or one GPU), an ``HFGenerateEngine`` or a ``VLLMEngine``.
+With ``rollout.ray_worker`` (the actor) and ``rollout.ray_stream`` (the async driver), the
+only modules that import Ray. Each worker is an actor (``EngineWorker``) that holds one
+policy replica, loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one
+GPU), an ``HFGenerateEngine`` or a ``VLLMEngine``.
 ``grow_trees`` and everything else see one engine (``rollout.engines.open_engine`` builds the
 pool from an ``EngineConfig``)::
 
     with RayEnginePool("build/policy/calc", workers=2) as engine:   # in-process Ray
         trees = grow_trees(engine, fmt, suite.make_env, pool, predictor, config)
+
+``generate`` is one lock-step call; ``stream`` answers each worker's turns as it finishes
+them (``rollout.ray_stream``), which ``grow_trees`` and ``rollout_flat`` use while
+``driver`` is ``"async"`` (the default, ``EngineConfig.driver``).
 
     RayEnginePool(ckpt, workers=8, address="10.0.0.5:6379", num_gpus_per_worker=1)  # a head
 
@@ -64,12 +69,13 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
     KEPT_NAMESPACE,
     EngineKind,
@@ -78,9 +84,7 @@ from trace_core.rollout.ray_worker import (
     WorkerSpec,
 )
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
-
-if TYPE_CHECKING:
-    from trace_core.rollout.ray_stream import TurnStream
+from trace_core.rollout.turn import Episode
 
 Driver = Literal["async", "lock-step"]
 
@@ -306,10 +310,8 @@ class RayEnginePool:
         assert all(row is not None for row in out)
         return out  # type: ignore[return-value]
 
-    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream:
+    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream[Episode]:
         """Turns answered per worker as each is done: the async driver (``rollout.ray_stream``)."""
-        from trace_core.rollout.ray_stream import TurnStream
-
         if not self._live:
             raise RuntimeError("the engine pool is closed or every worker has died")
         return TurnStream(self, params, seed)

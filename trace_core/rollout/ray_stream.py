@@ -28,27 +28,57 @@ started again, same turns and seed, on the least-loaded live worker
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.rollout.ray_worker import SubBatchResult
 from trace_core.rollout.routing import SubBatch
 
-if TYPE_CHECKING:
-    from trace_core.rollout.ray_pool import RayEnginePool
-
 Tag = TypeVar("Tag")
+
+
+class Pool(Protocol):
+    """What a stream uses of its ``RayEnginePool``: its actors, routing and counters."""
+
+    checkpoint: str
+    stats: EngineStats
+    _actors: list[Any]
+    _live: list[int]
+    _length_share: float
+    _calls: int
+
+    def _assign(
+        self,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        queued: Mapping[int, float] | None = None,
+    ) -> tuple[dict[int, list[int]], dict[int, float]]: ...
+
+    def _record(
+        self, worker: int, prompts: Sequence[list[int]], result: SubBatchResult
+    ) -> None: ...
+
+    def _learn_lengths(self, done: Sequence[Completion], params: SamplingParams) -> None: ...
+
+    def _reroute(
+        self,
+        sub: SubBatch,
+        err: RayActorError,
+        pending: dict[ray.ObjectRef[SubBatchResult], SubBatch],
+    ) -> SubBatch: ...
+
+    def _submitted(self, call: int, plan: Sequence[SubBatch]) -> None: ...
 
 
 class TurnStream(Generic[Tag]):
     """Turns in flight on a pool (see the module docstring); ``params.n`` samples per turn."""
 
-    def __init__(self, pool: RayEnginePool, params: SamplingParams, seed: int | None) -> None:
+    def __init__(self, pool: Pool, params: SamplingParams, seed: int | None) -> None:
         self._pool, self._params = pool, params
         self._seeds = None if seed is None else np.random.default_rng(seed)
         self._prompts: dict[int, list[int]] = {}  # turn id -> prompt
@@ -73,10 +103,7 @@ class TurnStream(Generic[Tag]):
         for i, prompt, tag in zip(ids, prompts, tags, strict=True):
             self._prompts[i], self._tags[i] = [int(t) for t in prompt], tag
         self._queue(ids)
-        busy = {sub.worker for sub in self._running.values()}
-        for w in list(self._queues):
-            if self._queues[w] and w not in busy:
-                self._start(w)
+        self._start_idle()
 
     def next(self) -> list[tuple[Tag, list[Completion]]]:
         """The turns of the next sub-batch any worker finishes, with their completions."""
@@ -91,9 +118,10 @@ class TurnStream(Generic[Tag]):
                 break
             except RayActorError as err:
                 moved = pool._reroute(sub, err, self._running)
-                self._forget_dead()
-                self._load[moved.worker] += moved.work
+                self._unload(sub)
+                self._load[moved.worker] = self._load.get(moved.worker, 0.0) + moved.work
                 self._running[self._send(moved)] = moved
+                self._forget_dead()
         worker = sub.worker
         prompts = [self._prompts.pop(i) for i in sub.indices]
         pool._record(worker, prompts, result)
@@ -102,8 +130,7 @@ class TurnStream(Generic[Tag]):
         pool.stats.calls += 1
         extra = pool.stats.extra
         extra["sub_batches"] = extra.get("sub_batches", 0.0) + 1
-        if worker in self._load:
-            self._load[worker] = max(0.0, self._load[worker] - sub.work)
+        self._unload(sub)
         if self._queues.get(worker):
             self._start(worker)  # before the caller steps the envs of this sub-batch
         for i in sub.indices:
@@ -112,6 +139,10 @@ class TurnStream(Generic[Tag]):
             (self._tags.pop(i), completions)
             for i, completions in zip(sub.indices, result.completions, strict=True)
         ]
+
+    def _unload(self, sub: SubBatch) -> None:
+        if sub.worker in self._load:
+            self._load[sub.worker] = max(0.0, self._load[sub.worker] - sub.work)
 
     def _queue(self, ids: Sequence[int]) -> None:
         prompts = [self._prompts[i] for i in ids]
@@ -122,6 +153,12 @@ class TurnStream(Generic[Tag]):
                 self._work[ids[pos]] = share
             self._queues[w].extend(ids[pos] for pos in positions)
             self._load[w] += work[w]
+
+    def _start_idle(self) -> None:
+        busy = {sub.worker for sub in self._running.values()}
+        for w in list(self._queues):
+            if self._queues[w] and w not in busy:
+                self._start(w)
 
     def _start(self, worker: int) -> None:
         ids = tuple(self._queues[worker])
@@ -145,3 +182,4 @@ class TurnStream(Generic[Tag]):
             del self._load[w]
             if orphans:
                 self._queue(orphans)
+        self._start_idle()

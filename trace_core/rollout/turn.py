@@ -2,15 +2,19 @@
 
 Flat rollouts and tree growth advance their episodes the same way; only what happens when an
 episode ends differs (a flat episode just stops, a tree's last root rollout triggers stage 2).
+Both drive an engine lock-step (``Engine.generate``: one call per turn-step) or, when it is a
+``StreamingEngine`` set to ``driver="async"`` (a Ray pool), through its ``TurnStream``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from trace_core.algo.tree import TreeBuilder
 from trace_core.envs.base import Env, Step
-from trace_core.policy.engine import Completion
+from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.format import TurnFormat
 
 
@@ -26,6 +30,26 @@ class Episode:
     branch: bool = False
     """Its next turn starts a continuation from a prefix."""
     root_rollout: bool = True
+
+
+class TurnStream(Protocol):
+    """Turns answered as each worker is done (``rollout.ray_stream``, the async driver)."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Episode]) -> None: ...
+
+    def next(self) -> list[tuple[Episode, list[Completion]]]: ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine that can also stream turns: a Ray pool (``EngineConfig.driver``)."""
+
+    driver: str
+
+    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream: ...
 
 
 def play_turn(

@@ -9,7 +9,7 @@ in common), started from one warm start in ``OUTPUT/warmstart``. Runs
 go ``parallel`` at a time, each in its own process with its share of the cores.
 
 Reported per strategy, as the mean over seeds with its 95% Student-t interval (the JSON:
-metric → {mean, std, low, high, n}; std with ddof 1):
+metric → {mean, std, lo, hi, n}; std with ddof 1):
 
 - ``accuracy``: held-out mean@k after the last iteration (k samples per task, temperature 1);
   ``pass1``: greedy success, same tasks;
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -344,14 +344,21 @@ def interval(values: Sequence[float]) -> dict[str, float]:
     n = len(finite)
     if n < len(values) or n == 0:
         worst = float(np.mean(values)) if values else float("nan")
-        return {"mean": worst, "std": float("nan"), "low": float("nan"), "high": float("nan"),
+        return {"mean": worst, "std": float("nan"), "lo": float("nan"), "hi": float("nan"),
                 "n": float(n)}  # fmt: skip
     mean = float(np.mean(finite))
     if n == 1:
-        return {"mean": mean, "std": 0.0, "low": float("nan"), "high": float("nan"), "n": 1.0}
+        return {"mean": mean, "std": 0.0, "lo": float("nan"), "hi": float("nan"), "n": 1.0}
     std = float(np.std(finite, ddof=1))
     half = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * std / np.sqrt(n)
-    return {"mean": mean, "std": std, "low": mean - half, "high": mean + half, "n": float(n)}
+    return {"mean": mean, "std": std, "lo": mean - half, "hi": mean + half, "n": float(n)}
+
+
+def bounds(stats: Mapping[str, float | None]) -> tuple[float, float]:
+    """(lo, hi) of an ``interval`` entry, NaN for none; reads the ``low``/``high`` keys of
+    comparison JSON from earlier versions too."""
+    lo, hi = stats.get("lo", stats.get("low")), stats.get("hi", stats.get("high"))
+    return (float("nan") if lo is None else float(lo), float("nan") if hi is None else float(hi))
 
 
 def _curve(
@@ -439,7 +446,7 @@ def plot_compare(result: CompareResult, path: Path) -> None:
     ratio = [result.strategies[n]["prompt_effective_ratio"] for n in names]
     means = np.array([r["mean"] for r in ratio])
     errors = np.nan_to_num(
-        [[r["mean"] - r["low"] for r in ratio], [r["high"] - r["mean"] for r in ratio]]
+        [[r["mean"] - bounds(r)[0] for r in ratio], [bounds(r)[1] - r["mean"] for r in ratio]]
     )
     bars.barh(range(len(names)), means, xerr=errors, color="#7a9cc6", capsize=3)
     bars.set_yticks(range(len(names)), names)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trace_core.train.compare import CompareResult, interval
+from trace_core.train.compare import CompareResult, bounds, interval
 
 TABLES = ("ablation", "shape")
 
@@ -187,7 +187,7 @@ def _cell(stats: dict[str, float] | None, signed: bool = False) -> str:
     if stats is None or not np.isfinite(stats["mean"]):
         return "—"
     sign = "+" if signed else ""
-    mean, low, high = stats["mean"], stats["low"], stats["high"]
+    mean, (low, high) = stats["mean"], bounds(stats)
     if not np.isfinite(low):
         return f"{mean:{sign}.3f}"
     return f"{mean:{sign}.3f} [{low:{sign}.3f}, {high:{sign}.3f}]"
