@@ -62,12 +62,12 @@ def test_task_check_calc_writes_json(tmp_path: Path) -> None:
         (
             ["task", "check", "nope"],
             "unknown task 'nope'; "
-            "choose one of calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler, hotpotqa",
+            "choose one of calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa",
         ),
         (["task", "check", "deepscaler"], "task 'deepscaler' reads a dataset"),
         (
             ["warmstart", "--task", "bfcl"],
-            "warm start needs a synthetic task (calc, calc-mix, multihop, multihop-mix)",
+            "warm start needs a synthetic task (calc, calc-mix, multihop)",
         ),
     ],
     ids=["unknown-task", "missing-data", "warmstart-task"],

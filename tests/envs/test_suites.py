@@ -44,18 +44,9 @@ def test_unknown_suite_lists_the_names() -> None:
     with pytest.raises(ValueError) as err:
         make_suite("nope")
     assert str(err.value) == (
-        "unknown task 'nope'; choose one of calc, calc-mix, multihop, multihop-mix, bfcl, "
-        "deepscaler, hotpotqa"
+        "unknown task 'nope'; choose one of calc, calc-mix, multihop, bfcl, deepscaler, hotpotqa"
     )
-    assert SUITES == (
-        "calc",
-        "calc-mix",
-        "multihop",
-        "multihop-mix",
-        "bfcl",
-        "deepscaler",
-        "hotpotqa",
-    )
+    assert SUITES == ("calc", "calc-mix", "multihop", "bfcl", "deepscaler", "hotpotqa")
 
 
 def test_make_suite_passes_the_seed() -> None:
@@ -163,7 +154,6 @@ LIMITS = {
     "calc": calc.MAX_ACTION_CHARS,
     "calc-mix": calc.MAX_ACTION_CHARS,
     "multihop": multihop.MAX_ACTION_CHARS,
-    "multihop-mix": multihop.MAX_ACTION_CHARS,
     "bfcl": bfcl.MAX_ACTION_CHARS,
     "deepscaler": deepscaler.MAX_ACTION_CHARS,
     "hotpotqa": hotpotqa.MAX_ACTION_CHARS,
@@ -172,7 +162,6 @@ TOOLS = {
     "calc": "calc",
     "calc-mix": "calc",
     "multihop": "search",
-    "multihop-mix": "search",
     "bfcl": "call",
     "deepscaler": "calc",
     "hotpotqa": "search",

@@ -24,8 +24,10 @@ from trace_test_rollouts import check_trees_are_the_planned_ones
 
 from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree
+from trace_core.bench import workers as workers_bench
 from trace_core.bench.reload import ReloadBenchConfig, run_reload_bench
 from trace_core.bench.workers import (
+    SlowTool,
     WorkersBenchConfig,
     WorkersBenchResult,
     WorkersRun,
@@ -317,6 +319,21 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
         WorkersBenchConfig(tmp_path, workers=(2, 2))
     with pytest.raises(ValueError, match="drivers must be among async, lock-step; got"):
         WorkersBenchConfig(tmp_path, drivers=("eager",))
+    with pytest.raises(ValueError, match="env_seconds must be >= 0, got -1"):
+        WorkersBenchConfig(tmp_path, env_seconds=-1)
+
+
+def test_a_slow_tool_waits_before_each_step_and_plays_the_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits: list[float] = []
+    monkeypatch.setattr(workers_bench.time, "sleep", waits.append)
+    task = SUITE.tasks("train")[0]
+    plain, slow = SUITE.make_env(), SlowTool(SUITE.make_env(), 0.005)
+    assert slow.reset(task) == plain.reset(task) and slow.max_turns == plain.max_turns
+    steps = [(slow.step(a), plain.step(a)) for a in task.reference]
+    assert all(a == b for a, b in steps) and steps[-1][0].reward == 1.0
+    assert waits == [0.005] * len(task.reference)
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)

@@ -40,6 +40,7 @@ import torch
 
 from trace_core.algo.metrics import measure
 from trace_core.algo.plan import Budget
+from trace_core.envs.base import Env, Step, Task
 from trace_core.envs.suites import make_suite
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
@@ -76,6 +77,9 @@ class WorkersBenchConfig:
     """vLLM: KV cache per engine in GiB (0: vLLM's default, 4 GiB on CPU)."""
     drivers: tuple[str, ...] = ("lock-step", "async")
     """How ``grow_trees`` drives each pool (``EngineConfig.driver``), each timed."""
+    env_seconds: float = 0.0
+    """Every env step also waits this long, as a tool with latency does (a search API, a code
+    sandbox); calc's own steps take microseconds."""
 
     def __post_init__(self) -> None:
         if min(self.prompts, self.max_tokens, self.repeats) < 1:
@@ -86,11 +90,28 @@ class WorkersBenchConfig:
                 f"with the fewest), got {self.workers}"
             )
         Budget(self.roots, self.continuations)  # validates roots and continuations
+        if not self.env_seconds >= 0:
+            raise ValueError(f"env_seconds must be >= 0, got {self.env_seconds}")
         unknown = sorted(set(self.engines) - {"torch", "hf", "vllm"})
         if unknown or not self.engines:
             raise ValueError(f"engines must be among torch, hf, vllm; got {self.engines}")
         if not self.drivers or set(self.drivers) - set(DRIVERS):
             raise ValueError(f"drivers must be among {', '.join(DRIVERS)}; got {self.drivers}")
+
+
+class SlowTool:
+    """An env whose every step also waits ``seconds`` (the driver's thread sleeps, as it would
+    waiting for a remote tool)."""
+
+    def __init__(self, env: Env, seconds: float) -> None:
+        self.env, self.seconds, self.max_turns = env, seconds, env.max_turns
+
+    def reset(self, task: Task) -> str:
+        return self.env.reset(task)
+
+    def step(self, action: str) -> Step:
+        time.sleep(self.seconds)
+        return self.env.step(action)
 
 
 @dataclass(frozen=True)
@@ -188,6 +209,11 @@ def run_workers_bench(
     pool = [tasks[i] for i in order]
     model, tokenizer = load_checkpoint(config.checkpoint)
     fmt = TurnFormat(tokenizer)
+
+    def make_env() -> Env:
+        env = suite.make_env()
+        return SlowTool(env, config.env_seconds) if config.env_seconds else env
+
     grow = GrowConfig(
         "trace",
         Budget(config.roots, config.continuations),
@@ -201,7 +227,7 @@ def run_workers_bench(
         reset()  # every timed run starts from empty prefix caches
         before = (engine.stats.calls, engine.stats.prefill_tokens, dict(engine.stats.extra))
         start = time.perf_counter()
-        trees = grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)
+        trees = grow_trees(engine, fmt, make_env, pool, ConstantPredictor(), grow)
         seconds = time.perf_counter() - start
         extra = engine.stats.extra
         busy = extra.get("worker_seconds", 0.0) - before[2].get("worker_seconds", 0.0)
@@ -257,7 +283,7 @@ def run_workers_bench(
             say(f"{label}: warm-up")
             if isinstance(engine, RayEnginePool):
                 engine.driver = "async" if label.endswith(" async") else "lock-step"
-            grow_trees(engine, fmt, suite.make_env, pool, ConstantPredictor(), grow)
+            grow_trees(engine, fmt, make_env, pool, ConstantPredictor(), grow)
         for r in range(config.repeats):
             for engine, clear, label, w in engines:
                 say(f"{label}: run {r + 1}/{config.repeats}")

@@ -61,6 +61,9 @@ def bench_workers(
     drivers: Annotated[
         str, typer.Option(help="Drivers of each pool, comma-separated: lock-step, async.")
     ] = "lock-step,async",
+    env_seconds: Annotated[
+        float, typer.Option(help="Every env step also waits this long (a tool's latency).")
+    ] = 0.0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), per engine kind
@@ -80,12 +83,16 @@ def bench_workers(
             eager=eager,
             kv_cache_gib=kv_cache_gib,
             drivers=tuple(d.strip() for d in drivers.split(",") if d.strip()),
+            env_seconds=env_seconds,
         )
     except ValueError as err:
-        raise fail(f"--engines/--drivers/--repeats/...: {err}") from None
+        raise fail(f"--engines/--drivers/--env-seconds/...: {err}") from None
     with console.status("timing rollouts") as status:
         result = run_workers_bench(config, progress=lambda msg: status.update(msg))
-    table = Table(title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts")
+    tool = f", env steps + {env_seconds * 1e3:g} ms" if env_seconds else ""
+    table = Table(
+        title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts{tool}"
+    )
     heads = ("engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved")
     for head in heads:
         table.add_column(head, justify="right")

@@ -20,9 +20,7 @@ from trace_core.cli.output import console, expected_errors, fail, progress, writ
 from trace_core.envs.suites import TASK_HELP
 from trace_core.rollout.engine_config import EngineConfig
 
-task_app = typer.Typer(
-    help="Task suites: calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler, hotpotqa."
-)
+task_app = typer.Typer(help=f"Task suites: {TASK_HELP}")
 
 
 @task_app.command("check")

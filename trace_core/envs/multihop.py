@@ -388,7 +388,7 @@ class MultihopSuite:
                 answer = self.world.follow(chain.start, chain.relations)[-1]
                 tasks[split].append(
                     Task(
-                        id=f"{self.name}-{split}-{i:05d}",
+                        id=f"multihop-{split}-{i:05d}",
                         prompt=question(chain, self.world.kind_of(answer)),
                         answer=answer,
                         difficulty=f"hops={hops}",
@@ -500,37 +500,3 @@ class MultihopSuite:
             env.reset(tasks[0])
             texts.add(env.step(action).observation)
         return sorted(texts)
-
-
-# multihop-mix: of every 20 questions, 10 of 2 hops, 5 of 4 hops, 5 of 3 hops.
-MIX = ((2, 10), (4, 5), (3, 5))
-MIX_SCHEDULE = tuple(hops for hops, count in MIX for _ in range(count))
-HARDEST_SLIP_RATE = 0.9
-"""multihop-mix's per-action slip rate on 4 hops: a demonstration is right 1 time in 10⁵."""
-
-
-class MultihopMixSuite(MultihopSuite):
-    """multihop in the regime the paper measures TRACE in: most questions saturated.
-
-    Of every 20 questions (train and eval alike), 10 have 2 hops, 5 have 4 and 5 have 3. The
-    2-hop demonstrations never slip, so the warm-started policy answers nearly all of them
-    (a group all succeeds); the 4-hop ones slip at every action but one in ten, so those stay
-    beyond the policy (a group all fails); the 3-hop ones slip as multihop's do, and are
-    where rewards disagree. The training split is 1,800 questions (the world holds 1,038
-    2-hop chains; the mix takes 1,000 of them with the held-out 200).
-    """
-
-    name = "multihop-mix"
-
-    def __init__(self, seed: int = 0, train_size: int = 1800, eval_size: int = 200) -> None:
-        super().__init__(seed=seed, train_size=train_size, eval_size=eval_size)
-
-    def hops(self, i: int) -> int:
-        return MIX_SCHEDULE[i % len(MIX_SCHEDULE)]
-
-    def mistake_rate_for(self, task: Task) -> float:
-        if task.difficulty == "hops=2":
-            return 0.0
-        if task.difficulty == "hops=4":
-            return HARDEST_SLIP_RATE
-        return super().mistake_rate_for(task)

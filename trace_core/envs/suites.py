@@ -17,8 +17,8 @@ import numpy as np
 
 from trace_core.envs.base import TaskSuite, replay
 
-SUITES = ("calc", "calc-mix", "multihop", "multihop-mix", "bfcl", "deepscaler", "hotpotqa")
-SYNTHETIC = ("calc", "calc-mix", "multihop", "multihop-mix")
+SUITES = ("calc", "calc-mix", "multihop", "bfcl", "deepscaler", "hotpotqa")
+SYNTHETIC = ("calc", "calc-mix", "multihop")
 TASK_HELP = f"{', '.join(SUITES[:-1])} or {SUITES[-1]}."
 """The ``--task`` help of every command."""
 """The suites with scripted demonstrations: the only ones the tiny policy warm-starts on."""
@@ -41,10 +41,6 @@ def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
             from trace_core.envs.multihop import MultihopSuite
 
             return MultihopSuite(seed=seed)
-        case "multihop-mix":
-            from trace_core.envs.multihop import MultihopMixSuite
-
-            return MultihopMixSuite(seed=seed)
         case "bfcl":
             from trace_core.envs.bfcl import BfclSuite
 

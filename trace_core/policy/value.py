@@ -17,8 +17,9 @@ Prompts get a head of their own (``root_head``): a ridge-penalised logistic mode
 features, fitted on the root rows alone (new and replayed) by L-BFGS, from the best constant,
 at every fit. Stage 1 asks it (``predict_roots``); stage 2 asks the shared MLP. A tree gives
 one root row and tens of prefix rows, so in the shared fit the prompts are a few percent of
-the loss and the MLP, decayed hard, barely separates them. On calc-mix (``trace-rl compare
---task calc-mix --strategies grpo,trace --seeds 1 --iterations 4``, seed 0) the Brier skill on
+the loss and the MLP, decayed hard, barely separates them. On calc-mix's first mix (8 of 20 tasks
+on a hardest level the policy learned; ``trace-rl compare --task calc-mix --strategies
+grpo,trace --seeds 1 --iterations 4``, seed 0) the Brier skill on
 each iteration's new prompts was 0.174 (grpo's uniform draws) and −0.005 (trace's) through the
 shared MLP, 0.570 and 0.119 through the root head; docs/results.md has five seeds.
 
@@ -125,9 +126,10 @@ class ValueConfig:
     shared MLP scores them like any prefix, as in the paper."""
     root_l2: float = 1e-4
     """The root head's ridge penalty λ·‖w‖² beside its weighted squared error (rows' weights
-    scaled to mean 1). On calc-mix (``trace-rl compare --task calc-mix --strategies grpo,trace
-    --seeds 1 --iterations 4``), grpo's uniformly drawn prompts were forecast with root skill
-    0.46–0.66 at 1e-4 and 0.32–0.47 at 1e-3, and trace's effective ratio was 0.51 and 0.49."""
+    scaled to mean 1). On calc-mix's first mix (``trace-rl compare --task calc-mix --strategies
+    grpo,trace --seeds 1 --iterations 4``), grpo's uniformly drawn prompts were forecast with
+    root skill 0.46–0.66 at 1e-4 and 0.32–0.47 at 1e-3, and trace's effective ratio was 0.51
+    and 0.49."""
 
     def __post_init__(self) -> None:
         if self.featurizer not in FEATURIZERS:

@@ -22,18 +22,17 @@ from trace_core.rollout.engine_config import EngineConfig
 @dataclass(frozen=True)
 class TrainConfig:
     task: str = "calc"
-    """Task suite: calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler or hotpotqa."""
+    """Task suite: calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa."""
     data: str | None = None
     """Dataset path or URI of the loader tasks."""
     output: Path = Path("build/train/calc-trace")
     """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
     init: Path | str | None = None
     """Policy to start from: an HF directory or an s3:// prefix (downloaded once into the run's
-    ``init/``); None warm-starts the tiny policy (calc, calc-mix, multihop, multihop-mix)."""
+    ``init/``); None warm-starts the tiny policy (calc, calc-mix, multihop)."""
     warmstart_init: bool = False
     """Fine-tune ``init`` on the task's reference solutions before the first iteration, so a
-    pretrained model learns the action grammar (``train.warmstart``; the synthetic tasks:
-    calc, calc-mix, multihop, multihop-mix)."""
+    pretrained model learns the action grammar (``train.warmstart``; calc, calc-mix, multihop)."""
     strategy: str = "trace"
     """Allocation strategy: grpo, pcl, treepo, trace, trace-root, trace-prefix or trace-auto."""
     iterations: int = 12

@@ -192,7 +192,7 @@ class PipelineParameters:
     these fields (tests/pipelines/test_parameters.py)."""
 
     task: str = "calc"
-    """calc, calc-mix, multihop, multihop-mix, bfcl, deepscaler or hotpotqa."""
+    """calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa."""
     dataset_uri: str = ""
     """Dataset path or URI of the loader tasks (deepscaler, hotpotqa)."""
     base_model_uri: str = ""

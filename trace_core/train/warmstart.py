@@ -33,7 +33,7 @@ import torch
 
 from trace_core.envs.base import DemoSuite, Task, replay
 from trace_core.envs.calc import CalcMixSuite, CalcSuite
-from trace_core.envs.multihop import MultihopMixSuite, MultihopSuite
+from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.suites import SYNTHETIC
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat, TurnStyle
@@ -60,8 +60,6 @@ def synthetic_suite(name: str, seed: int = 0) -> DemoSuite:
             return CalcMixSuite(seed=seed)
         case "multihop":
             return MultihopSuite(seed=seed)
-        case "multihop-mix":
-            return MultihopMixSuite(seed=seed)
     raise ValueError(f"warm start needs a synthetic task ({', '.join(SYNTHETIC)}), got {name!r}")
 
 
