@@ -49,7 +49,6 @@ class Pool(Protocol):
     stats: EngineStats
     _actors: list[Any]
     _live: list[int]
-    _length_share: float
     _calls: int
 
     def _assign(
