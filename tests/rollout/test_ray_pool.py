@@ -1,5 +1,6 @@
-"""RayEnginePool: routing pieces against brute force, answers against TorchEngine, seeded
-determinism through ``grow_trees``, and rollouts that survive a killed worker.
+"""RayEnginePool: routing pieces against brute force, answers against TorchEngine (lock-step
+calls and the async driver's ``TurnStream``), seeded determinism through ``grow_trees``, both
+drivers growing the planned trees, and rollouts that survive a killed worker under either.
 
 One in-process Ray serves the module (≈5 s to start); each pool starts its own actors
 (≈3 s, more on a busy machine). The policy is a tiny random Qwen3 with its weights scaled
@@ -40,12 +41,14 @@ from trace_core.policy.model import (
     load_checkpoint,
 )
 from trace_core.policy.torch_engine import TorchEngine
-from trace_core.rollout.engine_config import EngineConfig
+from trace_core.rollout.engine_config import DRIVERS, EngineConfig
 from trace_core.rollout.engines import EngineSession
+from trace_core.rollout.flat import rollout_flat
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
-from trace_core.rollout.ray_pool import RayEnginePool, ray_session
+from trace_core.rollout.ray_pool import Driver, RayEnginePool, ray_session
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
+from trace_core.rollout.turn import streams
 
 SUITE = CalcSuite(seed=3, train_size=40, eval_size=10)
 BUDGET = Budget(roots=8, continuations=2, group=4)  # 8 × (1 + 2/2) = 16 units
@@ -239,7 +242,8 @@ def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
 
 
 class KillingPool(RayEnginePool):
-    """Kills the process of a worker that has a sub-batch in flight, on call ``at_call``."""
+    """Kills the process of a worker that has a sub-batch in flight, on call ``at_call`` (the
+    async driver counts every sub-batch it starts as a call)."""
 
     at_call = 3
     killed: list[int]
@@ -251,10 +255,11 @@ class KillingPool(RayEnginePool):
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
-    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat, driver: Driver
 ) -> None:
-    with KillingPool(checkpoint, workers=2, max_restarts=2) as pool:
+    with KillingPool(checkpoint, workers=2, max_restarts=2, driver=driver) as pool:
         trees = grow(pool, fmt)
         pids = pool.worker_pids()
         assert pool.killed[0] not in pids  # the victim runs in a new process now
@@ -264,10 +269,12 @@ def test_a_killed_worker_is_restarted_and_its_sub_batch_rerun(
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_a_worker_that_stays_dead_has_its_sub_batch_resubmitted(
-    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat, driver: Driver
 ) -> None:
-    with KillingPool(checkpoint, workers=2, max_restarts=0) as pool:
+    """Async, the dead worker's queued turns are routed again too."""
+    with KillingPool(checkpoint, workers=2, max_restarts=0, driver=driver) as pool:
         trees = grow(pool, fmt)
         assert pool.workers == 1
         assert pool.stats.extra["resubmitted_sub_batches"] == 1
@@ -405,3 +412,92 @@ def test_reload_bench_times_fresh_starts_and_reloads(
     assert result.ratios == {"torch": run.fresh_seconds / run.reload_seconds}
     result.write_json(tmp_path / "reload.json")
     assert json.loads((tmp_path / "reload.json").read_text())["ratios"] == result.ratios
+
+
+# -- the async driver: TurnStream ------------------------------------------------------------
+
+GREEDY = SamplingParams(n=2, temperature=0, max_tokens=9)
+
+
+def episodes(tree: RolloutTree) -> list[tuple[tuple[str, ...], float]]:
+    """Every root-to-leaf episode's actions and reward, sorted."""
+    leaves = np.flatnonzero(tree.leaf_mask)
+    paths = [tuple(tree.text[int(n)] for n in tree.path(int(leaf))[1:]) for leaf in leaves]
+    return sorted(zip(paths, tree.reward[leaves].tolist(), strict=True))
+
+
+def test_the_driver_setting_is_checked() -> None:
+    assert EngineConfig().driver == "async"
+    with pytest.raises(ValueError, match="driver must be one of async, lock-step; got 'eager'"):
+        EngineConfig(driver="eager")
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_a_stream_answers_every_turn_with_its_tag_as_torch_engine_does(
+    ray_cluster: None, checkpoint: Path
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 15)]
+    reference = TorchEngine(load_checkpoint(checkpoint)[0])
+    with RayEnginePool(checkpoint, workers=2) as pool:
+        assert streams(pool)
+        stream = pool.stream(GREEDY, seed=1)
+        with pytest.raises(RuntimeError, match="nothing in flight"):
+            stream.next()
+        with pytest.raises(ValueError, match="3 prompts but 2 tags"):
+            stream.submit(prompts[:3], [0, 1])
+        stream.submit(prompts, list(range(len(prompts))))
+        assert stream.pending == len(prompts)
+        answered: dict[int, list[Completion]] = {}
+        extended = False
+        while stream.pending:
+            for tag, completions in stream.next():
+                assert tag not in answered
+                answered[tag] = completions
+                if not extended:  # one turn more, sent while the other worker may decode
+                    extended = True
+                    longer = prompts[tag] + completions[0].token_ids.tolist() + [7]
+                    prompts.append(longer)
+                    stream.submit([longer], [len(prompts) - 1])
+        assert sorted(answered) == list(range(len(prompts)))
+        assert_same_greedy_answers(
+            [answered[tag] for tag in range(len(prompts))],
+            [reference.generate([p], GREEDY, seed=1)[0] for p in prompts],
+        )
+        stats = pool.stats
+        assert stats.extra["sub_batches"] == stats.calls >= 3  # both workers, then the extension
+        assert stats.generated_tokens == len(prompts) * 2 * 9
+        assert "imbalance_idle_seconds" not in stats.extra  # no lock-step call was made
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_both_drivers_grow_the_planned_trees(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    with RayEnginePool(checkpoint, workers=2) as pool:
+        streamed = grow(pool, fmt)
+        assert "imbalance_idle_seconds" not in pool.stats.extra
+        assert pool.stats.generated_tokens == sum(t.generated_tokens for t in streamed)
+        pool.driver = "lock-step"
+        stepped = grow(pool, fmt)
+        assert pool.stats.extra["imbalance_idle_seconds"] >= 0  # generate's own counter
+    check_planned(streamed)
+    check_planned(stepped)
+    assert [t.info.prompt_id for t in streamed] == [t.info.prompt_id for t in stepped]
+
+
+@pytest.mark.cluster  # Ray (ray_cluster)
+def test_greedy_flat_rollouts_are_the_same_through_both_drivers(
+    ray_cluster: None, checkpoint: Path, fmt: TurnFormat
+) -> None:
+    tasks = SUITE.tasks("eval")
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=10)
+    with RayEnginePool(checkpoint, workers=2) as pool:
+        streamed = rollout_flat(pool, fmt, SUITE.make_env, tasks, greedy, seed=3)
+        turns = pool.stats.extra["sub_batches"]
+        pool.driver = "lock-step"
+        stepped = rollout_flat(pool, fmt, SUITE.make_env, tasks, greedy, seed=3)
+    assert len(streamed) == len(tasks) and all(t.root_rollouts == 2 for t in streamed)
+    # The same episodes; their turns may be numbered in another order (they came back so).
+    assert [episodes(t) for t in streamed] == [episodes(t) for t in stepped]
+    assert turns > 2  # the first turn's call (two sub-batches), then streamed ones

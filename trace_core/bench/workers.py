@@ -49,7 +49,7 @@ from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
-from trace_core.rollout.ray_pool import RayEnginePool, ray_session
+from trace_core.rollout.ray_pool import Driver, RayEnginePool, ray_session
 
 
 @dataclass(frozen=True)
@@ -221,10 +221,13 @@ def run_workers_bench(
         seed=config.seed,
     )
 
+    def ready(ray_pool: RayEnginePool, driver: Driver) -> None:
+        """Drive the pool with ``driver``, from empty prefix caches."""
+        ray_pool.driver = driver
+        ray_pool.update_weights(config.checkpoint)
+
     def timed(engine: Engine, reset: Callable[[], None], label: str, workers: int) -> WorkersRun:
-        if isinstance(engine, RayEnginePool):
-            engine.driver = "async" if label.endswith(" async") else "lock-step"
-        reset()  # every timed run starts from empty prefix caches
+        reset()  # every timed run starts from empty prefix caches (and a pool, its driver)
         before = (engine.stats.calls, engine.stats.prefill_tokens, dict(engine.stats.extra))
         start = time.perf_counter()
         trees = grow_trees(engine, fmt, make_env, pool, ConstantPredictor(), grow)
@@ -275,14 +278,13 @@ def run_workers_bench(
                         kv_cache_bytes=int(config.kv_cache_gib * 2**30) or None,
                     )
                 )
-                reset = functools.partial(ray_pool.update_weights, config.checkpoint)
                 for driver in config.drivers:
                     label = f"{kind} ray×{w}" + (" async" if driver == "async" else "")
+                    reset = functools.partial(ready, ray_pool, driver)
                     engines.append((ray_pool, reset, label, w))
-        for engine, _, label, _ in engines:
+        for engine, reset, label, _ in engines:
             say(f"{label}: warm-up")
-            if isinstance(engine, RayEnginePool):
-                engine.driver = "async" if label.endswith(" async") else "lock-step"
+            reset()
             grow_trees(engine, fmt, make_env, pool, ConstantPredictor(), grow)
         for r in range(config.repeats):
             for engine, clear, label, w in engines:

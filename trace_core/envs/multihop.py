@@ -378,7 +378,7 @@ class MultihopSuite:
         for split, size in plan:
             tasks[split] = []
             for i in range(size):
-                hops = self.hops(i)
+                hops = HOPS[i % len(HOPS)]
                 if taken[hops] == len(pools[hops]):
                     raise ValueError(
                         f"only {len(pools[hops])} {hops}-hop questions; raise entities"
@@ -397,10 +397,6 @@ class MultihopSuite:
                     )
                 )
         return tasks
-
-    def hops(self, i: int) -> int:
-        """Hops of the ``i``-th question of a split: 2, 3 and 4 in turn."""
-        return HOPS[i % len(HOPS)]
 
     def tasks(self, split: Split) -> list[Task]:
         return list(self._tasks[split])

@@ -22,7 +22,7 @@ from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
 from trace_core.envs.base import Env, Task
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
-from trace_core.rollout.turn import Episode, StreamingEngine, play_turn
+from trace_core.rollout.turn import Episode, play_turn, streams
 
 
 def rollout_flat(
@@ -80,7 +80,7 @@ def rollout_flat(
         return [e for e, c in turns if not play_turn(e, c, fmt, builders[e.owner]).done]
 
     live = play(pending)
-    if isinstance(engine, StreamingEngine) and engine.driver == "async" and live:
+    if streams(engine) and live:
         stream = engine.stream(turn_params, seed=call_seed())
         stream.submit([e.history for e in live], live)
         while stream.pending:

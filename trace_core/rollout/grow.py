@@ -31,7 +31,7 @@ from trace_core.envs.base import Env, Task, replay
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.rollout.predictor import Predictor
-from trace_core.rollout.turn import Episode, StreamingEngine, play_turn
+from trace_core.rollout.turn import Episode, play_turn, streams
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def grow_trees(
                 return _expand(episode.owner, state, root_plan, predictor, make_env, rng)
         return []
 
-    if isinstance(engine, StreamingEngine) and engine.driver == "async" and live:
+    if streams(engine) and live:
         stream = engine.stream(turn, seed=int(rng.integers(0, 2**31 - 1)))
         stream.submit([e.history for e in live], live)
         while stream.pending:

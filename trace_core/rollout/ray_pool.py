@@ -75,6 +75,7 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
     KEPT_NAMESPACE,
@@ -165,8 +166,8 @@ class RayEnginePool:
             raise ValueError("num_gpus_per_worker, max_restarts and slack must be >= 0")
         if engine not in ("torch", "hf", "vllm"):
             raise ValueError(f"engine must be torch, hf or vllm, got {engine!r}")
-        if driver not in ("async", "lock-step"):
-            raise ValueError(f"driver must be async or lock-step, got {driver!r}")
+        if driver not in DRIVERS:
+            raise ValueError(f"driver must be one of {', '.join(DRIVERS)}; got {driver!r}")
         self.driver: Driver = driver
         self.checkpoint = str(checkpoint)
         self.slack = slack

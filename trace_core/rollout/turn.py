@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from trace_core.algo.tree import TreeBuilder
 from trace_core.envs.base import Env, Step
@@ -50,6 +50,11 @@ class StreamingEngine(Protocol):
     driver: str
 
     def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream: ...
+
+
+def streams(engine: object) -> TypeGuard[StreamingEngine]:
+    """Whether the async driver drives ``engine``: a streaming engine set to ``async``."""
+    return isinstance(engine, StreamingEngine) and engine.driver == "async"
 
 
 def play_turn(
