@@ -19,6 +19,7 @@ from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import (
     TokenScorer,
     UpdateConfig,
+    checkpoint_layers,
     collate_paths,
     load_optimizer,
     make_optimizer,
@@ -229,13 +230,13 @@ def gradients(model, paths, config: UpdateConfig, pad_id: int) -> dict[str, torc
     """The accumulated gradient of one minibatch holding every path."""
     model.zero_grad(set_to_none=True)
     model.train()
-    if config.checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+    undo = checkpoint_layers(model) if config.checkpointing else None
     tokens = sum(int(p.loss_mask[1:].sum()) for p in paths)
     stats = minibatch_gradients(
         TokenScorer(model, config.logit_chunk), paths, tokens, config, pad_id, torch.device("cpu")
     )
-    model.activation_checkpointing_disable()
+    if undo is not None:
+        undo()
     model.eval()
     assert stats.tokens == tokens
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -205,6 +205,38 @@ def test_resume_gives_the_same_run_as_no_interruption(init: Path, tmp_path: Path
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_bf16_policy_trains_fp32_master_weights_across_iterations_and_resumes(
+    init: Path, tmp_path: Path
+) -> None:
+    """A checkpoint stored in bfloat16 (as Qwen3's is): the log says the update stepped fp32
+    weights; every iteration's policy is bf16 for the engines, with the fp32 weights beside the
+    optimizer state; a resumed run goes on from those and ends where the straight one does."""
+    from trace_core.policy.model import MASTER, checkpoint_dtype, load_checkpoint, save_checkpoint
+
+    model, tokenizer = load_checkpoint(init)
+    bf16 = tmp_path / "bf16"
+    save_checkpoint(model.to(torch.bfloat16), tokenizer, bf16)
+    straight = run(tiny(bf16, tmp_path / "straight", iterations=3))
+    assert {r.update["master_dtype"] for r in straight[1:]} == {"float32"}
+    assert {r.update["compute_dtype"] for r in straight[1:]} == {"float32"}  # CPU: no autocast
+    logged = [
+        json.loads(line) for line in (tmp_path / "straight/log.jsonl").read_text().splitlines()
+    ]
+    assert [line["update"].get("master_dtype") for line in logged] == [None, *["float32"] * 3]
+    for i in (1, 2, 3):
+        folder = tmp_path / "straight/iterations" / f"{i:04d}"
+        assert checkpoint_dtype(folder / "policy") == torch.bfloat16
+        assert load_file(str(folder / MASTER))["model.norm.weight"].dtype == torch.float32
+
+    run(tiny(bf16, tmp_path / "resumed", iterations=2))
+    resumed = run(tiny(bf16, tmp_path / "resumed", iterations=3))
+    assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    for name in ("policy/model.safetensors", MASTER):
+        a = load_file(str(tmp_path / "straight/iterations/0003" / name))
+        b = load_file(str(tmp_path / "resumed/iterations/0003" / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
 def test_crash_mid_iteration_keeps_the_last_complete_one(
     init: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,11 +76,13 @@ def run_update_bench(config: UpdateBenchConfig) -> list[UpdateRow]:
 
 def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     """One update at ``budget`` in this (fresh) process."""
-    from trace_core.policy.model import load_checkpoint
+    from trace_core.policy.model import load_for_training
+    from trace_core.policy.tokenizer import padding_id
     from trace_core.policy.update import UpdateConfig, make_optimizer, update_policy
 
-    model, tokenizer = load_checkpoint(config.checkpoint, config.device)
-    model.float()  # fp32 master weights (bf16 autocast on CUDA)
+    model, tokenizer, _ = load_for_training(
+        config.checkpoint, config.device
+    )  # bf16 autocast on CUDA
     trees = synthetic_trees(config, model.config.vocab_size)
     update = UpdateConfig(
         lr=1e-6, minibatch=config.paths, micro_tokens=budget, checkpointing=config.checkpointing
@@ -88,7 +90,7 @@ def measure_update(config: UpdateBenchConfig, budget: int) -> UpdateRow:
     start = time.perf_counter()
     stats = update_policy(
         model, make_optimizer(model, update), trees, update, np.random.default_rng(config.seed),
-        tokenizer.pad_token_id or 0,
+        padding_id(tokenizer),
     )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = config.prompt_tokens + config.generated_tokens

@@ -8,10 +8,22 @@ directories (``config.json``, ``model.safetensors``, tokenizer files); nothing i
     model = create_policy(tokenizer, TinyPolicyConfig(), seed=0)
     save_checkpoint(model, tokenizer, "ckpt/")
     model, tokenizer = load_checkpoint("ckpt/")          # or any HF causal-LM directory
+
+**Dtypes.** A checkpoint keeps the dtype it is served in (``checkpoint_dtype``: bfloat16 for
+Qwen3 or Llama, float32 for the tiny policy); engines load it as it is. A trainer loads it in
+float32 whatever it holds (``load_for_training``): fp32 master weights and fp32 AdamW moments,
+with bf16 only in the arithmetic (autocast on GPUs, ``policy.update``); at a learning rate of
+1e-6 an update applied to bf16 weights (8 bits of mantissa) would round almost every element
+away. What the trainer writes for the engines is cast back to the serving dtype
+(``save_checkpoint(..., dtype=serving)``), so engines and the stored copy stay half the size.
+The fp32 master weights then travel beside the optimizer state (``save_master``, only when
+the serving dtype is not float32), so the next update goes on from them, not from the rounded
+copy: updates smaller than half a bf16 step would otherwise be lost at every iteration.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +37,17 @@ from transformers import (
 )
 
 from trace_core.policy.checkpoint import CheckpointError, check_checkpoint, load_tokenizer
+
+UPSTREAM = (
+    "transformers.AutoModelForCausalLM.from_pretrained",
+    "transformers.AutoTokenizer.from_pretrained",
+    "transformers.PreTrainedModel.save_pretrained",
+    "transformers.Qwen3Config",
+    "transformers.Qwen3ForCausalLM",
+    "safetensors.torch.save_model",
+    "safetensors.torch.load_model",
+)
+"""What this module calls in transformers and safetensors (``policy.upstream``)."""
 
 
 @dataclass(frozen=True)
@@ -93,26 +116,49 @@ def create_policy(
 
 
 def save_checkpoint(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    path: str | Path,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Write an HF directory: ``config.json``, ``model.safetensors`` and the tokenizer files."""
+    """Write an HF directory: ``config.json``, ``model.safetensors`` and the tokenizer files.
+
+    ``dtype``: the floating-point weights are written in it and ``config.json`` records it (a
+    trainer's fp32 master weights saved in the serving dtype); None: as the model holds them.
+    """
     Path(path).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)  # transformers 5 writes safetensors only
+    if dtype is None or dtype == model.dtype:
+        model.save_pretrained(path)  # transformers 5 writes safetensors only
+    else:
+        weights = {
+            name: value.to(dtype) if value.is_floating_point() else value
+            for name, value in model.state_dict().items()
+        }
+        model.save_pretrained(path, state_dict=weights)
+        # save_pretrained records the parameters' dtype; the file holds ``dtype``.
+        config = json.loads((Path(path) / "config.json").read_text())
+        config["dtype"] = dtype_name(dtype)
+        (Path(path) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(path)
 
 
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu"
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load any HF causal-LM directory (ours or a downloaded Qwen3) in eval mode on ``device``.
 
-    Only safetensors weights are read; a directory holding only pickled weights is refused.
-    The folder is checked first (``policy.checkpoint``): what is missing or damaged is named.
+    ``dtype``: the parameters' dtype (float32 for a trainer: ``load_for_training``); None: the
+    checkpoint's own (``checkpoint_dtype``), what an engine serves. Only safetensors weights
+    are read; a directory holding only pickled weights is refused. The folder is checked first
+    (``policy.checkpoint``): what is missing or damaged is named.
     """
     folder = check_checkpoint(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, use_safetensors=True, local_files_only=True
+            folder,
+            use_safetensors=True,
+            local_files_only=True,
+            dtype=dtype or checkpoint_dtype(folder),
         )
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{folder}: the model does not load ({err})") from None
@@ -122,6 +168,38 @@ def load_checkpoint(
     return model, tokenizer
 
 
+def load_for_training(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.dtype]:
+    """A trainer's copy of a checkpoint: float32 parameters (the master weights the optimizer
+    steps), the tokenizer, and the dtype the checkpoint is served in, to write updates back in
+    (``save_checkpoint(..., dtype=serving)``)."""
+    serving = checkpoint_dtype(path)
+    model, tokenizer = load_checkpoint(path, device, dtype=torch.float32)
+    return model, tokenizer, serving
+
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The weight dtypes a checkpoint may be stored in (the names ``config.json`` uses)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``: how ``config.json`` and the update's record say it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored and served in: ``config.json``'s ``dtype``
+    (``torch_dtype`` in files written before transformers 5), float32 when it names none."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{Path(path) / 'config.json'}: dtype {name!r} is not one of {', '.join(FLOAT_DTYPES)}"
+        )
+    return FLOAT_DTYPES[name]
+
+
 def resolve_device(name: str = "auto") -> str:
     """``auto`` is CUDA when this process has a GPU (a GPU pod, a Ray GPU actor), else the CPU.
     Not yet validated on CUDA: the engine and the update are written device-agnostic and
@@ -129,3 +207,40 @@ def resolve_device(name: str = "auto") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+MASTER = "master.safetensors"
+"""The trainer's float32 weights, beside the optimizer state, when the policy is served in
+another dtype (``save_master``)."""
+
+
+def save_master(model: PreTrainedModel, folder: str | Path, serving: torch.dtype) -> None:
+    """Write ``model``'s float32 weights to ``folder/master.safetensors`` when the checkpoint
+    for the engines holds a rounded copy (``serving`` is not float32); nothing otherwise."""
+    if serving == torch.float32:
+        return
+    from safetensors.torch import save_model
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_model(model, str(Path(folder) / MASTER))  # shared (tied) tensors written once
+
+
+def load_master(model: PreTrainedModel, folder: str | Path | None) -> bool:
+    """Put ``folder/master.safetensors`` (``save_master``) into ``model``'s float32 parameters
+    if the file is there; whether it was."""
+    if folder is None or not (Path(folder) / MASTER).is_file():
+        return False
+    from safetensors.torch import load_model
+
+    path = Path(folder) / MASTER
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except RuntimeError as err:  # shapes that differ
+        first = str(err).strip().splitlines()[-1].strip()
+        raise CheckpointError(f"{path}: not this policy's master weights ({first})") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: not this policy's master weights (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    return True

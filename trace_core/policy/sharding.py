@@ -23,15 +23,34 @@ from transformers import PreTrainedModel
 
 from trace_core.policy.optimizer_state import read_optimizer_file, write_optimizer_file
 
+UPSTREAM = (
+    "torch.distributed.fsdp.fully_shard",
+    "torch.distributed.fsdp.MixedPrecisionPolicy",
+    "torch.distributed.checkpoint.state_dict.StateDictOptions",
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict",
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
+)
+"""What this module calls in torch (``policy.upstream``)."""
 
-def shard_scorer(scorer: torch.nn.Module) -> torch.nn.Module:
-    """``scorer`` (a ``TokenScorer``) sharded in place over the default process group."""
-    from torch.distributed.fsdp import fully_shard
 
+def shard_scorer(scorer: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
+    """``scorer`` (a ``TokenScorer``) sharded in place over the default process group.
+
+    The shards hold the float32 master weights. ``bf16`` (on GPUs): each unit's parameters are
+    gathered in bfloat16 for its forward and backward and the gradients reduce-scattered in
+    float32 (FSDP's mixed precision), so the all-gathers move half the bytes while the
+    optimizer still steps fp32 weights with fp32 gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
     model = scorer.model  # type: ignore[attr-defined]
     for block in getattr(model.base_model, "layers", ()):
-        fully_shard(block)
-    fully_shard(scorer)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(scorer, mp_policy=policy)
     return scorer
 
 

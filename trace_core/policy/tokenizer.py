@@ -21,7 +21,7 @@ import string
 from collections.abc import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trace_core.policy.format import ROLES, WORD_TEMPLATE
 
@@ -73,3 +73,13 @@ def build_word_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     )
     out.chat_template = WORD_TEMPLATE  # saved as chat_template.jinja beside the vocabulary
     return out
+
+
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id batches are padded with: the pad token, else the EOS token (the Llama 3 family
+    has no pad token), else 0. Padding is masked out of every loss and attention, so any id in
+    the vocabulary serves; it must only be an int, never None."""
+    for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0):
+        if pad is not None:
+            return int(pad)
+    return 0

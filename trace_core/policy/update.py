@@ -36,9 +36,11 @@ Not yet measured on a GPU: how much recompute and TIS change learning with vLLM 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +54,7 @@ from trace_core.algo.advantage import (
     turn_advantages,
 )
 from trace_core.algo.tree import RolloutTree
+from trace_core.policy.model import dtype_name
 from trace_core.policy.optimizer_state import load_optimizer as load_optimizer
 from trace_core.policy.optimizer_state import save_optimizer as save_optimizer
 from trace_core.policy.peak import measure_peak, release_freed_memory
@@ -59,6 +62,22 @@ from trace_core.policy.update_config import UpdateConfig
 
 _Wrapped = torch.nn.parallel.DistributedDataParallel
 """A scorer under data-parallel training (``train.ray_update``)."""
+
+UPSTREAM = (
+    "torch.autocast",
+    "torch.utils.checkpoint.checkpoint",
+    "torch.nn.parallel.DistributedDataParallel",
+    "torch.nn.utils.clip_grad_norm_",
+    "torch.optim.AdamW",
+    "torch.distributed.all_reduce",
+    "torch.distributed.ReduceOp.MAX",
+    "torch.distributed.get_backend",
+    "torch.distributed.get_world_size",
+    "torch.distributed.is_initialized",
+    "transformers.PreTrainedModel.get_output_embeddings",
+    "transformers.PreTrainedModel.base_model",
+)
+"""What this module calls in torch and transformers (``policy.upstream``)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +140,15 @@ class UpdateStats:
     trained on (1 without TIS)."""
     tis_truncated: float = 0.0
     """Share of those tokens whose weight was cut to ``tis_cap`` (0 without TIS)."""
+    master_dtype: str = "float32"
+    """The dtype of the weights the optimizer stepped (float32 whatever the checkpoint's:
+    ``policy.model.load_for_training``)."""
+    compute_dtype: str = "float32"
+    """The dtype of the forward and backward arithmetic: bfloat16 under CUDA autocast, else
+    the weights' own."""
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
+    def as_dict(self) -> dict[str, float | str]:
+        return {k: v if isinstance(v, str) else float(v) for k, v in self.__dict__.items()}
 
 
 def tree_paths(trees: Sequence[RolloutTree], estimator: str) -> list[PathTokens]:
@@ -183,6 +208,7 @@ class TokenScorer(torch.nn.Module):
 
     On CUDA the forward runs under bf16 autocast over the fp32 (master) weights; logits are
     upcast to fp32 before the softmax. A module, so that DDP can wrap it (``train.ray_update``).
+    No KV cache is built: every pass scores whole sequences.
     """
 
     def __init__(self, model: PreTrainedModel, chunk: int = 512) -> None:
@@ -197,7 +223,7 @@ class TokenScorer(torch.nn.Module):
     ) -> torch.Tensor:
         """(N,) logprobs of ``ids[:, 1:][mask]``, in row-major order of ``mask``."""
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
-            out = self.model.base_model(input_ids=ids, attention_mask=attention)
+            out = self.model.base_model(input_ids=ids, attention_mask=attention, use_cache=False)
             hidden = out.last_hidden_state[:, :-1][mask]  # (N, C)
         targets = ids[:, 1:][mask]  # (N,)
         head = self.model.get_output_embeddings()
@@ -239,8 +265,9 @@ def trainer_logprobs(
     elsewhere): ``scorer``'s forward under no_grad, in the loss's micro-batches (``pack``) and
     logit chunks, so that a path scored in the same micro-batch gets the same numbers."""
     out: list[npt.NDArray[np.float32]] = [np.zeros(0, np.float32)] * len(paths)
+    parts = pack([len(p.tokens) for p in paths], micro_tokens)
     with torch.no_grad():
-        for part in pack([len(p.tokens) for p in paths], micro_tokens):
+        for part in parts:
             batch = collate_paths([paths[i] for i in part], pad_id)
             mask = batch.mask.to(device)
             full = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (P, T-1)
@@ -250,6 +277,40 @@ def trainer_logprobs(
                 n = len(paths[i].tokens)
                 out[i] = np.concatenate([np.zeros(1, np.float32), rows[row, : n - 1]])
     return out
+
+
+def agreed_passes(passes: int, device: torch.device) -> int:
+    """The most passes any rank has to run (an all-reduce of the maximum; ``passes`` itself
+    outside a process group).
+
+    Under FSDP every forward all-gathers and every backward reduce-scatters, so all ranks must
+    run the same number of passes or the one with fewer waits for ever in its next collective
+    (DDP's gradient all-reduce has the same exposure). Ranks hold different paths of different
+    lengths, so their micro-batch counts differ: they agree on the maximum and the ranks with
+    fewer pad with passes of zero weight (``padding_pass``), as verl does.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return passes
+    if torch.distributed.get_world_size() == 1:
+        return passes
+    # NCCL reduces device tensors only; gloo host tensors.
+    on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    count = torch.tensor([passes], dtype=torch.int64, device=on)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item())
+
+
+def padding_pass(
+    scorer: torch.nn.Module, path: PathTokens, pad_id: int, device: torch.device
+) -> torch.Tensor:
+    """A pass that moves nothing: ``path`` (one this rank holds) scored and multiplied by 0.
+    It runs every collective a real pass runs, over every parameter (the decoder and the
+    head), so that the ranks' collectives pair up; its gradient is exactly zero."""
+    batch = collate_paths([path], pad_id)
+    mask = batch.mask.to(device)
+    if not bool(mask.any()):  # the head must run too: score at least one position
+        mask = torch.ones_like(mask)
+    return scorer(batch.ids.to(device), batch.attention.to(device), mask).sum() * 0.0
 
 
 def resolve_old_logprobs(mode: str, tis_cap: float, dtype: torch.dtype, device: str) -> str:
@@ -355,16 +416,20 @@ def minibatch_gradients(
     micro-batch synchronises (``no_sync`` before it).
     """
     parts_of = pack([len(p.tokens) for p in paths], config.micro_tokens)
+    passes = agreed_passes(len(parts_of), device)
     mine = max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)  # this rank's tokens
     loss = kl = clipped = gap_sum = gap_max = tis_sum = 0.0
     tokens = tis_truncated = 0
+    no_sync = getattr(scorer, "no_sync", None)
+    for _ in range(len(parts_of), passes):  # a rank with fewer micro-batches: zero-weight passes
+        with contextlib.nullcontext() if no_sync is None else no_sync():
+            padding_pass(scorer, paths[0], pad_id, device).backward()
     for j, part in enumerate(parts_of):
         part_old = [old[i] for i in part] if old is not None else None
         batch = collate_paths([paths[i] for i in part], pad_id, part_old)
         mask = batch.mask.to(device)
         ids, attention = batch.ids.to(device), batch.attention.to(device)
         last = j == len(parts_of) - 1
-        no_sync = getattr(scorer, "no_sync", None)
         with contextlib.nullcontext() if last or no_sync is None else no_sync():
             logprobs = scorer(ids, attention, mask)  # (N,)
             old_lp = batch.old_logprobs.to(device)[mask]
@@ -395,7 +460,7 @@ def minibatch_gradients(
         clipped += float(parts.clip_fraction) * weight
         tokens += batch.tokens
     return MinibatchStats(
-        loss, kl, clipped, gap_sum, gap_max, tokens, len(parts_of), tis_sum, tis_truncated
+        loss, kl, clipped, gap_sum, gap_max, tokens, passes, tis_sum, tis_truncated
     )
 
 
@@ -409,8 +474,14 @@ def update_policy(
     reference: PreTrainedModel | None = None,
     rank: int = 0,
     world: int = 1,
+    serving: torch.dtype | None = None,
 ) -> UpdateStats:
     """One policy update on ``trees``, in place; the model is left in eval mode.
+
+    ``serving``: the dtype the engines that sampled ``trees`` hold the policy in (the
+    checkpoint's, ``policy.model.checkpoint_dtype``; None: the model's own). With
+    ``old_logprobs`` auto, the engine's logprobs stand for π_old only where its weights are the
+    trainer's own: a bf16-served policy is recomputed.
 
     ``model`` is the HF causal LM, or (data-parallel) a DDP-wrapped ``TokenScorer`` of it.
     Data-parallel (``world`` > 1, DDP averaging gradients): every rank holds all the trees and
@@ -426,11 +497,15 @@ def update_policy(
     paths = tree_paths(trees, config.estimator)
     if config.skip_flat_paths and config.kl_coef == 0:
         paths = [p for p in paths if np.any(p.advantages != 0)]
-    if not paths:
-        return UpdateStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
     wrapped = isinstance(model, TokenScorer | _Wrapped)
     scorer = model if wrapped else TokenScorer(model, config.logit_chunk)  # type: ignore[arg-type]
     policy = _policy_of(scorer)
+    if not paths:
+        dtype = next(policy.parameters()).dtype
+        return UpdateStats(
+            0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, master_dtype=dtype_name(dtype),
+            compute_dtype=compute_dtype(dtype, next(policy.parameters()).device),
+        )  # fmt: skip
     ref_scorer = TokenScorer(reference, config.logit_chunk) if reference is not None else None
     device = next(policy.parameters()).device
     cpu = device.type == "cpu"
@@ -438,8 +513,9 @@ def update_policy(
         release_freed_memory()
     with measure_peak(device) as peak:
         stats = _update_steps(
-            scorer, policy, device, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world
-        )
+            scorer, policy, device, ref_scorer, optimizer, paths, config, rng, pad_id, rank, world,
+            serving,
+        )  # fmt: skip
     if cpu:  # and its own activations after it, for the next phase
         release_freed_memory()
     return replace(stats, peak_gib=peak.gib, held_gib=peak.held_gib)
@@ -457,11 +533,11 @@ def _update_steps(
     pad_id: int,
     rank: int,
     world: int,
+    serving: torch.dtype | None,
 ) -> UpdateStats:
     """``update_policy``'s epochs of minibatch steps over ``paths`` (``policy``: the model
     inside ``scorer``, on ``device``)."""
-    if config.checkpointing:
-        policy.activation_checkpointing_enable({"use_reentrant": False})
+    undo = checkpoint_layers(policy) if config.checkpointing else None
     policy.train()
     # Every epoch's minibatches are drawn first (the same draws as one epoch at a time), so
     # that π_old can be recomputed for every path this rank will train on before any step.
@@ -473,8 +549,12 @@ def _update_steps(
             if len(picked) >= world:  # every rank needs a slice; all ranks skip it alike
                 minibatches.append(picked)
     parameter = next(policy.parameters())
+    served = parameter.dtype if serving in (None, parameter.dtype) else serving
     mode = resolve_old_logprobs(
-        config.old_logprobs, config.tis_cap, parameter.dtype, parameter.device.type
+        config.old_logprobs,
+        config.tis_cap,
+        served,
+        parameter.device.type,  # type: ignore[arg-type]
     )
     old = None
     if mode == "recompute":  # π_old by the trainer, before the first step
@@ -512,8 +592,8 @@ def _update_steps(
         passes += stats.passes
         tis_sum += stats.tis_sum
         tis_truncated += stats.tis_truncated
-    if config.checkpointing:
-        policy.activation_checkpointing_disable()
+    if undo is not None:
+        undo()
     policy.eval()
     return UpdateStats(
         paths=len(paths),
@@ -529,7 +609,49 @@ def _update_steps(
         old_recomputed=old is not None,
         tis_weight=tis_sum / max(tokens, 1) if config.tis_cap > 0 else 1.0,
         tis_truncated=tis_truncated / max(tokens, 1),
+        master_dtype=dtype_name(parameter.dtype),
+        compute_dtype=compute_dtype(parameter.dtype, device),
     )
+
+
+def compute_dtype(master: torch.dtype, device: torch.device) -> str:
+    """The arithmetic's dtype over ``master`` weights: bf16 autocast on CUDA (``TokenScorer``)."""
+    return "bfloat16" if device.type == "cuda" else dtype_name(master)
+
+
+def checkpoint_layers(policy: PreTrainedModel) -> Callable[[], None]:
+    """Gradient checkpointing of every decoder layer; returns the function that undoes it.
+
+    Each layer's ``forward`` is run under ``torch.utils.checkpoint`` (non-reentrant): its
+    activations are recomputed in the backward pass instead of kept. Written on torch's public
+    API rather than transformers' switch, whose name differs between the releases this project
+    runs (``activation_checkpointing_enable`` from transformers 5.24 on, only
+    ``gradient_checkpointing_enable`` in the GPU image's 5.20). The layer's ``__call__`` (and so
+    FSDP's hooks on it) stays outside the checkpoint, so a sharded layer is gathered before its
+    recomputation as before its forward.
+    """
+    layers = list(getattr(policy.base_model, "layers", ()))
+    if not layers:
+        raise ValueError(
+            f"{type(policy).__name__}: no decoder layers at base_model.layers to checkpoint; "
+            "set checkpointing false"
+        )
+    before = [layer.__dict__.get("forward") for layer in layers]  # an instance's own, if any
+    for layer in layers:
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+
+    def undo() -> None:
+        for layer, forward in zip(layers, before, strict=True):
+            if forward is None:
+                del layer.forward  # the class's forward again
+            else:
+                layer.forward = forward
+
+    return undo
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _recompute_old(
@@ -549,8 +671,15 @@ def _recompute_old(
     old: dict[int, npt.NDArray[np.float32]] = {}
     for picked in minibatches:
         new = [int(i) for i in picked[rank::world] if int(i) not in old]
+        # Under FSDP a no-grad forward all-gathers too: the ranks agree on their pass count
+        # before any pass, and the ones with fewer pad.
+        passes = len(pack([len(paths[i].tokens) for i in new], micro_tokens))
+        agreed = agreed_passes(passes, device)
         scored = trainer_logprobs(own, [paths[i] for i in new], micro_tokens, pad_id, device)
         old.update(zip(new, scored, strict=True))
+        with torch.no_grad():
+            for _ in range(passes, agreed):
+                padding_pass(own, paths[int(picked[rank])], pad_id, device)
     return old
 
 

@@ -72,6 +72,39 @@ from trace_core.policy.engine import Completion, EngineStats, SamplingParams, ch
 if TYPE_CHECKING:  # the default venv has no vllm
     import vllm
 
+UPSTREAM = (
+    "vllm.LLM",
+    "vllm.LLM.generate",
+    "vllm.LLM.collective_rpc",
+    "vllm.LLM.reset_prefix_cache",
+    "vllm.TokensPrompt",
+    "vllm.SamplingParams",
+    "vllm.CompletionOutput",
+    "vllm.platforms.current_platform",
+    # The engine settings passed to vllm.LLM by name: fields of its EngineArgs.
+    *(
+        f"vllm.engine.arg_utils.EngineArgs.{name}"
+        for name in (
+            "skip_tokenizer_init",
+            "enable_prefix_caching",
+            "generation_config",
+            "logprobs_mode",
+            "dtype",
+            "gpu_memory_utilization",
+            "seed",
+            "max_model_len",
+            "tensor_parallel_size",
+            "enforce_eager",
+            "block_size",
+            "max_num_seqs",
+            "kv_cache_memory_bytes",
+            "worker_extension_cls",
+        )
+    ),
+)
+"""What this module and ``policy.vllm_worker`` call in vLLM (``policy.upstream`` checks that
+each exists in the installed release)."""
+
 
 @dataclass(frozen=True)
 class VLLMOptions:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+UPSTREAM = ("vllm.v1.worker.gpu_worker.Worker.reload_weights",)
+"""What the mixin calls on vLLM's worker (``policy.upstream``)."""
+
 
 class PolicyReload:
     """Mixed into vLLM's ``Worker``: ``self`` has its ``model_runner`` and ``vllm_config``."""

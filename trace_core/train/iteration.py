@@ -6,7 +6,7 @@ pipeline run and ``trace-rl train`` with the same config sample and learn the sa
     trees = roll_out(policy_dir, train_tasks, suite, predictor, config, i, draws,
                      run_id="nightly").trees
     fit = fit_predictor(predictor, trees, draws)
-    stats = update(model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference)
+    stats = update(model, optimizer, trees, config, draws, padding_id(tokenizer), reference)
 
 Every random draw of iteration i comes from a generator seeded by (seed, i), in one fixed order
 (pool, rollout seed, predictor seed, update seed): a step that runs on its own, in another
@@ -134,8 +134,10 @@ def update(
     draws: IterationDraws,
     pad_id: int,
     reference: PreTrainedModel | None,
+    serving: torch.dtype | None = None,
 ) -> UpdateStats:
-    """One policy update on this iteration's trees, in this process."""
+    """One policy update on this iteration's trees, in this process (``serving``: the dtype
+    the engines hold the policy in, ``update_policy``'s)."""
     return update_policy(
         model,
         optimizer,
@@ -144,6 +146,7 @@ def update(
         np.random.default_rng(draws.update_seed),
         pad_id,
         reference,
+        serving=serving,
     )
 
 

@@ -49,7 +49,15 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
 from trace_core.policy.checkpoint import check_checkpoint
-from trace_core.policy.model import load_checkpoint, save_checkpoint
+from trace_core.policy.model import (
+    MASTER,
+    load_checkpoint,
+    load_for_training,
+    load_master,
+    save_checkpoint,
+    save_master,
+)
+from trace_core.policy.tokenizer import padding_id
 from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
 from trace_core.policy.value import ValuePredictor
 from trace_core.rollout.engines import EngineSession
@@ -114,7 +122,10 @@ def train(
     policy_dir = iteration_dir(out, done) / "policy" if done else start_dir
     if done:
         say(f"resuming after iteration {done} from {policy_dir}")
-    model, tokenizer = load_checkpoint(policy_dir)
+    # fp32 master weights whatever the checkpoint holds; the engines get ``serving`` back.
+    model, tokenizer, serving = load_for_training(policy_dir)
+    if done:
+        load_master(model, iteration_dir(out, done))
     reference = None
     if config.update.kl_coef > 0:  # KL to the policy the run started from, resumed or not
         reference, _ = load_checkpoint(start_dir)
@@ -164,12 +175,15 @@ def train(
                 )
             else:
                 stats = iteration.update(
-                    model, optimizer, trees, config, draws, tokenizer.pad_token_id, reference
-                )
+                    model, optimizer, trees, config, draws, padding_id(tokenizer), reference,
+                    serving,
+                )  # fmt: skip
             seconds["update"] = time.perf_counter() - start
             # The folder first (its policy is what a kept engine evaluates), then the log line
             # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
-            _write_iteration(out, i, model, tokenizer, optimizer, predictor, trees, metrics)
+            _write_iteration(
+                out, i, model, tokenizer, optimizer, predictor, trees, metrics, serving
+            )
             policy_dir = iteration_dir(out, i) / "policy"
             report, held_out = None, {}
             if i % config.eval_every == 0 or i == config.iterations:
@@ -292,15 +306,19 @@ def _write_iteration(
     predictor: ValuePredictor,
     trees: Sequence[RolloutTree],
     metrics: BatchMetrics,
+    serving: torch.dtype,
 ) -> None:
     """Write iteration i's folder in full (with its manifest); it counts as done once its log
-    line is written and ``latest`` moves to it."""
+    line is written and ``latest`` moves to it. The policy is written in ``serving``, its
+    dtype for the engines, and the fp32 master weights beside the optimizer state when that
+    rounds them (``policy.model.save_master``)."""
 
     def write(staging: Path) -> None:
         write_trees(staging / "trees.parquet", trees)
         (staging / "metrics.json").write_text(json.dumps(metrics.as_dict(), indent=2) + "\n")
-        save_checkpoint(model, tokenizer, staging / "policy")  # type: ignore[arg-type]
+        save_checkpoint(model, tokenizer, staging / "policy", dtype=serving)  # type: ignore[arg-type]
         save_optimizer(optimizer, staging / "optimizer.safetensors")
+        save_master(model, staging, serving)  # type: ignore[arg-type]
         predictor.save(staging / PREDICTOR)
 
     commit_iteration(out, i, write)
@@ -333,6 +351,7 @@ def _update_on_ray(
     staging.mkdir(parents=True)
     write_trees(staging / "trees.parquet", trees)
     previous = iteration_dir(out, i - 1) / "optimizer.safetensors"
+    master = previous.with_name(MASTER)
     stats = update_on_ray(
         policy_dir,
         staging / "trees.parquet",
@@ -345,9 +364,13 @@ def _update_on_ray(
         address=config.ray_address,
         use_gpu=config.train_gpus,
         fsdp=config.train_fsdp,
+        master_path=master if i > 1 and master.is_file() else None,
     )
-    updated, _ = load_checkpoint(staging / "policy")
-    model.load_state_dict(updated.state_dict())  # same Parameter objects: the optimizer's
+    # Into the same Parameter objects (the optimizer's): the fp32 master weights when the
+    # workers wrote them, else the policy itself (then float32 already).
+    if not load_master(model, staging / "policy"):
+        updated, _ = load_checkpoint(staging / "policy", dtype=torch.float32)
+        model.load_state_dict(updated.state_dict())
     load_optimizer(optimizer, staging / "policy" / OPTIMIZER)
     shutil.rmtree(staging)
     return stats

@@ -7,7 +7,11 @@ DDP (``prepare_model``: gloo on CPU, NCCL on GPU) or, with ``fsdp``, shards it a
 optimizer state across the workers (``policy.sharding``), and runs the same ``update_policy``
 on its slice of every minibatch; the token-count scaling there makes the averaged gradient the
 single-process one, so one worker reproduces the in-process update. Rank 0 writes the updated
-policy (an HF directory) and the optimizer state to ``out_dir``.
+policy (an HF directory, in the dtype the input policy is served in) and the optimizer state to
+``out_dir``, and the fp32 master weights (``master.safetensors``) when that dtype rounds them;
+``master_path`` brings the previous update's back in. Workers train float32 parameters whatever
+the checkpoint holds; under FSDP on GPUs the sharded parameters are gathered in bf16 for the
+arithmetic and gradients reduced in fp32 (``policy.sharding``).
 
 Every location is a local path or an ``s3://`` URI. Workers on a cluster's other pods cannot
 see the caller's disk: each downloads remote inputs to its own scratch folder, and rank 0
@@ -52,6 +56,7 @@ def update_on_ray(
     address: str | None = None,
     use_gpu: bool = False,
     fsdp: bool = False,
+    master_path: Location | None = None,
 ) -> UpdateStats:
     """One update of the policy in ``policy_dir`` on the trees in ``trees_path`` (a Parquet
     file); ``optimizer_path`` is a file, the others folders. ``fsdp``: shard the policy and its
@@ -69,6 +74,7 @@ def update_on_ray(
         "out": _absolute(out_dir),
         "optimizer": _absolute(optimizer_path) if optimizer_path else None,
         "reference": _absolute(reference_dir) if reference_dir else None,
+        "master": _absolute(master_path) if master_path else None,
         "update": asdict(config),
         "seed": seed,
         "fsdp": fsdp,
@@ -121,13 +127,20 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     import ray.train.torch
     import torch
 
-    from trace_core.policy.model import load_checkpoint, save_checkpoint
+    from trace_core.policy.model import (
+        load_checkpoint,
+        load_for_training,
+        load_master,
+        save_checkpoint,
+        save_master,
+    )
     from trace_core.policy.sharding import (
         full_weights,
         load_sharded_optimizer,
         save_sharded_optimizer,
         shard_scorer,
     )
+    from trace_core.policy.tokenizer import padding_id
     from trace_core.policy.update import (
         TokenScorer,
         load_optimizer,
@@ -145,12 +158,14 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     config = UpdateConfig(**loop_config["update"])  # type: ignore[arg-type]
     device = ray.train.torch.get_device()
     policy = fetched("policy")
-    model, tokenizer = load_checkpoint(policy, device=device)
+    model, tokenizer, serving = load_for_training(policy, device=device)
+    if loop_config["master"]:
+        load_master(model, Path(fetched("master", folder=False)).parent)
     reference = None
     if loop_config["reference"] and config.kl_coef > 0:
         reference, _ = load_checkpoint(fetched("reference"), device=device)
     if loop_config["fsdp"]:
-        scorer = shard_scorer(TokenScorer(model, config.logit_chunk))
+        scorer = shard_scorer(TokenScorer(model, config.logit_chunk), device.type == "cuda")
         optimizer = make_optimizer(model, config)  # after sharding: on this rank's shards
         if loop_config["optimizer"]:
             load_sharded_optimizer(model, optimizer, fetched("optimizer", folder=False))
@@ -169,10 +184,11 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
         trees,
         config,
         np.random.default_rng(int(loop_config["seed"])),  # type: ignore[arg-type]
-        tokenizer.pad_token_id,
+        padding_id(tokenizer),
         reference,
         rank=rank,
         world=world,
+        serving=serving,
     )
     target = str(loop_config["out"])
     out = scratch / "out" if is_remote(target) else Path(target)
@@ -182,12 +198,13 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
         weights = full_weights(model)
         save_sharded_optimizer(model, optimizer, out / OPTIMIZER, rank)
         if rank == 0:
-            model, _ = load_checkpoint(policy)
+            model, _ = load_checkpoint(policy, dtype=torch.float32)
             model.load_state_dict(weights)
     elif rank == 0:
         save_optimizer(optimizer, out / OPTIMIZER)
     if rank == 0:
-        save_checkpoint(model, tokenizer, out)
+        save_checkpoint(model, tokenizer, out, dtype=serving)
+        save_master(model, out, serving)
         (out / STATS).write_text(json.dumps(asdict(stats)))
         if is_remote(target):
             from trace_core.store.sync import upload_folder

@@ -40,11 +40,11 @@ from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.policy.model import (
     TinyPolicyConfig,
     create_policy,
-    load_checkpoint,
+    load_for_training,
     save_checkpoint,
 )
 from trace_core.policy.sft import SFTConfig, sft_train
-from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.tokenizer import build_word_tokenizer, padding_id
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.flat import rollout_flat
 from trace_core.train.config import PRETRAINED
@@ -212,8 +212,7 @@ def warmstart(
         tokenizer = build_word_tokenizer(suite.vocabulary())
         fmt = TurnFormat(tokenizer)
     else:
-        model, tokenizer = load_checkpoint(config.init)
-        model.float()  # fp32 master weights
+        model, tokenizer, serving = load_for_training(config.init)  # fp32 master weights
         fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
         say(f"evaluating the base model on {len(eval_tasks)} held-out tasks")
         before = sampled_success(
@@ -228,10 +227,11 @@ def warmstart(
     )
     if config.init is None:
         model = create_policy(tokenizer, config.policy, seed=config.seed)
+        serving = torch.float32
     start = time.perf_counter()
-    losses = sft_train(model, sequences, masks, config.sft, tokenizer.pad_token_id, progress)
+    losses = sft_train(model, sequences, masks, config.sft, padding_id(tokenizer), progress)
     seconds = time.perf_counter() - start
-    save_checkpoint(model, tokenizer, config.output)
+    save_checkpoint(model, tokenizer, config.output, dtype=serving)
     engine = TorchEngine(model)
     say(f"evaluating the warm-started policy on {len(eval_tasks)} held-out tasks")
     after = sampled_success(

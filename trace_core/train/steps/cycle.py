@@ -127,7 +127,16 @@ def update_step(
     in object storage (a step sent as a Ray job): Ray Train workers read them there, and rank 0
     writes the result to the run's staging prefix, so no worker needs this process's disk."""
     from trace_core.algo.metrics import measure
-    from trace_core.policy.model import load_checkpoint, resolve_device, save_checkpoint
+    from trace_core.policy.model import (
+        MASTER,
+        load_checkpoint,
+        load_for_training,
+        load_master,
+        resolve_device,
+        save_checkpoint,
+        save_master,
+    )
+    from trace_core.policy.tokenizer import padding_id
     from trace_core.policy.update import load_optimizer, make_optimizer, save_optimizer
     from trace_core.store.schema import read_trees
     from trace_core.train.iteration import update
@@ -168,6 +177,9 @@ def update_step(
             address=worker_address(config),
             use_gpu=train.train_gpus,
             fsdp=train.train_fsdp,
+            master_path=(
+                f"{at['optimizer']}/{MASTER}" if (optimizer_dir / MASTER).is_file() else None
+            ),
         )
         if result != policy_out:
             from trace_core.store.sync import download_folder
@@ -176,18 +188,24 @@ def update_step(
         (policy_out / "update.json").unlink(missing_ok=True)  # the stats go to metrics.json
         optimizer_out.mkdir(parents=True, exist_ok=True)
         os.replace(policy_out / OPTIMIZER, optimizer_out / OPTIMIZER)
+        if (policy_out / MASTER).is_file():  # the fp32 weights travel with the optimizer state
+            os.replace(policy_out / MASTER, optimizer_out / MASTER)
     else:
-        model, tokenizer = load_checkpoint(policy_dir, device=resolve_device())
+        model, tokenizer, serving = load_for_training(policy_dir, device=resolve_device())
+        load_master(model, optimizer_dir)
         optimizer = make_optimizer(model, train.update)
         if optimizer_path.exists():
             load_optimizer(optimizer, optimizer_path)
         reference = None
         if train.update.kl_coef > 0:
             reference = load_checkpoint(reference_dir, device=resolve_device())[0]
-        stats = update(model, optimizer, trees, train, draws, tokenizer.pad_token_id, reference)
-        save_checkpoint(model, tokenizer, policy_out)
+        stats = update(
+            model, optimizer, trees, train, draws, padding_id(tokenizer), reference, serving
+        )
+        save_checkpoint(model, tokenizer, policy_out, dtype=serving)
         optimizer_out.mkdir(parents=True, exist_ok=True)
         save_optimizer(optimizer, optimizer_out / OPTIMIZER)
+        save_master(model, optimizer_out, serving)
     write_optimizer_info(optimizer_out, iteration)
     rollout = measure(trees)
     history = read_log(policy_dir)
@@ -204,7 +222,8 @@ def update_step(
     )
     lines = [json.dumps(asdict(r)) for r in [*history, record]]
     (policy_out / LOG).write_text("\n".join(lines) + "\n")
-    metrics = {"iteration": float(iteration), **stats.as_dict()}
+    numbers = {k: v for k, v in stats.as_dict().items() if isinstance(v, float)}  # not dtypes
+    metrics = {"iteration": float(iteration), **numbers}
     write_metrics(policy_out, metrics)
     return metrics
 
