@@ -130,8 +130,12 @@ def session_pids(sid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def ray_head(dashboard: bool = False, env: Mapping[str, str] | None = None) -> Iterator[RayHead]:
+def ray_head(
+    dashboard: bool = False, env: Mapping[str, str] | None = None, num_gpus: int = 0
+) -> Iterator[RayHead]:
     """A Ray head for the ``with`` block; ``env`` is added to its (and its jobs') environment.
+    ``num_gpus``: GPUs it advertises (``ray start --num-gpus``: Ray schedules by the count,
+    without devices; ``CUDA_VISIBLE_DEVICES`` is what a task then sees, not a GPU).
 
     Ready means ``ray status`` answers, or, with the dashboard, its job API does.
     """
@@ -150,6 +154,7 @@ def ray_head(dashboard: bool = False, env: Mapping[str, str] | None = None) -> I
             "--head",
             f"--port={port}",
             "--num-cpus=2",
+            f"--num-gpus={num_gpus}",
             "--node-ip-address=127.0.0.1",
             f"--include-dashboard={str(dashboard).lower()}",
             "--dashboard-host=127.0.0.1",

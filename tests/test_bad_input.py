@@ -163,7 +163,8 @@ CASES = {
     ),
     "unknown engine": Case(ROLLOUT + " --engine tpu", r"engine must be one of torch, hf, vllm"),
     "bad memory fraction": Case(
-        ROLLOUT + " --memory-fraction 1.5", r"memory_fraction must be in \(0, 1\], got 1.5"
+        ROLLOUT + " --memory-fraction 1.5",
+        r"memory_fraction must be 0 \(auto\) or in \(0, 1\], got 1.5",
     ),
     "zero seeds in a comparison": Case(
         "compare --seeds 0 --output {w}/new", r"seeds and parallel must be >= 1"

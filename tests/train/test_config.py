@@ -102,3 +102,25 @@ def test_an_s3_init_reaches_the_store_as_given(tmp_path: Path, s3_env: dict[str,
     assert result.exit_code == 2, said
     assert said.startswith("error:") and f"{uri}: nothing to download" in said
     assert not out.exists()
+
+
+def test_a_real_models_update_is_not_left_on_the_ray_heads_cpu(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    from trace_core.envs.calc import CalcSuite
+    from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+    from trace_core.policy.tokenizer import build_word_tokenizer
+    from trace_core.train.config import check_update_place, is_builtin_tiny
+
+    tiny = tmp_path / "tiny"
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    save_checkpoint(create_policy(tokenizer, TinyPolicyConfig(), seed=0), tokenizer, tiny)
+    real = tmp_path / "real"  # a byte-pair tokenizer, as every pretrained model has
+    real.mkdir()
+    Tokenizer(models.BPE()).save(str(real / "tokenizer.json"))
+    assert is_builtin_tiny(tiny) and not is_builtin_tiny(real)
+    check_update_place("127.0.0.1:6379", 0, tiny)  # seconds anywhere
+    check_update_place("127.0.0.1:6379", 2, real)  # on Ray Train workers
+    check_update_place(None, 0, real)  # no cluster: here is where it runs
+    with pytest.raises(ValueError, match=r"train_workers is 0 .*--train-workers N"):
+        check_update_place("127.0.0.1:6379", 0, real)

@@ -55,3 +55,20 @@ def test_train_with_checkpointing_from_a_bf16_policy(tmp_path: Path) -> None:
     assert update["master_dtype"] == "float32"
     config = json.loads((out / "iterations/0001/policy/config.json").read_text())
     assert config["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_an_engine_that_cannot_start_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    save_checkpoint(create_policy(tokenizer, TinyPolicyConfig(), seed=0), tokenizer, tmp_path / "p")
+    command = [
+        str(TRACE_RL), "rollout", "--checkpoint", str(tmp_path / "p"), "--engine", "vllm",
+        "--workers", "1", "--eager", "--kv-cache-gib", "100000", "--budget", "4",
+        "--prompts", "4", "--max-tokens", "4", "--output", str(tmp_path / "trees.parquet"),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 2
+    errors = [line for line in run.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stdout[-3000:]
+    assert errors[0].startswith("error: engine worker 0 did not start: ValueError: a KV cache of")
+    assert "lower kv_cache_gib (--kv-cache-gib)" in errors[0]

@@ -99,7 +99,7 @@ def test_rollout_cli_with_two_vllm_workers_on_a_head(head: Any, tmp_path: Path) 
     # 12 roots × (1 + 2/2) = 24 units.
     command = [
         str(BIN / "trace-rl"), "rollout", f"--checkpoint={checkpoint}",
-        "--engine=vllm", "--workers=2", "--eager", "--kv-cache-gib=0.25",
+        "--engine=vllm", "--workers=2", "--eager",  # engine memory: the defaults
         f"--ray-address={head.address}", "--budget=12", "--continuations=2", "--prompts=12",
         "--max-tokens=12", f"--output={trees_path}", f"--metrics={metrics_path}",
     ]  # fmt: skip

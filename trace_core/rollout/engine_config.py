@@ -31,15 +31,32 @@ class EngineConfig:
     threads_per_worker: int = 1
     """Torch threads of each Ray engine actor (its CPU request)."""
     tensor_parallel: int = 1
-    """vLLM tensor-parallel size (GPUs one vLLM engine spans)."""
-    memory_fraction: float = 0.9
-    """vLLM's gpu_memory_utilization: the share of a GPU its weights and KV cache may take."""
+    """vLLM tensor-parallel size: GPUs one vLLM engine spans. Above 1, each engine actor
+    reserves ``tensor_parallel`` GPUs on one node through a Ray placement group (one bundle of
+    one GPU per vLLM worker, packed on a node), so it needs a pod with that many GPUs: the
+    RayCluster's multi-GPU worker group (``manifests/``), whose pods hold ``gpus_per_node``."""
+    gpus_per_node: int = 8
+    """GPUs of the largest pod an engine can land on (the RayCluster's multi-GPU group: 8 by
+    default). A ``tensor_parallel`` above it is refused before any work: such an engine would
+    wait for a node that never comes. A setting rather than a look at the cluster, because a
+    group that scales from zero shows no node until something asks for one."""
+    memory_fraction: float = 0.0
+    """vLLM's gpu_memory_utilization: the share of a GPU its weights and KV cache may take.
+    0 (auto): 0.9 of what the engine owns, so engines sharing a GPU (``gpus_per_worker`` below
+    1) split it: two at 0.5 each take 0.45 of it apiece (``vllm_memory_fraction``)."""
     max_model_len: int = 0
     """vLLM: the longest sequence an engine holds, prompt and sample (0: the model's own);
     lower it to fit a long-context model's KV cache on a small GPU."""
     kv_cache_gib: float = 0.0
     """vLLM: KV-cache size in GiB, instead of ``memory_fraction`` of the GPU (0: from
-    ``memory_fraction``; on CPU, vLLM's default). Set it when engines share a machine."""
+    ``memory_fraction`` on GPUs; on CPU, each engine actor takes a quarter of the memory its
+    node has free at start, split over the engines of its pool that fit on that node, at most
+    4 GiB: ``ray_worker.cpu_kv_cache_bytes``)."""
+    ready_timeout_s: float = 1800.0
+    """How long a Ray engine pool waits for its actors to start before it gives up. On a
+    cluster that covers a GPU node scaled from zero (minutes), the image pull (≈10 GB), the
+    policy's download (16 GB at 8B) and vLLM's compilation and CUDA graphs: 30 min by default,
+    20 at the least for such a start."""
     dtype: str = "auto"
     """vLLM: the engine's weights and arithmetic: auto (vLLM's choice: bfloat16 for a float32
     checkpoint), float32, bfloat16 or float16. The update's old_logprobs=auto recomputes π_old
@@ -101,8 +118,31 @@ class EngineConfig:
             raise ValueError(f"keep_alive_s must be >= 0, got {self.keep_alive_s}")
         if self.keep_alive_s and not self.workers:
             raise ValueError("keep_alive_s needs workers >= 1 (it keeps Ray engine actors)")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not 0 <= self.memory_fraction <= 1:
+            raise ValueError(
+                f"memory_fraction must be 0 (auto) or in (0, 1], got {self.memory_fraction}"
+            )
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.engine == "vllm" and self.tensor_parallel > self.gpus_per_node:
+            raise ValueError(
+                f"tensor_parallel {self.tensor_parallel} needs {self.tensor_parallel} GPUs on "
+                f"one node; the largest GPU pod has {self.gpus_per_node} (gpus_per_node): "
+                f"lower tensor_parallel, or raise gpus_per_node with the pods' GPUs"
+            )
+        if self.tensor_parallel > 1 and 0 < self.gpus_per_worker < 1:
+            raise ValueError(
+                f"tensor_parallel {self.tensor_parallel} spans whole GPUs: gpus_per_worker "
+                f"must be 0 or >= 1, got {self.gpus_per_worker}"
+            )
+
+    def vllm_memory_fraction(self) -> float:
+        """``memory_fraction``, or for 0 (auto) 0.9 of the GPU share each engine owns."""
+        if self.memory_fraction:
+            return self.memory_fraction
+        return 0.9 * min(1.0, self.gpus_per_worker or 1.0)
 
     def vllm_kwargs(self) -> dict[str, int | None]:
         """``max_model_len`` and ``kv_cache_bytes`` as the vLLM engines take them (None: vLLM's)."""

@@ -49,7 +49,7 @@ def open_engine(
             threads_per_worker=config.threads_per_worker,
             engine=config.engine,  # type: ignore[arg-type]  # checked by EngineConfig
             tensor_parallel=config.tensor_parallel,
-            memory_fraction=config.memory_fraction,
+            memory_fraction=config.vllm_memory_fraction(),
             max_rows=config.max_rows,
             cache_tokens=config.cache_tokens,
             eager=config.eager,
@@ -57,6 +57,7 @@ def open_engine(
             name=name,
             keep_alive_s=config.keep_alive_s,
             driver=config.driver,  # type: ignore[arg-type]  # checked by EngineConfig
+            ready_timeout_s=config.ready_timeout_s,
             **config.vllm_kwargs(),
         ) as pool:
             yield pool
@@ -70,7 +71,7 @@ def open_engine(
             with VLLMEngine(
                 str(node_checkpoint(checkpoint)),
                 dtype=config.dtype,
-                gpu_memory_utilization=config.memory_fraction,
+                gpu_memory_utilization=config.vllm_memory_fraction(),
                 tensor_parallel_size=config.tensor_parallel,
                 max_model_len=vllm["max_model_len"],
                 options=VLLMOptions(

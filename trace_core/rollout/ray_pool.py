@@ -67,12 +67,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.rollout.engine_config import DRIVERS
@@ -141,7 +144,7 @@ class RayEnginePool:
         cache_tokens: int = 65_536,
         max_restarts: int = 3,
         slack: float = 0.15,
-        ready_timeout_s: float = 300.0,
+        ready_timeout_s: float = 1800.0,
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
         eager: bool = False,
@@ -181,11 +184,12 @@ class RayEnginePool:
         self._session.enter_context(
             ray_session(address, num_cpus=max(os.cpu_count() or 1, workers * threads_per_worker))
         )
+        self._groups: list[PlacementGroup] = []
         try:
-            gpus = num_gpus_per_worker * (tensor_parallel if engine == "vllm" else 1)
+            spread = engine == "vllm" and tensor_parallel > 1 and num_gpus_per_worker > 0
             options = {
                 "num_cpus": threads_per_worker,
-                "num_gpus": gpus,
+                "num_gpus": 0 if spread else num_gpus_per_worker,
                 "max_restarts": max_restarts,
                 "max_task_retries": max_restarts,
             }
@@ -201,11 +205,22 @@ class RayEnginePool:
                 kv_cache_bytes=kv_cache_bytes,
                 eager=eager,
                 dtype=dtype,
+                pool_workers=workers,
             )
+
+            def placed(i: int) -> dict[str, object]:
+                """Actor i's options: with tensor parallelism, inside a placement group of its
+                own that holds its GPUs (created unless a kept actor i already runs)."""
+                if not spread or (self.kept and _kept_actor(f"{name}-{i}") is not None):
+                    return options
+                group = tensor_parallel_group(tensor_parallel, threads_per_worker, self.kept)
+                self._groups += [] if self.kept else [group]
+                return {**options, "scheduling_strategy": in_group(group)}
+
             if self.kept:  # detached and named: found by the next pool of this name
                 self._actors = [
                     EngineWorker.options(  # type: ignore[attr-defined]
-                        **options,
+                        **placed(i),
                         name=f"{name}-{i}",
                         namespace=KEPT_NAMESPACE,
                         lifetime="detached",
@@ -214,8 +229,10 @@ class RayEnginePool:
                     for i in range(workers)
                 ]
             else:
-                actor = EngineWorker.options(**options)  # type: ignore[attr-defined]
-                self._actors = [actor.remote(spec, self.checkpoint) for _ in range(workers)]
+                self._actors = [
+                    EngineWorker.options(**placed(i)).remote(spec, self.checkpoint)  # type: ignore[attr-defined]
+                    for i in range(workers)
+                ]
             self._live = list(range(workers))
             self._wait_ready(ready_timeout_s)
             if self.kept:
@@ -241,15 +258,24 @@ class RayEnginePool:
         self.stats.extra["kept_workers"] = float(len(found))
 
     def _wait_ready(self, timeout_s: float) -> None:
-        try:
-            ray.get([a.pid.remote() for a in self._actors], timeout=timeout_s)
-        except GetTimeoutError:
-            raise RuntimeError(
-                f"{len(self._actors)} engine workers did not start within {timeout_s:g} s; "
-                f"the cluster has {ray.available_resources()} free"
-            ) from None
-        except RayActorError as err:
-            raise RuntimeError(f"an engine worker failed to start: {err}") from err
+        pending = {a.pid.remote(): i for i, a in enumerate(self._actors)}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            done, _ = ray.wait(
+                list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not done:
+                free = {k: v for k, v in ray.available_resources().items() if "memory" not in k}
+                raise EngineStartError(
+                    f"{len(pending)} of {len(self._actors)} engine workers did not start within "
+                    f"{timeout_s:g} s (ready_timeout_s); the cluster has {free} free: raise "
+                    "ready_timeout_s, or give the cluster room for the engines"
+                )
+            worker = pending.pop(done[0])
+            try:
+                ray.get(done[0])
+            except RayActorError as err:
+                raise EngineStartError(start_failure(worker, err)) from err
 
     @property
     def workers(self) -> int:
@@ -431,7 +457,10 @@ class RayEnginePool:
         it. Idempotent."""
         actors = [] if getattr(self, "kept", False) else getattr(self, "_actors", [])
         _stop(actors)
-        self._actors, self._live = [], []
+        for group in getattr(self, "_groups", []):  # the GPUs the engines held
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+        self._actors, self._live, self._groups = [], [], []
         self._session.close()
 
     def __enter__(self) -> RayEnginePool:
@@ -461,9 +490,73 @@ def release_engines(name: str, address: str | None = None) -> int:
 
 def _stop(actors: Sequence[ray.actor.ActorHandle]) -> None:
     """Stop the actors' engines (vLLM's engine processes would outlive a killed actor), then
-    the actors."""
+    the actors, then the placement groups kept actors hold (a pool's own go in ``close``)."""
+    groups: list[PlacementGroup | None] = []
     with contextlib.suppress(Exception):  # a dead or hung worker must not block closing
+        groups = ray.get([a.placement.remote() for a in actors], timeout=30)
         ray.get([a.shutdown.remote() for a in actors], timeout=30)
     for actor in actors:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
+    for group in groups:
+        if group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+
+
+def _kept_actor(name: str) -> ray.actor.ActorHandle | None:
+    try:
+        return ray.get_actor(name, namespace=KEPT_NAMESPACE)
+    except ValueError:
+        return None
+
+
+class EngineStartError(RuntimeError):
+    """Engine actors that did not start: one line naming the cause and the setting to change
+    (the CLI prints it as its error; ``--debug`` shows the traceback)."""
+
+
+HINTS = (
+    (
+        ("memory", "kv cache", "out of memory", "oom"),
+        "lower kv_cache_gib (--kv-cache-gib) or memory_fraction (--memory-fraction)",
+    ),
+    (("no such file", "checkpoint", "config.json"), "check the policy checkpoint's path"),
+    (("cuda", "nvidia", "no gpu"), "check gpus_per_worker and the nodes' GPUs"),
+)
+"""What to change, by words of the worker's error."""
+
+
+def start_failure(worker: int, err: BaseException) -> str:
+    """``err`` (an actor that died in its constructor, whose text holds the whole remote
+    traceback) as one line: the worker, the last exception's line, and the setting to change."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
+    cause = (raised or lines or [type(err).__name__])[-1]
+    hint = next(
+        (h for words, h in HINTS if any(w in cause.lower() for w in words)),
+        "rerun with --debug for the worker's traceback",
+    )
+    return f"engine worker {worker} did not start: {cause}; {hint}"
+
+
+def tensor_parallel_group(gpus: int, threads: int, detached: bool) -> PlacementGroup:
+    """The placement group of one tensor-parallel vLLM engine: ``gpus`` bundles of one GPU
+    each, packed on one node (STRICT_PACK). vLLM finds the group it runs in and puts one of its
+    Ray workers (no CPU, one GPU) on each bundle; it refuses bundles of more than one GPU. The
+    engine actor takes bundle 0's ``threads`` CPUs and no GPU. ``detached``: outlives this
+    job, with a kept actor."""
+    bundles = [{"GPU": 1.0, **({"CPU": float(threads)} if i == 0 else {})} for i in range(gpus)]
+    return placement_group(
+        bundles, strategy="STRICT_PACK", lifetime="detached" if detached else None
+    )
+
+
+def in_group(group: PlacementGroup) -> PlacementGroupSchedulingStrategy:
+    """Schedule an engine actor on bundle 0 of ``group``; what it starts (vLLM's workers)
+    lands in the group too."""
+    return PlacementGroupSchedulingStrategy(
+        placement_group=group,
+        placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True,
+    )

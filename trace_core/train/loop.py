@@ -64,7 +64,7 @@ from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
 from trace_core.train.base_model import fetch_model, local_path
-from trace_core.train.config import TrainConfig
+from trace_core.train.config import TrainConfig, check_update_place
 from trace_core.train.draws import draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
 from trace_core.train.record import LOG, IterationRecord, read_log
@@ -122,6 +122,7 @@ def train(
     policy_dir = iteration_dir(out, done) / "policy" if done else start_dir
     if done:
         say(f"resuming after iteration {done} from {policy_dir}")
+    check_update_place(config.ray_address, config.train_workers, policy_dir)
     # fp32 master weights whatever the checkpoint holds; the engines get ``serving`` back.
     model, tokenizer, serving = load_for_training(policy_dir)
     if done:

@@ -139,6 +139,7 @@ def update_step(
     from trace_core.policy.tokenizer import padding_id
     from trace_core.policy.update import load_optimizer, make_optimizer, save_optimizer
     from trace_core.store.schema import read_trees
+    from trace_core.train.config import check_update_place
     from trace_core.train.iteration import update
 
     train = config.train
@@ -151,6 +152,7 @@ def update_step(
             f"{optimizer_dir}: not an optimizer folder (no {OPTIMIZER_INFO}); pass the "
             "optimizer output of the previous update, warmstart or load step"
         )
+    check_update_place(config.ray_address or train.ray_address, train.train_workers, policy_dir)
     if train.train_workers:
         from trace_core.train.ray_update import update_on_ray
 
