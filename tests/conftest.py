@@ -76,6 +76,7 @@ HELPERS = {
     "trace_test_kfp": "pipelines/kfp_standin.py",
     "trace_test_repo": "repo_copy.py",
     "trace_test_commands": "docs/commands.py",
+    "trace_image_requirements": "images/image_requirements.py",
 }
 
 
