@@ -133,9 +133,9 @@ bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocati
 	$(BIN)/trace-rl bench store --json $(OUT)/store.json
 	$(BIN)/trace-rl bench parse --json $(OUT)/parse.json
 
-# On the GPU machine; needs no venv: python3 with a CUDA torch, transformers and ray[train].
-gpu-check: ## On a GPU: Ray engine actor, Ray Train update, local engine (figures in build/)
-	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --output $(OUT)/gpu-check.json
+# On the GPU machine; needs no venv: python3 with a CUDA torch, transformers and safetensors.
+gpu-check: ## On a GPU: fp32 master, update memory, parity, decode, reload (pass/fail, build/)
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --json $(OUT)/gpu-check.json
 
 lock: setup ## Rewrite requirements/constraints.txt from the installed environment
 	{ sed -n '1,3p' requirements/constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > requirements/constraints.tmp

@@ -1,472 +1,628 @@
-"""The GPU check: the three places the policy meets a GPU, each timed on a random-weight model.
+"""The GPU check: what must hold for the policy on a GPU, measured stage by stage, each with a
+pass/fail threshold. It needs torch, transformers, safetensors, numpy and pyarrow only: no Ray,
+no vLLM, no network, no pretrained weights (models are randomly initialised at real shapes).
 
-1. ``ray_engine``: ``TorchEngine`` inside a Ray actor that asked for one GPU
-   (``RayEnginePool(workers=1, num_gpus_per_worker=1)`` on Ray started in this process).
-   Tokens/s = generated tokens / wall seconds of ``pool.generate``; the actor reports the
-   device, dtype and Ray GPU ids it got.
-2. ``ray_update``: one policy update on Ray Train with ``use_gpu=True`` (``update_on_ray``).
-   On CUDA the forward runs under bf16 autocast over fp32 master weights
-   (``policy.update``); the figures are the wall seconds of ``update_on_ray`` (Ray Train's
-   start, loading, the update and saving) and its peak memory (CUDA's max allocated).
-3. ``local_engine``: ``TorchEngine`` in this process, for comparison with (1). On CUDA its
-   weights and KV are bfloat16 (the engine's default there); on CPU float32.
+    bash scripts/gpu_check.sh --json build/gpu-check.json     # on a GPU machine (< 8 min, H200)
+    bash scripts/gpu_check.sh --smoke --json F                 # every stage on CPU at tiny shapes
 
-The model is a ``Qwen3ForCausalLM`` of a real model's shape (``SIZES``: SmolLM2-135M's by
-default, or Qwen3-0.6B's) with random weights and a word tokenizer of the same vocabulary
-size; weights do not matter for speed. Prompts and sampled tokens are random ids; sampling
-has no stop token, so every row generates exactly ``new_tokens``. The update trains on
-synthetic one-turn groups (random tokens, half the leaves rewarded, sampling logprob
-``-ln V``: what a near-uniform random model gives), so ``logprob_gap`` stays small.
+Stages (the JSON has one entry each: ``name``, ``status`` pass/fail/skip, ``threshold``, and
+its figures):
 
-    bash scripts/gpu_check.sh                                   # on the GPU machine
-    python -m trace_core.bench.gpu_check --device cpu --small --output build/gpu-check.json
+- ``environment``: torch, CUDA, NCCL, the device; a large bf16 matmul's TFLOP/s, which must
+  reach 40% of the device's dense bf16 peak where the peak is known (``PEAK_TFLOPS``).
+- ``dtype_guard``: a policy stored in bf16 trains on fp32 master weights: one AdamW step at
+  lr 1e-6 moves ≥ 90% of the weights by lr (median |Δ|/lr in [0.9, 1.1]), where the same step
+  on bf16 weights moves < 10% of them; the engines' copy is written back in bf16.
+- ``update``: the update at Qwen3-8B's layer shape with a few layers, fp32 master weights and
+  bf16 autocast: tokens/s, MFU, peak memory against ``policy.memory``'s estimate (within ±20%),
+  with and without gradient checkpointing; the 36-layer peak extrapolated from two depths.
+- ``old_recompute``: with π_old recomputed, the first step's ratio is 1 (max |ρ − 1| ≤ 1e-6)
+  and the first update clips nothing.
+- ``parity``: TorchEngine samples (256 rows × 256 tokens at Qwen3-0.6B's shape, a peaked
+  output layer) and the trainer scores them in bf16: mean |Δ logprob| ≤ 0.05, p99 ≤ 0.5, and
+  the share of tokens truncated by TIS at C = 2 (Yao et al.; ``tis_cap`` is off by default)
+  ≤ 1%. On CPU in fp32 the gaps must be ≤ 1e-3.
+- ``decode``: TorchEngine decode tokens/s at batch 1, 64 and 256 against the HBM roofline
+  (weights and KV bytes read per step over the bandwidth, ``HBM_TBPS``); the ratio must stay
+  ≤ 1 and batching must raise tokens/s.
+- ``reload``: a safetensors file (4 GB; 64 MB in the smoke run) dropped from the page cache and
+  loaded into device memory: GB/s, ≥ 0.5.
 
-A failing check prints its traceback and one ``FAIL`` line and the others still run; the
-JSON is rewritten after every check, so a run cut short keeps what it measured.
+On CPU (``--smoke``) a stage that needs CUDA for its threshold reports ``skip`` with its
+figures. The JSON is rewritten after every stage, so a run cut short keeps what it measured.
+Exit 0 when no stage failed, 1 when one did, 2 for a bad option or no GPU without --smoke.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
 import platform
-import string
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
-from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.engine import SamplingParams
 from trace_core.policy.memory import GIB, ModelShape, estimate_update
 from trace_core.policy.model import (
-    TinyPolicyConfig,
-    create_policy,
+    checkpoint_dtype,
     load_checkpoint,
+    load_for_training,
     save_checkpoint,
 )
-from trace_core.policy.tokenizer import SPECIAL_TOKENS, build_word_tokenizer
+from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.update import (
+    TokenScorer,
+    collate_paths,
+    make_optimizer,
+    pack,
+    trainer_logprobs,
+    tree_paths,
+    update_policy,
+)
 from trace_core.policy.update_config import UpdateConfig
-from trace_core.store.schema import write_trees
 
-DEVICES = ("cuda", "cpu")
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+"""Dense bf16 peak TFLOP/s by a word of the device's name (the vendors' figures)."""
+HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "A10G": 0.6}
+"""Memory bandwidth TB/s by a word of the device's name; unknown devices: 1.0 (low, so the
+ratio stays an upper bound of what is reached)."""
 
 
 @dataclass(frozen=True)
-class CheckSize:
-    """A model shape and the work each check does on it."""
+class Shape:
+    """A Qwen3 decoder's dimensions."""
 
-    model: TinyPolicyConfig
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
     vocab: int
-    """Tokenizer (and embedding) size."""
-    prompts: int
-    """Distinct prompts of one generate call."""
-    samples: int
-    """Samples per prompt (rows = prompts × samples)."""
+    tied: bool
+
+    def model(self, seed: int, layers: int | None = None) -> Qwen3ForCausalLM:
+        config = Qwen3Config(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=layers or self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=4096,
+            tie_word_embeddings=self.tied,
+            pad_token_id=0,
+            eos_token_id=3,
+            bos_token_id=None,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+        return model.eval()
+
+    def memory_shape(self, layers: int) -> ModelShape:
+        return ModelShape(
+            layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+            self.vocab, self.tied,
+        )  # fmt: skip
+
+
+QWEN3_8B = Shape(36, 4096, 32, 8, 128, 12288, 151_936, tied=False)
+QWEN3_06B = Shape(28, 1024, 16, 8, 128, 3072, 151_936, tied=True)
+TINY = Shape(2, 64, 4, 2, 16, 128, 512, tied=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How big each stage's work is: the GPU run's, or the smoke run's on CPU."""
+
+    device: str
+    update_shape: Shape
+    update_layers: tuple[int, int]
+    """Two depths of the update stage (the peak per layer is their slope)."""
+    update_paths: int
+    update_tokens: tuple[int, int]
+    """Prompt and generated tokens of each path."""
+    parity_shape: Shape
+    rows: int
     prompt_tokens: int
     new_tokens: int
-    repeats: int
-    """Timed generate calls after one warm-up call; the best counts."""
-    update_prompts: int
-    """Trees of the update, one group of ``group`` paths each."""
-    group: int
-    update_prompt_tokens: int
-    update_new_tokens: int
-    minibatch: int
-    """Paths per optimizer step."""
+    decode_batches: tuple[int, ...]
+    decode_tokens: int
+    reload_bytes: int
+    matmul: int
 
 
-SIZES = {
-    "smollm2-135m": CheckSize(
-        TinyPolicyConfig(576, 30, 9, 3, 64, 1536, 8192, 100_000.0), 49_152,
-        prompts=32, samples=4, prompt_tokens=128, new_tokens=128, repeats=2,
-        update_prompts=8, group=8, update_prompt_tokens=256, update_new_tokens=256, minibatch=32,
-    ),
-    "qwen3-0.6b": CheckSize(
-        TinyPolicyConfig(1024, 28, 16, 8, 128, 3072, 8192, 1_000_000.0), 151_936,
-        prompts=32, samples=4, prompt_tokens=128, new_tokens=128, repeats=2,
-        update_prompts=8, group=8, update_prompt_tokens=256, update_new_tokens=256, minibatch=32,
-    ),
-    "small": CheckSize(  # the whole code path on a CPU in seconds
-        TinyPolicyConfig(32, 1, 2, 1, 16, 64, 256), 300,
-        prompts=4, samples=2, prompt_tokens=8, new_tokens=8, repeats=1,
-        update_prompts=2, group=4, update_prompt_tokens=8, update_new_tokens=8, minibatch=8,
-    ),
-}  # fmt: skip
-"""SmolLM2-135M's and Qwen3-0.6B's dimensions (hidden, layers, heads, KV heads, head dim,
-MLP width, positions, rope theta; vocabulary); ``small`` for a CPU smoke run."""
-
-
-@dataclass(frozen=True)
-class GpuCheckConfig:
-    device: str = "cuda"
-    """cuda (refused when torch sees no GPU) or cpu (the same code path, for CI)."""
-    shape: str = "smollm2-135m"
-    """A key of ``SIZES``."""
-    seed: int = 0
-    """Seed of the weights, prompts, trees and sampling."""
-
-    def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be cuda or cpu, got {self.device!r}")
-        if self.shape not in SIZES:
-            raise ValueError(f"shape must be one of {', '.join(SIZES)}, got {self.shape!r}")
-
-    @property
-    def size(self) -> CheckSize:
-        return SIZES[self.shape]
-
-
-@dataclass(frozen=True)
-class EngineFigures:
-    tokens_per_s: float
-    """Generated tokens / wall seconds of the best timed call."""
-    generated_tokens: int
-    seconds: float
-    start_seconds: float
-    """Building the engine (for Ray: starting the actor, which loads the checkpoint)."""
-    device: str
-    """Where the engine ran, as it reports: device, dtype, GPU name (and Ray GPU ids)."""
-
-
-@dataclass(frozen=True)
-class UpdateFigures:
-    seconds: float
-    """Wall seconds of ``update_on_ray``: Ray Train's start, loading, the update, saving."""
-    peak_gib: float
-    """The update's peak: CUDA's max allocated on a GPU, the worker's peak RSS on CPU."""
-    held_gib: float
-    """What the worker held when the update began (model and optimizer state)."""
-    estimate_gib: float
-    """``policy.memory``'s estimate of that peak (on CPU it leaves out the process itself)."""
-    paths: int
-    tokens: int
-    steps: int
-    logprob_gap: float
-    use_gpu: bool
+GPU_PLAN = Plan(
+    "cuda", QWEN3_8B, (2, 4), 8, (512, 512), QWEN3_06B, 256, 64, 256, (1, 64, 256), 128,
+    4 * 10**9, 8192,
+)  # fmt: skip
+SMOKE_PLAN = Plan(
+    "cpu", TINY, (1, 2), 4, (16, 16), TINY, 8, 8, 16, (1, 4, 8), 8, 64 * 2**20, 256
+)  # fmt: skip
 
 
 @dataclass
-class GpuCheckResult:
-    config: dict[str, object]
-    environment: dict[str, str]
-    ray_engine: EngineFigures | None = None
-    ray_update: UpdateFigures | None = None
-    local_engine: EngineFigures | None = None
-    errors: dict[str, str] = field(default_factory=dict)
-    """Check name -> the one line its failure printed."""
+class Stage:
+    name: str
+    status: str = "pass"
+    threshold: str = ""
+    figures: dict[str, object] = field(default_factory=dict)
+    reason: str = ""
+    """Why a stage failed or was skipped."""
 
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"config": self.config, "environment": self.environment}
-        for name in ("ray_engine", "ray_update", "local_engine"):
-            figures = getattr(self, name)
-            out[name] = None if figures is None else asdict(figures)
-        if self.ray_engine and self.local_engine:
-            out["ray_over_local"] = self.ray_engine.tokens_per_s / self.local_engine.tokens_per_s
-        out["errors"] = self.errors
-        return out
+    def fail(self, reason: str) -> None:
+        self.status, self.reason = "fail", reason
+
+    def skip(self, reason: str) -> None:
+        if self.status != "fail":
+            self.status, self.reason = "skip", reason
 
 
-def check_device(device: str) -> None:
-    """Refuse ``cuda`` when torch sees no GPU, saying why, before any work starts."""
-    if device == "cuda" and not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise ValueError(
-            f"--device cuda: torch.cuda.is_available() is False (torch {torch.__version__}, "
-            f"{build}); run this on a machine with an NVIDIA GPU and a CUDA torch, "
-            f"or pass --device cpu"
-        )
+def device_word(table: dict[str, float]) -> float | None:
+    """The table's figure for this machine's GPU (a word of its name), None if unknown."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((value for word, value in table.items() if word in name), None)
 
 
-def run_gpu_check(
-    config: GpuCheckConfig,
-    say: Callable[[str], None] = print,
-    output: Path | None = None,
-) -> GpuCheckResult:
-    """Build the model, then run the three checks in turn (see the module docstring);
-    ``output``: a JSON file rewritten after every check."""
-    from trace_core.rollout.ray_pool import ray_session
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
-    check_device(config.device)
-    size = config.size
-    result = GpuCheckResult(
-        config={**asdict(config), "size": asdict(size)},
-        environment=describe_environment(config.device),
+
+# -- the stages ----------------------------------------------------------------------------
+def stage_environment(plan: Plan, stage: Stage) -> None:
+    import safetensors
+    import transformers
+
+    stage.threshold = "bf16 matmul ≥ 40% of the device's dense bf16 peak (GPU, known peak)"
+    figures = stage.figures
+    figures.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        safetensors=safetensors.__version__,
+        cuda=torch.version.cuda or "none",
+        cpus=os.cpu_count(),
     )
-    say("environment: " + ", ".join(f"{k} {v}" for k, v in result.environment.items()))
-    rng = np.random.default_rng(config.seed)
-    # Ray is shut down before the folder goes: its workers read the checkpoint from it.
-    with (
-        tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp,
-        ray_session(num_cpus=max(2, os.cpu_count() or 1)),
-    ):
-        policy, trees = Path(tmp) / "policy", Path(tmp) / "trees.parquet"
-        start = time.perf_counter()
-        tokenizer = build_vocabulary(size.vocab)
-        model = create_policy(tokenizer, size.model, seed=config.seed)
-        save_checkpoint(model, tokenizer, policy)
-        write_trees(trees, synthetic_trees(size, len(tokenizer), rng))
-        params = sum(p.numel() for p in model.parameters())
+    if plan.device == "cuda":
+        figures["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        props = torch.cuda.get_device_properties(0)
+        figures["device"] = f"{props.name} ({props.total_memory / GIB:.0f} GiB)"
+    dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
+    n = plan.matmul
+    a = torch.randn(n, n, device=plan.device, dtype=dtype)
+    b = torch.randn(n, n, device=plan.device, dtype=dtype)
+    a @ b  # warm-up
+    synchronize(plan.device)
+    repeats = 20 if plan.device == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(plan.device)
+    tflops = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+    figures["matmul_tflops"] = tflops
+    peak = device_word(PEAK_TFLOPS)
+    if plan.device != "cuda" or peak is None:
+        stage.skip("no known bf16 peak for this device")
+        return
+    figures["peak_tflops"], figures["matmul_share"] = peak, tflops / peak
+    if tflops < 0.4 * peak:
+        stage.fail(f"{tflops:.0f} TFLOP/s is under 40% of {peak:.0f}")
+
+
+def stage_dtype_guard(plan: Plan, stage: Stage) -> None:
+    stage.threshold = (
+        "fp32 master: ≥ 90% of weights move, median |Δ|/lr in [0.9, 1.1]; bf16 weights: < 10% "
+        "move; the written checkpoint is bf16"
+    )
+    lr = 1e-6
+    tokenizer = build_word_tokenizer(["0 1 2 3 4 5 6 7 8 9 a b c d e f g h"])
+    shape = Shape(2, 128, 4, 2, 32, 256, len(tokenizer), tied=True)
+    trees = synthetic_trees(4, 4, (8, 8), shape.vocab, np.random.default_rng(1))
+    config = UpdateConfig(lr=lr, minibatch=1000)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        stored = Path(tmp) / "bf16"
+        save_checkpoint(shape.model(0).to(torch.bfloat16), tokenizer, stored)
+        master, _, serving = load_for_training(stored, plan.device)
+        before = [p.detach().clone() for p in master.parameters()]
+        stats = update_policy(
+            master, make_optimizer(master, config), trees, config, np.random.default_rng(0),
+            serving=serving,
+        )  # fmt: skip
+        moved, ratios = 0, []
+        for p, b in zip(master.parameters(), before, strict=True):
+            delta = (p.detach() - b).abs()
+            moved += int((delta > 0).sum())
+            ratios.append((delta / lr).flatten())
+        total = sum(b.numel() for b in before)
+        median = float(torch.cat(ratios).median())
+        rounded, _ = load_checkpoint(stored, plan.device)
+        bf16_before = [p.detach().clone() for p in rounded.parameters()]
+        update_policy(
+            rounded, make_optimizer(rounded, config), trees, config, np.random.default_rng(0),
+            serving=serving,
+        )  # fmt: skip
+        bf16_moved = sum(
+            int((p.detach() != b).sum())
+            for p, b in zip(rounded.parameters(), bf16_before, strict=True)
+        )
+        written = Path(tmp) / "written"
+        save_checkpoint(master, tokenizer, written, dtype=serving)
+        written_dtype = str(checkpoint_dtype(written)).removeprefix("torch.")
+    stage.figures.update(
+        master_dtype=stats.master_dtype, compute_dtype=stats.compute_dtype,
+        moved_share=moved / total, median_step_over_lr=median,
+        bf16_moved_share=bf16_moved / total, written_dtype=written_dtype,
+    )  # fmt: skip
+    if stats.master_dtype != "float32":
+        stage.fail(f"the master weights are {stats.master_dtype}")
+    elif moved / total < 0.9 or not 0.9 <= median <= 1.1:
+        stage.fail(f"{moved / total:.1%} of the weights moved, median step {median:.2f} × lr")
+    elif bf16_moved / total >= 0.1:
+        stage.fail(f"bf16 weights kept {bf16_moved / total:.1%} of the steps: lr too large")
+    elif written_dtype != "bfloat16":
+        stage.fail(f"the engines' checkpoint was written in {written_dtype}")
+
+
+def stage_update(plan: Plan, stage: Stage) -> None:
+    stage.threshold = (
+        "peak memory within ±20% of policy.memory's estimate, with and without checkpointing "
+        "(GPU; on CPU the peak is the process's RSS, not compared)"
+    )
+    shape, (low, high) = plan.update_shape, plan.update_layers
+    tokens_per_path = sum(plan.update_tokens)
+    micro = plan.update_paths * tokens_per_path
+    trees = synthetic_trees(
+        plan.update_paths // 2, 2, plan.update_tokens, shape.vocab, np.random.default_rng(2)
+    )
+    figures: dict[str, object] = {"shape": "Qwen3-8B layers" if plan.device == "cuda" else "tiny"}
+    for checkpointing in (False, True):
+        peaks = {}
+        for layers in (low, high):
+            model = shape.model(0, layers).to(plan.device)
+            config = UpdateConfig(
+                lr=1e-6, minibatch=plan.update_paths, micro_tokens=micro,
+                checkpointing=checkpointing, skip_flat_paths=False,
+            )  # fmt: skip
+            optimizer = make_optimizer(model, config)
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+            synchronize(plan.device)
+            start = time.perf_counter()
+            stats = update_policy(model, optimizer, trees, config, np.random.default_rng(0))
+            synchronize(plan.device)
+            seconds = time.perf_counter() - start
+            peaks[layers] = stats.peak_gib
+            if layers == high:
+                params = sum(p.numel() for p in model.parameters())
+                embedding = shape.vocab * shape.hidden
+                tokens = plan.update_paths * tokens_per_path
+                estimate = (
+                    estimate_update(
+                        shape.memory_shape(layers), micro, checkpointing, plan.device
+                    ).total
+                    / GIB
+                )
+                key = "checkpointing" if checkpointing else "plain"
+                flops = 6 * (params - embedding) * tokens
+                peak = device_word(PEAK_TFLOPS)
+                figures[key] = {
+                    "layers": layers,
+                    "tokens_per_s": tokens / seconds,
+                    "mfu": flops / seconds / (peak * 1e12) if peak else None,
+                    "peak_gib": stats.peak_gib,
+                    "estimate_gib": estimate,
+                    "peak_over_estimate": stats.peak_gib / estimate,
+                    "peak_gib_at_36_layers": stats.peak_gib
+                    + (36 - high) * (peaks[high] - peaks[low]) / (high - low),
+                    "steps": stats.steps,
+                }
+            del model, optimizer
+        if plan.device == "cuda":
+            ratio = figures[key]["peak_over_estimate"]  # type: ignore[index]
+            if not 0.8 <= ratio <= 1.2:
+                stage.fail(f"{key}: peak {ratio:.2f} × the estimate")
+    stage.figures.update(figures)
+    if plan.device != "cuda":
+        stage.skip("on CPU the peak is the process's RSS, which the estimate leaves out")
+
+
+def stage_old_recompute(plan: Plan, stage: Stage) -> None:
+    stage.threshold = "π_old recomputed: max |ρ − 1| of the first step ≤ 1e-6, clip fraction 0"
+    shape = plan.parity_shape if plan.device == "cuda" else TINY
+    model = shape.model(0, min(shape.layers, 4)).to(plan.device)
+    trees = synthetic_trees(4, 4, (32, 32), shape.vocab, np.random.default_rng(3))
+    config = UpdateConfig(lr=1e-6, minibatch=1000, old_logprobs="recompute", micro_tokens=512)
+    paths = tree_paths(trees, config.estimator)
+    scorer = TokenScorer(model, config.logit_chunk)
+    device = torch.device(plan.device)
+    old = trainer_logprobs(scorer, paths, config.micro_tokens, 0, device)
+    model.train()
+    worst = 0.0
+    # The first step's forward, with grad, in the same micro-batches as the recomputation.
+    for part in pack([len(p.tokens) for p in paths], config.micro_tokens):
+        batch = collate_paths([paths[i] for i in part], 0, [old[i] for i in part])
+        mask = batch.mask.to(device)
+        new = scorer(batch.ids.to(device), batch.attention.to(device), mask)
+        reference = batch.old_logprobs.to(device)[mask]
+        worst = max(worst, float((torch.exp(new.detach() - reference) - 1).abs().max()))
+    model.eval()
+    stats = update_policy(
+        model, make_optimizer(model, config), trees, config, np.random.default_rng(0)
+    )
+    stage.figures.update(max_ratio_error=worst, clip_fraction=stats.clip_fraction)
+    if worst > 1e-6 or stats.clip_fraction != 0:
+        stage.fail(f"max |ρ − 1| {worst:.2e}, clip fraction {stats.clip_fraction}")
+
+
+def stage_parity(plan: Plan, stage: Stage) -> None:
+    cuda = plan.device == "cuda"
+    stage.threshold = (
+        "bf16: mean |Δ logprob| ≤ 0.05, p99 ≤ 0.5, TIS (C = 2) truncates ≤ 1% of tokens"
+        if cuda
+        else "fp32 on CPU: mean and p99 |Δ logprob| ≤ 1e-3"
+    )
+    shape = plan.parity_shape
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        model = peaked(shape.model(0))
+        tokenizer = build_word_tokenizer(["a b c"])  # saved beside; the ids here are random
+        save_checkpoint(model, tokenizer, Path(tmp) / "policy")
         del model
-        say(
-            f"model: {config.shape}, {params:,} parameters, vocabulary "
-            f"{len(tokenizer):,}; written with the trees in {time.perf_counter() - start:.1f} s"
-        )
-        checks: tuple[tuple[str, Callable[[], EngineFigures | UpdateFigures]], ...] = (
-            ("ray_engine", lambda: check_ray_engine(policy, size, config.device, rng)),
-            ("ray_update", lambda: check_ray_update(policy, trees, size, config.device)),
-            ("local_engine", lambda: check_local_engine(policy, size, config.device, rng)),
-        )
-        for name, check in checks:
-            say(f"{name}: running")
-            try:
-                figures = check()
-            except Exception as err:
-                traceback.print_exc()
-                line = f"{type(err).__name__}: {' '.join(str(err).split())}"[:500]
-                result.errors[name] = line
-                say(f"FAIL {name}: {line}")
-            else:
-                setattr(result, name, figures)
-                say(figure_line(name, figures))
-            if output is not None:
-                write_result(output, result)
-    if result.ray_engine and result.local_engine:
-        ratio = result.ray_engine.tokens_per_s / result.local_engine.tokens_per_s
-        say(f"ray_engine / local_engine tokens/s: {ratio:.2f}×")
-    return result
-
-
-# -- the checks ---------------------------------------------------------------------------------
-
-
-def check_ray_engine(
-    policy: Path, size: CheckSize, device: str, rng: np.random.Generator
-) -> EngineFigures:
-    import ray
-
-    from trace_core.rollout.ray_pool import RayEnginePool
-
-    gpus = 1 if device == "cuda" else 0
-    require_ray_gpus(gpus)
-    start = time.perf_counter()
-    with RayEnginePool(
-        policy, workers=1, num_gpus_per_worker=gpus, engine="torch", ready_timeout_s=600
-    ) as pool:
-        started = time.perf_counter() - start
-        # The pool does not hand out its actors; a check may look inside to ask the engine.
-        where = str(ray.get(pool._actors[0].__ray_call__.remote(_actor_device), timeout=120))
-        tokens, seconds = time_generation(pool, size, rng)
-    return EngineFigures(tokens / seconds, tokens, seconds, started, where)
-
-
-def check_ray_update(policy: Path, trees: Path, size: CheckSize, device: str) -> UpdateFigures:
-    from trace_core.train.ray_update import update_on_ray
-
-    use_gpu = device == "cuda"
-    require_ray_gpus(1 if use_gpu else 0)
-    config = UpdateConfig(lr=1e-5, minibatch=size.minibatch)
-    start = time.perf_counter()
-    stats = update_on_ray(
-        policy, trees, policy.with_name("updated"), config, seed=0, workers=1, use_gpu=use_gpu
-    )
-    seconds = time.perf_counter() - start
-    if stats.steps == 0:
-        raise RuntimeError(f"the update took no step on {stats.paths} paths")
-    m = size.model
-    shape = ModelShape(
-        m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-        m.intermediate_size, size.vocab, tied=True,
+        serving, _ = load_checkpoint(Path(tmp) / "policy")
+        engine = TorchEngine(
+            serving, device=plan.device, max_batch=plan.rows,
+            cache_tokens=2 * plan.rows * (plan.prompt_tokens + plan.new_tokens),
+        )  # fmt: skip
+        del serving
+        prompts, samples = plan.rows // 8, 8
+        rng = np.random.default_rng(4)
+        batch = rng.integers(4, shape.vocab, size=(prompts, plan.prompt_tokens)).tolist()
+        out = engine.generate(batch, SamplingParams(n=samples, max_tokens=plan.new_tokens), seed=0)
+        del engine
+        trainer, _, _ = load_for_training(Path(tmp) / "policy", plan.device)
+    scorer = TokenScorer(trainer)
+    gaps, tis = [], []
+    device = torch.device(plan.device)
+    with torch.no_grad():
+        for prompt, completions in zip(batch, out, strict=True):
+            rows = [prompt + c.token_ids.tolist() for c in completions]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+            mask = torch.zeros((len(rows), width - 1), dtype=torch.bool, device=device)
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = torch.as_tensor(row, device=device)
+                mask[i, len(prompt) - 1 : len(row) - 1] = True
+            lengths = torch.as_tensor([len(r) for r in rows], device=device)
+            attention = (torch.arange(width, device=device)[None] < lengths[:, None]).long()
+            mine = scorer(ids, attention, mask).float().cpu().numpy()
+            theirs = np.concatenate([c.logprobs for c in completions])
+            gaps.append(np.abs(mine - theirs))
+            tis.append(np.exp(mine - theirs) > 2.0)
+    gap, truncated = np.concatenate(gaps), np.concatenate(tis)
+    mean, p99 = float(gap.mean()), float(np.quantile(gap, 0.99))
+    nll = float(-np.mean(np.concatenate([c.logprobs for row in out for c in row])))
+    stage.figures.update(
+        tokens=int(gap.size), mean_gap=mean, p99_gap=p99,
+        tis_truncated_share=float(truncated.mean()), tis_cap=2.0, mean_sampled_nll=nll,
     )  # fmt: skip
-    pass_tokens = size.minibatch * (size.update_prompt_tokens + size.update_new_tokens)
-    estimate = estimate_update(shape, pass_tokens, checkpointing=False, device=device)
-    return UpdateFigures(
-        seconds, stats.peak_gib, stats.held_gib, estimate.total / GIB, stats.paths,
-        stats.tokens, stats.steps, stats.logprob_gap, use_gpu,
+    if cuda and (mean > 0.05 or p99 > 0.5 or truncated.mean() > 0.01):
+        stage.fail(f"mean {mean:.3f}, p99 {p99:.3f}, TIS share {truncated.mean():.3%}")
+    if not cuda and (mean > 1e-3 or p99 > 1e-3):
+        stage.fail(f"mean {mean:.2e}, p99 {p99:.2e} in fp32")
+
+
+def peaked(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    """Next-token distributions far from uniform, as a trained model's are: the output layer
+    scaled up (random weights give logits of std ≈ 0.6 over 152k tokens: nearly flat)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def stage_decode(plan: Plan, stage: Stage) -> None:
+    stage.threshold = "tokens/s ≤ the HBM roofline at every batch; batch 256 faster than 1 (GPU)"
+    shape = plan.parity_shape
+    model = shape.model(0)
+    params = sum(p.numel() for p in model.parameters())
+    dtype_bytes = 2 if plan.device == "cuda" else 4
+    context = plan.prompt_tokens + plan.decode_tokens
+    engine = TorchEngine(
+        model, device=plan.device, max_batch=max(plan.decode_batches),
+        cache_tokens=2 * max(plan.decode_batches) * context,
     )  # fmt: skip
-
-
-def check_local_engine(
-    policy: Path, size: CheckSize, device: str, rng: np.random.Generator
-) -> EngineFigures:
-    start = time.perf_counter()
-    model, _ = load_checkpoint(policy)
-    engine = TorchEngine(model, device=device)  # bfloat16 on CUDA: the engine's default there
     del model
-    started = time.perf_counter() - start
-    tokens, seconds = time_generation(engine, size, rng)
-    return EngineFigures(
-        tokens / seconds, tokens, seconds, started, engine_device(engine.device, engine.dtype)
-    )
-
-
-def time_generation(engine: Engine, size: CheckSize, rng: np.random.Generator) -> tuple[int, float]:
-    """(generated tokens, seconds) of the fastest of ``size.repeats`` calls, after a short
-    warm-up call (CUDA context, kernels). Every call has fresh prompts: nothing is cached."""
-    vocab_low = len(SPECIAL_TOKENS)  # prompts hold no special token
-    vocab = int(size.vocab)
-
-    def prompts() -> list[list[int]]:
-        ids = rng.integers(vocab_low, vocab, size=(size.prompts, size.prompt_tokens))
-        return ids.tolist()  # type: ignore[no-any-return]
-
-    warm = SamplingParams(n=size.samples, max_tokens=min(8, size.new_tokens))
-    engine.generate(prompts(), warm, seed=0)
-    params = SamplingParams(n=size.samples, max_tokens=size.new_tokens)
-    best: tuple[int, float] | None = None
-    for r in range(size.repeats):
-        batch = prompts()
+    bandwidth = device_word(HBM_TBPS) or 1.0
+    rng = np.random.default_rng(5)
+    figures: dict[str, object] = {"bandwidth_tbps": bandwidth, "parameters": params}
+    rates = {}
+    for batch in plan.decode_batches:
+        prompts = rng.integers(4, shape.vocab, size=(batch, plan.prompt_tokens)).tolist()
+        params_ = SamplingParams(max_tokens=plan.decode_tokens)
+        engine.generate(prompts[:1], SamplingParams(max_tokens=2), seed=0)  # warm-up
+        synchronize(plan.device)
         start = time.perf_counter()
-        out = engine.generate(batch, params, seed=r + 1)
+        out = engine.generate(prompts, params_, seed=1)
+        synchronize(plan.device)
         seconds = time.perf_counter() - start
-        tokens = sum(len(c.token_ids) for row in out for c in row)
-        if best is None or tokens / seconds > best[0] / best[1]:
-            best = (tokens, seconds)
-    assert best is not None
-    return best
+        generated = sum(len(c.token_ids) for row in out for c in row)
+        kv = batch * context * shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes
+        step_bytes = params * dtype_bytes + kv / 2  # the KV read grows from prompt to context
+        roofline = batch / (step_bytes / (bandwidth * 1e12))
+        rates[batch] = generated / seconds
+        figures[f"batch_{batch}"] = {
+            "tokens_per_s": generated / seconds,
+            "roofline_tokens_per_s": roofline,
+            "ratio": generated / seconds / roofline,
+        }
+    stage.figures.update(figures)
+    if plan.device != "cuda":
+        stage.skip("no HBM roofline on a CPU")
+        return
+    low, high = min(plan.decode_batches), max(plan.decode_batches)
+    if any(f["ratio"] > 1 for f in figures.values() if isinstance(f, dict)):  # type: ignore[index]
+        stage.fail("a batch decodes faster than the HBM roofline: the model of bytes is wrong")
+    elif rates[high] <= rates[low]:
+        stage.fail(f"batch {high} decodes no faster than batch {low}")
 
 
-def require_ray_gpus(gpus: int) -> None:
-    """Fail at once when Ray has fewer GPUs than asked (an actor would wait for one forever)."""
-    import ray
+def stage_reload(plan: Plan, stage: Stage) -> None:
+    from safetensors.torch import load_file, save_file
 
-    have = ray.cluster_resources().get("GPU", 0.0)
-    if have < gpus:
-        raise RuntimeError(
-            f"Ray sees {have:g} GPUs on this machine and the check needs {gpus} "
-            f"(torch sees {torch.cuda.device_count()}; CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
-        )
-
-
-def _actor_device(worker: object) -> str:
-    """Runs inside the engine actor (``__ray_call__``): where its engine put the weights."""
-    import ray
-
-    engine: TorchEngine = worker.engine  # type: ignore[attr-defined]
-    return f"{engine_device(engine.device, engine.dtype)}, Ray GPU ids {ray.get_gpu_ids()}"
-
-
-def engine_device(device: torch.device, dtype: torch.dtype) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    index = f":{torch.cuda.current_device()}" if device.type == "cuda" else ""
-    return f"{device.type}{index} {str(dtype).removeprefix('torch.')} {name}"
-
-
-# -- the model and the trees ---------------------------------------------------------------------
+    stage.threshold = "≥ 0.5 GB/s from local disk into device memory"
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        path = Path(tmp) / "weights.safetensors"
+        chunk = min(256 * 2**20, plan.reload_bytes)  # bytes of one tensor
+        tensors = {
+            f"w{i}": torch.full((chunk // 2,), float(i), dtype=torch.bfloat16)
+            for i in range(max(1, plan.reload_bytes // chunk))
+        }
+        save_file(tensors, str(path))
+        size = path.stat().st_size
+        del tensors
+        with open(path, "rb") as f:  # out of the page cache: read from the disk
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        synchronize(plan.device)
+        start = time.perf_counter()
+        loaded = load_file(str(path), device=plan.device)
+        synchronize(plan.device)
+        seconds = time.perf_counter() - start
+    rate = size / seconds / 1e9
+    stage.figures.update(bytes=size, seconds=seconds, gb_per_s=rate, tensors=len(loaded))
+    if rate < 0.5:
+        stage.fail(f"{rate:.2f} GB/s")
 
 
-def build_vocabulary(size: int) -> PreTrainedTokenizerFast:
-    """A word tokenizer with exactly ``size`` tokens: its fixed pieces, then 4-letter words."""
-    fixed = len(build_word_tokenizer([]))
-    if size <= fixed:
-        raise ValueError(f"vocab must exceed the tokenizer's {fixed} fixed tokens, got {size}")
-    letters = itertools.product(string.ascii_lowercase, repeat=4)
-    words = ["".join(w) for w in itertools.islice(letters, size - fixed)]
-    tokenizer = build_word_tokenizer([" ".join(words)])
-    assert len(tokenizer) == size, (len(tokenizer), size)
-    return tokenizer
+STAGES: tuple[tuple[str, Callable[[Plan, Stage], None]], ...] = (
+    ("environment", stage_environment),
+    ("dtype_guard", stage_dtype_guard),
+    ("update", stage_update),
+    ("old_recompute", stage_old_recompute),
+    ("parity", stage_parity),
+    ("decode", stage_decode),
+    ("reload", stage_reload),
+)
 
 
-def synthetic_trees(size: CheckSize, vocab: int, rng: np.random.Generator) -> list[RolloutTree]:
-    """One-turn groups of random tokens, every other leaf rewarded (so no group is flat);
-    the sampling logprob of every token is ``-ln vocab``."""
-    low, logprob = len(SPECIAL_TOKENS), -math.log(vocab)
+# -- synthetic trees ------------------------------------------------------------------------------
+def synthetic_trees(
+    groups: int, size: int, tokens: tuple[int, int], vocab: int, rng: np.random.Generator
+) -> list[RolloutTree]:
+    """One-turn groups of random tokens, every other leaf rewarded (no group is flat); every
+    sampling logprob is ``-ln vocab``, what a near-uniform policy gives."""
+    prompt_tokens, new_tokens = tokens
+    logprob = -math.log(vocab)
     trees = []
-    for p in range(size.update_prompts):
-        prompt = rng.integers(low, vocab, size=size.update_prompt_tokens)
-        info = TreeInfo(prompt_id=f"gpu-check-{p}", tree_id=p, strategy="grpo")
-        builder = TreeBuilder(info, prompt_tokens=prompt.astype(np.int32))
-        for k in range(size.group):
+    for g in range(groups):
+        prompt = rng.integers(4, vocab, size=prompt_tokens).astype(np.int32)
+        builder = TreeBuilder(
+            TreeInfo(prompt_id=f"gpu-check-{g}", tree_id=g, strategy="grpo"), prompt_tokens=prompt
+        )
+        for k in range(size):
             leaf = builder.add_turn(
                 0,
-                gen_tokens=rng.integers(low, vocab, size=size.update_new_tokens),
-                logprobs=np.full(size.update_new_tokens, logprob),
+                gen_tokens=rng.integers(4, vocab, size=new_tokens),
+                logprobs=np.full(new_tokens, logprob),
             )
             builder.set_reward(leaf, float(k % 2))
         trees.append(builder.build())
     return trees
 
 
-# -- output ---------------------------------------------------------------------------------
+# -- running --------------------------------------------------------------------------------------
+def run(plan: Plan, output: Path, say: Callable[[str], None] = print) -> list[Stage]:
+    """Every stage in turn; the JSON is rewritten after each."""
+    stages: list[Stage] = []
+    for name, body in STAGES:
+        stage = Stage(name)
+        start = time.perf_counter()
+        try:
+            body(plan, stage)
+        except Exception as err:  # a broken stage fails alone; the others still run
+            traceback.print_exc()
+            stage.fail(f"{type(err).__name__}: {' '.join(str(err).split())}"[:500])
+        stage.figures["seconds"] = time.perf_counter() - start
+        stages.append(stage)
+        say(stage_line(stage))
+        write_json(output, plan, stages)
+    return stages
 
 
-def describe_environment(device: str) -> dict[str, str]:
-    import ray
-    import transformers
-
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none",
-        "transformers": transformers.__version__,
-        "ray": ray.__version__,
-        "cpus": str(os.cpu_count()),
-    }
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        env["gpu"] = (
-            f"{torch.cuda.device_count()} × {props.name} ({props.total_memory / GIB:.0f} GiB)"
-        )
-    return env
-
-
-def figure_line(name: str, f: EngineFigures | UpdateFigures) -> str:
-    if isinstance(f, EngineFigures):
-        return (
-            f"{name}: {f.tokens_per_s:,.0f} tokens/s ({f.generated_tokens:,} tokens in "
-            f"{f.seconds:.2f} s; engine up in {f.start_seconds:.1f} s) on {f.device}"
-        )
-    where = "GPU, bf16 autocast" if f.use_gpu else "CPU"
-    return (
-        f"{name}: {f.seconds:.1f} s for {f.steps} steps over {f.paths} paths ({f.tokens:,} "
-        f"tokens), peak {f.peak_gib:.2f} GiB (estimate {f.estimate_gib:.2f}, held "
-        f"{f.held_gib:.2f}) on {where}; logprob gap {f.logprob_gap:.3f}"
+def stage_line(stage: Stage) -> str:
+    shown = ", ".join(
+        f"{k} {format_value(v)}" for k, v in stage.figures.items() if not isinstance(v, dict)
     )
+    why = f" ({stage.reason})" if stage.reason else ""
+    return f"{stage.status.upper():4} {stage.name}{why}: {shown}"
 
 
-def write_result(path: Path, result: GpuCheckResult) -> None:
+def format_value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def write_json(path: Path, plan: Plan, stages: list[Stage]) -> None:
+    body = {
+        "device": plan.device,
+        "smoke": plan.device == "cpu",
+        "stages": [
+            {
+                "name": s.name,
+                "status": s.status,
+                "threshold": s.threshold,
+                "reason": s.reason,
+                **s.figures,
+            }
+            for s in stages
+        ],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
-    os.replace(tmp, path)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(body, indent=2) + "\n")
+    os.replace(temp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trace_core.bench.gpu_check``: what ``scripts/gpu_check.sh`` runs (it needs
-    none of the command line's dependencies). Exit 0: every check passed; 1: one failed;
-    2: a refused option or no GPU."""
-    parser = argparse.ArgumentParser(
-        prog="gpu_check", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    parser.add_argument("--device", choices=DEVICES, default="cuda", help="default: cuda")
-    parser.add_argument("--shape", choices=list(SIZES), default="smollm2-135m", help="model size")
-    parser.add_argument("--small", action="store_true", help="same as --shape small (CPU, CI)")
-    parser.add_argument("--output", "--json", type=Path, default=Path("build/gpu-check.json"))
+    """What ``scripts/gpu_check.sh`` runs. Exit 0: no stage failed; 1: one did; 2: bad usage."""
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="every stage on CPU, tiny shapes")
+    parser.add_argument("--json", type=Path, default=Path("build/gpu-check.json"))
     args = parser.parse_args(argv)
-    try:
-        config = GpuCheckConfig(device=args.device, shape="small" if args.small else args.shape)
-        check_device(config.device)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    if not args.smoke and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(
+            f"gpu-check: torch {torch.__version__} ({build}) sees no GPU; run it on a machine "
+            "with one, or pass --smoke for the CPU run",
+            file=sys.stderr,
+        )
         return 2
-    result = run_gpu_check(config, say=lambda line: print(line, flush=True), output=args.output)
-    print(f"wrote {args.output}")
-    if result.errors:
-        print(f"FAILED: {', '.join(result.errors)}", flush=True)
-        return 1
-    return 0
+    plan = SMOKE_PLAN if args.smoke else GPU_PLAN
+    if args.smoke:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    stages = run(plan, args.json, say=lambda line: print(line, flush=True))
+    failed = [s.name for s in stages if s.status == "fail"]
+    print(
+        f"wrote {args.json}; " + (f"FAILED: {', '.join(failed)}" if failed else "no stage failed")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

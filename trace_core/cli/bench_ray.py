@@ -3,7 +3,7 @@
 
     trace-rl bench workers --checkpoint build/policy/calc --engines torch,vllm
     trace-rl bench reload --checkpoint build/policy/calc --engines torch,vllm
-    trace-rl bench gpu --json build/gpu-check.json     # on a GPU machine: bash scripts/gpu_check.sh
+    trace-rl bench gpu --json build/gpu-check.json     # or: bash scripts/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -20,27 +20,18 @@ from trace_core.cli.output import console, fail, write_json
 
 @app.command("gpu")
 def bench_gpu(
-    device: Annotated[str, typer.Option(help="cuda (refused without a GPU) or cpu.")] = "cuda",
-    shape: Annotated[
-        str, typer.Option(help="Model shape: smollm2-135m, qwen3-0.6b or small.")
-    ] = "smollm2-135m",
-    small: Annotated[bool, typer.Option(help="Same as --shape small: a CPU smoke run.")] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+    smoke: Annotated[bool, typer.Option(help="Every stage on CPU at tiny shapes.")] = False,
+    json_path: Annotated[Path, typer.Option("--json", help="Write the stages here.")] = Path(
+        "build/gpu-check.json"
+    ),
 ) -> None:
-    """TorchEngine in a Ray actor with a GPU, the update on Ray Train with use_gpu, TorchEngine
-    in process: tokens/s, update seconds, peak memory (scripts/gpu_check.sh runs this)."""
-    from trace_core.bench.gpu_check import GpuCheckConfig, run_gpu_check
+    """The GPU check's stages, each pass/fail against its threshold (what
+    scripts/gpu_check.sh runs, without this command line's dependencies)."""
+    from trace_core.bench.gpu_check import main
 
-    config = GpuCheckConfig(device=device, shape="small" if small else shape)
-    result = run_gpu_check(
-        config,
-        say=lambda line: console.print(line, markup=False, highlight=False),
-        output=json_path,
-    )
-    if json_path is not None:
-        console.print(f"wrote {json_path}")
-    if result.errors:
-        raise fail(f"failed: {', '.join(result.errors)} (their tracebacks are above)")
+    code = main([*(["--smoke"] if smoke else []), "--json", str(json_path)])
+    if code:
+        raise fail(f"the GPU check ended with {code}: see the stages above and {json_path}")
 
 
 @app.command("workers")
