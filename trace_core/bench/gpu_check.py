@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -50,11 +49,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
-from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
+from trace_core.bench.gpu_shapes import QWEN3_06B, QWEN3_8B, TINY, Shape, synthetic_trees
 from trace_core.policy.engine import SamplingParams
-from trace_core.policy.memory import GIB, ModelShape, estimate_update
+from trace_core.policy.memory import GIB, estimate_update
 from trace_core.policy.model import (
     checkpoint_dtype,
     load_checkpoint,
@@ -79,51 +78,6 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G
 HBM_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "A10G": 0.6}
 """Memory bandwidth TB/s by a word of the device's name; unknown devices: 1.0 (low, so the
 ratio stays an upper bound of what is reached)."""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A Qwen3 decoder's dimensions."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-
-    def model(self, seed: int, layers: int | None = None) -> Qwen3ForCausalLM:
-        config = Qwen3Config(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=layers or self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            max_position_embeddings=4096,
-            tie_word_embeddings=self.tied,
-            pad_token_id=0,
-            eos_token_id=3,
-            bos_token_id=None,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen3ForCausalLM(config)
-        return model.eval()
-
-    def memory_shape(self, layers: int) -> ModelShape:
-        return ModelShape(
-            layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
-            self.vocab, self.tied,
-        )  # fmt: skip
-
-
-QWEN3_8B = Shape(36, 4096, 32, 8, 128, 12288, 151_936, tied=False)
-QWEN3_06B = Shape(28, 1024, 16, 8, 128, 3072, 151_936, tied=True)
-TINY = Shape(2, 64, 4, 2, 16, 128, 512, tied=True)
 
 
 @dataclass(frozen=True)
@@ -521,31 +475,6 @@ STAGES: tuple[tuple[str, Callable[[Plan, Stage], None]], ...] = (
     ("decode", stage_decode),
     ("reload", stage_reload),
 )
-
-
-# -- synthetic trees ------------------------------------------------------------------------------
-def synthetic_trees(
-    groups: int, size: int, tokens: tuple[int, int], vocab: int, rng: np.random.Generator
-) -> list[RolloutTree]:
-    """One-turn groups of random tokens, every other leaf rewarded (no group is flat); every
-    sampling logprob is ``-ln vocab``, what a near-uniform policy gives."""
-    prompt_tokens, new_tokens = tokens
-    logprob = -math.log(vocab)
-    trees = []
-    for g in range(groups):
-        prompt = rng.integers(4, vocab, size=prompt_tokens).astype(np.int32)
-        builder = TreeBuilder(
-            TreeInfo(prompt_id=f"gpu-check-{g}", tree_id=g, strategy="grpo"), prompt_tokens=prompt
-        )
-        for k in range(size):
-            leaf = builder.add_turn(
-                0,
-                gen_tokens=rng.integers(4, vocab, size=new_tokens),
-                logprobs=np.full(new_tokens, logprob),
-            )
-            builder.set_reward(leaf, float(k % 2))
-        trees.append(builder.build())
-    return trees
 
 
 # -- running --------------------------------------------------------------------------------------

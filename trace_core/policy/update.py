@@ -54,6 +54,12 @@ from trace_core.algo.advantage import (
     turn_advantages,
 )
 from trace_core.algo.tree import RolloutTree
+from trace_core.policy.batching import PathBatch as PathBatch
+from trace_core.policy.batching import agreed_passes as agreed_passes
+from trace_core.policy.batching import collate_paths as collate_paths
+from trace_core.policy.batching import micro_batches as micro_batches
+from trace_core.policy.batching import pack as pack
+from trace_core.policy.batching import padding_pass as padding_pass
 from trace_core.policy.model import dtype_name
 from trace_core.policy.optimizer_state import load_optimizer as load_optimizer
 from trace_core.policy.optimizer_state import save_optimizer as save_optimizer
@@ -78,22 +84,6 @@ UPSTREAM = (
     "transformers.PreTrainedModel.base_model",
 )
 """What this module calls in torch and transformers (``policy.upstream``)."""
-
-
-@dataclass(frozen=True)
-class PathBatch:
-    """Right-padded paths, aligned for next-token prediction: column t predicts ids[:, t+1]."""
-
-    ids: torch.Tensor  # (P, T) long
-    attention: torch.Tensor  # (P, T) long, 1 on real tokens
-    mask: torch.Tensor  # (P, T-1) bool, True where ids[:, t+1] was generated
-    advantages: torch.Tensor  # (P, T-1) float32
-    old_logprobs: torch.Tensor  # (P, T-1) float32, π_old of ids[:, t+1] (the PPO ratio's)
-    engine_logprobs: torch.Tensor  # (P, T-1) float32, sampling logprob of ids[:, t+1]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.mask.sum())
 
 
 @dataclass(frozen=True)
@@ -160,39 +150,6 @@ def tree_paths(trees: Sequence[RolloutTree], estimator: str) -> list[PathTokens]
             path_token_advantages(tree, int(leaf), adv) for leaf in np.flatnonzero(tree.leaf_mask)
         ]
     return paths
-
-
-def collate_paths(
-    paths: Sequence[PathTokens],
-    pad_id: int,
-    old: Sequence[npt.NDArray[np.float32]] | None = None,
-) -> PathBatch:
-    """Pad paths on the right into one batch (padding is masked out of the loss). ``old``: π_old
-    per path, aligned with ``path.logprobs`` (``trainer_logprobs``); None: the engine's."""
-    if not paths:
-        raise ValueError("no paths to collate")
-    if old is not None and len(old) != len(paths):
-        raise ValueError(f"{len(old)} old logprob arrays for {len(paths)} paths")
-    length = max(len(p.tokens) for p in paths)
-    ids = torch.full((len(paths), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(paths), length), dtype=torch.long)
-    mask = torch.zeros((len(paths), length), dtype=torch.bool)
-    adv = torch.zeros((len(paths), length), dtype=torch.float32)
-    engine = torch.zeros((len(paths), length), dtype=torch.float32)
-    for row, path in enumerate(paths):
-        n = len(path.tokens)
-        ids[row, :n] = torch.from_numpy(path.tokens.astype(np.int64))
-        attention[row, :n] = 1
-        mask[row, :n] = torch.from_numpy(path.loss_mask)
-        adv[row, :n] = torch.from_numpy(path.advantages.astype(np.float32))
-        engine[row, :n] = torch.from_numpy(path.logprobs)
-    trainer = engine
-    if old is not None:
-        trainer = torch.zeros_like(engine)
-        for row, values in enumerate(old):
-            trainer[row, : len(values)] = torch.from_numpy(values)
-    # Column t of the logits predicts token t+1: shift every per-token field by one.
-    return PathBatch(ids, attention, mask[:, 1:], adv[:, 1:], trainer[:, 1:], engine[:, 1:])
 
 
 class TokenScorer(torch.nn.Module):
@@ -279,40 +236,6 @@ def trainer_logprobs(
     return out
 
 
-def agreed_passes(passes: int, device: torch.device) -> int:
-    """The most passes any rank has to run (an all-reduce of the maximum; ``passes`` itself
-    outside a process group).
-
-    Under FSDP every forward all-gathers and every backward reduce-scatters, so all ranks must
-    run the same number of passes or the one with fewer waits for ever in its next collective
-    (DDP's gradient all-reduce has the same exposure). Ranks hold different paths of different
-    lengths, so their micro-batch counts differ: they agree on the maximum and the ranks with
-    fewer pad with passes of zero weight (``padding_pass``), as verl does.
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return passes
-    if torch.distributed.get_world_size() == 1:
-        return passes
-    # NCCL reduces device tensors only; gloo host tensors.
-    on = device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-    count = torch.tensor([passes], dtype=torch.int64, device=on)
-    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    return int(count.item())
-
-
-def padding_pass(
-    scorer: torch.nn.Module, path: PathTokens, pad_id: int, device: torch.device
-) -> torch.Tensor:
-    """A pass that moves nothing: ``path`` (one this rank holds) scored and multiplied by 0.
-    It runs every collective a real pass runs, over every parameter (the decoder and the
-    head), so that the ranks' collectives pair up; its gradient is exactly zero."""
-    batch = collate_paths([path], pad_id)
-    mask = batch.mask.to(device)
-    if not bool(mask.any()):  # the head must run too: score at least one position
-        mask = torch.ones_like(mask)
-    return scorer(batch.ids.to(device), batch.attention.to(device), mask).sum() * 0.0
-
-
 def resolve_old_logprobs(mode: str, tis_cap: float, dtype: torch.dtype, device: str) -> str:
     """``UpdateConfig.old_logprobs`` made "engine" or "recompute" for a model whose parameters
     have ``dtype`` on ``device`` (its type: "cpu", "cuda"): "auto" trusts the engine only where
@@ -321,26 +244,6 @@ def resolve_old_logprobs(mode: str, tis_cap: float, dtype: torch.dtype, device: 
         same = dtype == torch.float32 and device == "cpu"
         return "engine" if same and tis_cap == 0 else "recompute"
     return mode
-
-
-def micro_batches(paths: Sequence[PathTokens], budget: int) -> list[list[PathTokens]]:
-    """``paths`` cut into micro-batches of at most ``budget`` padded tokens (``pack``)."""
-    return [[paths[i] for i in part] for part in pack([len(p.tokens) for p in paths], budget)]
-
-
-def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices of sequences of ``lengths`` in groups of at most ``budget`` padded tokens
-    (rows × longest row), longest first so that rows of a group have similar lengths; 0: one
-    group. A sequence longer than the budget goes alone (a sequence is never split)."""
-    if budget <= 0 or not lengths:
-        return [list(range(len(lengths)))] if lengths else []
-    out: list[list[int]] = [[]]
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
-        longest = lengths[out[-1][0]] if out[-1] else lengths[i]
-        if out[-1] and longest * (len(out[-1]) + 1) > budget:
-            out.append([])
-        out[-1].append(i)
-    return out
 
 
 def policy_loss(
