@@ -171,56 +171,67 @@ class DecoderWeights:
         cls, state: Mapping[str, torch.Tensor], config: PretrainedConfig
     ) -> DecoderWeights:
         spec = DecoderSpec.from_config(config)
-
-        def folded(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
-            """An HF (out, in) weight as a contiguous (in, out) matrix, times the RMSNorm
-            weight before it: rms_norm(x)·g @ W.T == normalize(x) @ (g[:, None]·W.T). The
-            product rounds once, in float32, as a weight perturbation of 1 ulp."""
-            w = weight.float().t()
-            if norm is not None:
-                w = w * norm.float()[:, None]
-            return w.to(weight.dtype).contiguous()
-
         with torch.no_grad():
-            layers = []
-            for i in range(spec.num_layers):
-                p = f"model.layers.{i}."
-                attn = p + "self_attn."
-                layers.append(
-                    LayerWeights(
-                        qkv=folded(
-                            torch.cat([state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]),
-                            state[p + "input_layernorm.weight"],
-                        ),
-                        qk_norm=torch.cat(
-                            [
-                                state[attn + "q_norm.weight"].expand(spec.num_heads, -1),
-                                state[attn + "k_norm.weight"].expand(spec.num_kv_heads, -1),
-                            ]
-                        )
-                        if attn + "q_norm.weight" in state
-                        else None,
-                        o=folded(state[attn + "o_proj.weight"]),
-                        gate_up=folded(
-                            torch.cat(
-                                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]
-                            ),
-                            state[p + "post_attention_layernorm.weight"],
-                        ),
-                        down=folded(state[p + "mlp.down_proj.weight"]),
-                    )
-                )
+            layers = tuple(layer_weights(state, i, spec) for i in range(spec.num_layers))
             embed = state["model.embed_tokens.weight"]
-            tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state
             return cls(
                 spec=spec,
                 embed=embed,
-                layers=tuple(layers),
-                lm_head=folded(
-                    embed if tied else state["lm_head.weight"], state["model.norm.weight"]
-                ),
+                layers=layers,
+                lm_head=head_weights(state, embed, config),
                 rope=rope_table(spec, embed.device, embed.dtype),
             )
+
+
+def layer_prefix(i: int) -> str:
+    """The HF state-dict prefix of decoder layer i."""
+    return f"model.layers.{i}."
+
+
+def _folded(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """An HF (out, in) weight as a contiguous (in, out) matrix, times the RMSNorm weight
+    before it: rms_norm(x)·g @ W.T == normalize(x) @ (g[:, None]·W.T). The product rounds
+    once, in float32, as a weight perturbation of 1 ulp."""
+    w = weight.float().t()
+    if norm is not None:
+        w = w * norm.float()[:, None]
+    return w.to(weight.dtype).contiguous()
+
+
+def layer_weights(state: Mapping[str, torch.Tensor], i: int, spec: DecoderSpec) -> LayerWeights:
+    """Decoder layer i from the HF tensors of that layer (``state`` may hold only them)."""
+    p = layer_prefix(i)
+    attn = p + "self_attn."
+    with torch.no_grad():
+        return LayerWeights(
+            qkv=_folded(
+                torch.cat([state[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]),
+                state[p + "input_layernorm.weight"],
+            ),
+            qk_norm=torch.cat(
+                [
+                    state[attn + "q_norm.weight"].expand(spec.num_heads, -1),
+                    state[attn + "k_norm.weight"].expand(spec.num_kv_heads, -1),
+                ]
+            )
+            if attn + "q_norm.weight" in state
+            else None,
+            o=_folded(state[attn + "o_proj.weight"]),
+            gate_up=_folded(
+                torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
+                state[p + "post_attention_layernorm.weight"],
+            ),
+            down=_folded(state[p + "mlp.down_proj.weight"]),
+        )
+
+
+def head_weights(
+    state: Mapping[str, torch.Tensor], embed: torch.Tensor, config: PretrainedConfig
+) -> torch.Tensor:
+    """The head (``embed`` when tied) times the final norm's weight, as (C, V)."""
+    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in state
+    with torch.no_grad():
+        return _folded(embed if tied else state["lm_head.weight"], state["model.norm.weight"])
 
 
 def rope_table(spec: DecoderSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

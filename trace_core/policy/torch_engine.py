@@ -68,8 +68,8 @@ fit together is split into parts that do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,7 +77,14 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from trace_core.policy import decoder
-from trace_core.policy.decoder import DecoderWeights, KVCache
+from trace_core.policy.decoder import (
+    DecoderWeights,
+    KVCache,
+    LayerWeights,
+    head_weights,
+    layer_prefix,
+    layer_weights,
+)
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
 from trace_core.policy.sampling import sample
@@ -152,13 +159,20 @@ class TorchEngine:
         self.prefill_chunk = prefill_chunk
         self.stats = EngineStats()
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
+        self.config = model.config
         self.cache = PrefixCache(self.weights, cache_tokens)
         self._scratch = torch.zeros(0)  # storage of the prefill and decode KV buffers
 
     def update_weights(self, model: PreTrainedModel) -> None:
         """Snapshot new weights (after a training step); the KV cached so far is dropped."""
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
+        self.config = model.config
         self.cache.clear()
+
+    def weight_sink(self) -> DecoderSink:
+        """Where a weight sync's buckets go (``policy.weight_sync``): each layer is refolded
+        and swapped in as soon as its tensors are in, so at most one layer is held twice."""
+        return DecoderSink(self)
 
     def generate(
         self,
@@ -513,3 +527,47 @@ def _pad(slot_lists: Sequence[torch.Tensor], width: int, device: torch.device) -
     table = torch.nn.utils.rnn.pad_sequence(list(slot_lists), batch_first=True)
     table = F.pad(table, (0, width - table.shape[1]))
     return table.to(device)
+
+
+class DecoderSink:
+    """``TorchEngine``'s ``WeightSink``: HF tensors in, ``DecoderWeights`` swapped layer by
+    layer. The engine must not generate between ``begin`` and ``end``."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self._pending: dict[str, torch.Tensor] = {}
+        self._wanted: dict[int, set[str]] = {}
+        self._layers: list[LayerWeights] = []
+
+    def begin(self, names: Sequence[str]) -> None:
+        spec = self.engine.weights.spec
+        self._pending, self._layers = {}, list(self.engine.weights.layers)
+        self._wanted = {
+            i: {n for n in names if n.startswith(layer_prefix(i))} for i in range(spec.num_layers)
+        }
+        if not all(self._wanted.values()) or "model.norm.weight" not in names:
+            raise ValueError("the weights sent are not a whole decoder of this engine's shape")
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        engine = self.engine
+        for name, value in tensors.items():
+            self._pending[name] = value.to(engine.device, dtype=engine.dtype, copy=True)
+        spec = engine.weights.spec
+        for i, names in list(self._wanted.items()):
+            if names <= self._pending.keys():
+                self._layers[i] = layer_weights(self._pending, i, spec)
+                for name in names:
+                    del self._pending[name]
+                del self._wanted[i]
+                engine.weights = replace(engine.weights, layers=tuple(self._layers))
+        if (embed := self._pending.pop("model.embed_tokens.weight", None)) is not None:
+            engine.weights = replace(engine.weights, embed=embed)
+
+    def end(self) -> None:
+        engine = self.engine
+        if self._wanted:
+            raise ValueError(f"the sync ended without layers {sorted(self._wanted)}")
+        lm_head = head_weights(self._pending, engine.weights.embed, engine.config)
+        engine.weights = replace(engine.weights, lm_head=lm_head)
+        self._pending.clear()
+        engine.cache.clear()  # its KV was computed with the old weights

@@ -448,6 +448,19 @@ class RayEnginePool:
         extra["reload_seconds"] = extra.get("reload_seconds", 0.0) + seconds
         return seconds
 
+    def sync_members(self) -> tuple[list[ray.actor.ActorHandle], list[int]]:
+        """The live engine actors a weight sync goes to, and their process ids (a changed id:
+        a replaced actor, which the sync group must be rebuilt for)."""
+        return [self._actors[w] for w in self._live], self.worker_pids()
+
+    def synced(self, label: str, seconds: float) -> None:
+        """The live workers hold the weights of a sync labelled ``label`` (``SYNCED``...)."""
+        self.checkpoint = label
+        self._owners.clear()  # their prefix caches were dropped
+        extra = self.stats.extra
+        extra["syncs"] = extra.get("syncs", 0.0) + 1
+        extra["sync_seconds"] = extra.get("sync_seconds", 0.0) + seconds
+
     def placement(self) -> list[dict[str, object]]:
         """Where each live worker runs: pid, node id, GPU ids, engine and checkpoint."""
         return list(ray.get([self._actors[w].where.remote() for w in self._live]))

