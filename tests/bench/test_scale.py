@@ -259,14 +259,25 @@ def test_validation_compares_with_the_measured_runs(stream: TurnStream) -> None:
 
 
 def test_iteration_cost_arithmetic(tree_file: Path) -> None:
-    rows = run_iteration_cost([tree_file], models=("8b",))
-    (r,) = rows
+    from trace_core.bench.iteration_cost import CHECKPOINT_EVERY, NCCL_BYTES_S, SYNC_FIXED_S
+
+    s3, resident = run_iteration_cost([tree_file], models=("8b",))
     params = QWEN3["8b"].params
-    assert r.policy_bytes == 2 * params and r.optimizer_bytes == 8 * params
-    # Policy: written, read by the update and by every rollout node (16 GPUs: 2 nodes).
-    assert r.s3_bytes >= (2 + 2) * r.policy_bytes + 2 * r.optimizer_bytes
-    assert 0 < r.outside_share < 1 and r.rollout_s > 0 and r.update_s > 0
-    assert r.total_s == pytest.approx(r.s3_s + r.reload_s + r.pods_s + r.rollout_s + r.update_s)
+    assert (s3.design, resident.design) == ("s3", "resident")
+    assert s3.policy_bytes == 2 * params and s3.optimizer_bytes == 12 * params
+    state = s3.policy_bytes + s3.optimizer_bytes
+    # Every copy of the S3 design: launcher (policy, reference, optimizer), driver (optimizer),
+    # 16 ranks (state each), staging, driver's round trip, KFP pod, launcher, and the rollout
+    # pod and 2 engine nodes (the policy each); the trees a few MB.
+    copies = 2 * s3.policy_bytes + 2 * s3.optimizer_bytes + (1 + 2 + 1 + 1 + 16) * state
+    assert copies + 3 * s3.policy_bytes <= s3.s3_bytes < copies + 3 * s3.policy_bytes + 1e8
+    # Resident: trees every iteration and a fifth of a checkpoint; weights by NCCL.
+    assert state / CHECKPOINT_EVERY <= resident.s3_bytes < state / CHECKPOINT_EVERY + 1e8
+    assert resident.reload_s == pytest.approx(SYNC_FIXED_S + s3.policy_bytes / NCCL_BYTES_S)
+    assert resident.rollout_s == s3.rollout_s and resident.update_s == s3.update_s
+    for r in (s3, resident):
+        assert r.total_s == pytest.approx(r.s3_s + r.reload_s + r.pods_s + r.rollout_s + r.update_s)
+    assert resident.outside_share < s3.outside_share / 3
     assert set(SHAPES) == set(QWEN3)
 
 

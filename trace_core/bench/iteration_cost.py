@@ -1,23 +1,30 @@
 """``trace-rl bench iteration-cost``: what one training iteration costs outside rollout and
-update, for Qwen3 1.7B, 8B and 14B on their recommended cluster shapes.
+update, for Qwen3 1.7B, 8B and 14B on their recommended cluster shapes, in two designs.
 
-Per iteration the pipeline runs rollout → (fit-predictor ∥ update-policy) → next rollout
-(DESIGN.md). Besides the rollout (simulated: ``scale_sim`` on the model's GPU profile, the
-stored trees copied to M roots and their turns scaled to ``turn_tokens`` generated tokens)
-and the update (FLOPs at an assumed utilisation), it pays:
+Per iteration: rollout → (fit-predictor ∥ update-policy) → next rollout. The rollout is
+simulated (``scale_sim`` on the model's GPU profile, the stored trees copied to M roots and
+their turns scaled to ``turn_tokens`` generated tokens); the update is FLOPs at an assumed
+utilisation. Around them:
 
-* **S3 bytes.** The update reads and writes the policy (bf16, 2 bytes per parameter) and its
-  optimizer state (AdamW's two fp32 moments, 8 bytes per parameter, ``optimizer.safetensors``,
-  which only the update touches); every rollout node downloads the new policy once
-  (``rollout.weights``); the trees go up and come back to the update and the predictor.
-* **Reload.** Every engine loads the new weights in place (vLLM ``reload``, no restart); the
-  engines reload in parallel, so the iteration waits for one.
-* **Pods.** Each KFP step is a pod; two start on the critical path (rollout, then the
-  update). Image pulls happen on a node's first iteration only and are reported apart.
+* **``s3``: the state handed through S3 every iteration** (the pipeline's steps as they run
+  today, and a resident run's recovery path). Every copy is counted, in order: the update
+  step's KFP launcher downloads the policy, the reference and the optimizer state; the Ray
+  job's driver downloads the optimizer state and the trees again; every update rank downloads
+  the policy and the optimizer state; rank 0 uploads the result to staging; the driver
+  downloads and re-uploads it; the KFP pod downloads it and its launcher uploads it as the
+  step's outputs; then the rollout pod and every engine node download the policy, and every
+  engine reloads it from disk. The optimizer state is AdamW's two fp32 moments and the fp32
+  master weights (12 B a parameter: the policy is served in bf16).
+* **``resident``: trainers and engines live across iterations** (``train.trainer_group``):
+  S3 carries the trees, predictor and metrics every iteration, and a checkpoint (policy,
+  optimizer state, master weights) every ``checkpoint_every`` iterations, written by trainer
+  rank 0 (the cost per iteration is its share); new weights reach the engines by an NCCL
+  broadcast from trainer rank 0 at ``NCCL_BYTES_S``, loaded in place.
 
-Every rate below is an assumption or a public figure, named where it is defined and cited in
-docs/scaling.md; none is measured here. What is computed: bytes from parameter counts, and
-rollout seconds from the simulation.
+Both pay two KFP step pods on the critical path (rollout, update). Every rate below is an
+assumption or a public figure, named where it is defined and cited in docs/scaling.md; none
+is measured here. What is computed: bytes from parameter counts, and rollout seconds from the
+simulation.
 """
 
 from __future__ import annotations
@@ -52,6 +59,15 @@ UPDATE_MFU = 0.35
 """Assumption: model FLOPs utilisation of the update (FSDP, bf16, H100)."""
 GPU_FLOPS = 989e12
 """H100 SXM dense bf16 (NVIDIA datasheet)."""
+NCCL_BYTES_S = 20e9
+"""Assumption: an NCCL broadcast's bus bandwidth from trainer rank 0 to the engines across
+nodes (one 400 Gb/s NIC a GPU: 50 GB/s raw; NCCL's broadcast reaches well under it)."""
+SYNC_FIXED_S = 1.0
+"""Assumption: pausing the engines, resetting their prefix caches, resuming."""
+CHECKPOINT_EVERY = 5
+"""``TrainConfig.checkpoint_every``'s default: the 8B checkpoint (115 GB from one rank at
+``S3_POD_BYTES_S``) is then under 10% of a resident 8B iteration."""
+DESIGNS = ("s3", "resident")
 
 
 @dataclass(frozen=True)
@@ -81,15 +97,18 @@ SHAPES = {
 class IterationCost:
     model: str
     """A Qwen3 size: 1.7b, 8b, 14b."""
+    design: str
+    """s3 or resident (module docstring)."""
     policy_bytes: float
     optimizer_bytes: float
     s3_bytes: float
-    """Policy: written once, read by the update and by every rollout node; optimizer state:
-    read and written by the update; trees: written, read twice."""
+    """Every copy of the design (module docstring); a checkpoint's, its per-iteration share."""
     s3_s: float
+    """On the critical path (a checkpoint's share included)."""
     update_io_s: float
-    """The part of ``s3_s`` the update spends reading and writing policy and optimizer."""
+    """The part of ``s3_s`` the update spends moving policy and optimizer state."""
     reload_s: float
+    """New weights into every engine: download and reload (s3), broadcast (resident)."""
     pods_s: float
     image_pull_s: float
     """A node's first iteration only (not in ``total_s``)."""
@@ -137,32 +156,56 @@ def run_iteration_cost(
         leaves = np.ones(stream.turns, dtype=bool)
         leaves[stream.parent[stream.parent >= 0]] = False
         train_tokens = int((stream.prompt_tokens[leaves] + stream.generated_tokens[leaves]).sum())
-        policy, optimizer = 2 * params, 8 * params
+        policy, optimizer = 2 * params, 12 * params  # bf16; two fp32 moments + fp32 master
         trees_bytes = 8.0 * (stream.generated_tokens.sum() + stream.observation_tokens.sum())
         nodes = math.ceil(shape.workers * shape.gpus_per_worker / 8)  # 8 GPUs a node
-        s3_bytes = policy * (1 + 1 + nodes) + 2 * optimizer + 3 * trees_bytes
-        rollout_read = max(policy / S3_POD_BYTES_S, nodes * policy / S3_CLUSTER_BYTES_S)
-        update_io = 2 * (policy + optimizer) / S3_POD_BYTES_S
+        common = {
+            "model": model,
+            "policy_bytes": policy,
+            "optimizer_bytes": optimizer,
+            "pods_s": 2 * STEP_POD_S,
+            "image_pull_s": IMAGE_BYTES / PULL_BYTES_S,
+            "rollout_s": sim.makespan_s,
+            "rollout_utilisation": sim.utilisation,
+            "update_s": 8 * params * train_tokens / (shape.update_gpus * GPU_FLOPS * UPDATE_MFU),
+            "generated_tokens": sim.generated_tokens,
+            "train_tokens": train_tokens,
+            "roots": int(np.count_nonzero(stream.parent < 0)),
+            "continuations": float(
+                stream.branch.sum() / max(np.count_nonzero(stream.parent < 0), 1)
+            ),
+        }
+        state = policy + optimizer
+        ranks = shape.update_gpus
+
+        def parallel(copies: int, size: float) -> float:
+            """``copies`` pods each moving ``size`` at once, bounded by the S3 service."""
+            return max(size / S3_POD_BYTES_S, copies * size / S3_CLUSTER_BYTES_S)
+
+        # s3: the copies in the order the module docstring lists them.
+        serial = (2 * policy + optimizer) + (optimizer + trees_bytes) + state + 2 * state
+        serial += state + state  # KFP pod's download, its launcher's upload
+        update_io = serial / S3_POD_BYTES_S + parallel(ranks, state)
+        rollout_read = policy / S3_POD_BYTES_S + parallel(nodes, policy)
         out.append(
             IterationCost(
-                model=model,
-                policy_bytes=policy,
-                optimizer_bytes=optimizer,
-                s3_bytes=float(s3_bytes),
-                s3_s=rollout_read + update_io + 3 * trees_bytes / S3_POD_BYTES_S,
+                design="s3",
+                s3_bytes=float(serial + ranks * state + (1 + nodes) * policy + 2 * trees_bytes),
+                s3_s=update_io + rollout_read + 2 * trees_bytes / S3_POD_BYTES_S,
                 update_io_s=update_io,
                 reload_s=RELOAD_FIXED_S + policy / (RELOAD_BYTES_S * shape.gpus_per_worker),
-                pods_s=2 * STEP_POD_S,
-                image_pull_s=IMAGE_BYTES / PULL_BYTES_S,
-                rollout_s=sim.makespan_s,
-                rollout_utilisation=sim.utilisation,
-                update_s=8 * params * train_tokens / (shape.update_gpus * GPU_FLOPS * UPDATE_MFU),
-                generated_tokens=sim.generated_tokens,
-                train_tokens=train_tokens,
-                roots=int(np.count_nonzero(stream.parent < 0)),
-                continuations=float(
-                    stream.branch.sum() / max(np.count_nonzero(stream.parent < 0), 1)
-                ),
+                **common,  # type: ignore[arg-type]
+            )
+        )
+        checkpoint_s = state / S3_POD_BYTES_S / CHECKPOINT_EVERY  # rank 0 writes it all
+        out.append(
+            IterationCost(
+                design="resident",
+                s3_bytes=float(3 * trees_bytes + state / CHECKPOINT_EVERY),
+                s3_s=3 * trees_bytes / S3_POD_BYTES_S + checkpoint_s,
+                update_io_s=checkpoint_s,
+                reload_s=SYNC_FIXED_S + policy / NCCL_BYTES_S,
+                **common,  # type: ignore[arg-type]
             )
         )
     return out

@@ -1,5 +1,5 @@
-"""``trace-rl bench workers|reload|gpu``: the benchmarks of Ray engine actors and GPUs, on the
-``bench`` command group (``cli.bench``).
+"""``trace-rl bench workers|reload|handoff|gpu``: the benchmarks of Ray engine actors, trainer
+actors and GPUs, on the ``bench`` command group (``cli.bench``).
 
     trace-rl bench workers --checkpoint build/policy/calc --engines torch,vllm
     trace-rl bench reload --checkpoint build/policy/calc --engines torch,vllm
@@ -144,6 +144,47 @@ def bench_reload(
         table.add_row(r.engine, fresh, reload, f"{r.ratio:.1f}×")
     console.print(table)
     write_json(json_path, result.to_json())
+
+
+@app.command("handoff")
+def bench_handoff(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    iterations: Annotated[int, typer.Option(help="Iterations per mode.")] = 3,
+    engines: Annotated[int, typer.Option(help="Engine actors (TorchEngine).")] = 1,
+    trainers: Annotated[int, typer.Option(help="Trainer actors (DDP over gloo).")] = 1,
+    budget: Annotated[int, typer.Option(help="M: root rollouts per iteration.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 16,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The same iterations with the training state resident on Ray and handed through S3
+    (a SeaweedFS on 127.0.0.1): S3 bytes, weight-sync and iteration seconds, and the ratios."""
+    from trace_core.bench.handoff import GOALS, HandoffBenchConfig, run_handoff_bench
+
+    if iterations < 2 or min(engines, trainers, budget, max_tokens) < 1:
+        raise fail("--iterations must be >= 2 and --engines/--trainers/--budget >= 1")
+    config = HandoffBenchConfig(checkpoint, iterations, engines, trainers, budget=budget,
+                                max_tokens=max_tokens)  # fmt: skip
+    with console.status("handoff bench") as status:
+        result = run_handoff_bench(config, progress=lambda msg: status.update(msg))
+    table = Table(title=f"resident vs S3 handoff: {checkpoint} ({result.policy_bytes:,} B policy)")
+    for head in ("mode", "iteration", "S3 MB", "S3 / policy", "sync s", "iteration s", "ckpt"):
+        table.add_column(head, justify="right")
+    for mode, figures in result.modes.items():
+        for f in figures:
+            table.add_row(
+                mode, str(f.iteration), f"{f.s3_bytes / 1e6:.2f}",
+                f"{f.s3_bytes / result.policy_bytes:.3f}", f"{f.sync_seconds:.3f}",
+                f"{f.iteration_seconds:.2f}", "yes" if f.checkpoint else "",
+            )  # fmt: skip
+    console.print(table)
+    ratios = result.ratios()
+    console.print(
+        f"resident iterations without a checkpoint: S3 bytes {ratios['s3_share']:.4f} of the "
+        f"policy (goal <= {GOALS['s3_share']}); sync {ratios['sync_speedup']:.1f}× faster than "
+        f"the S3 reload (goal >= {GOALS['sync_speedup']:g}×); iteration "
+        f"{ratios['iteration_speedup']:.2f}× faster (goal >= {GOALS['iteration_speedup']:g}×)"
+    )
+    write_json(json_path, result.as_dict())
 
 
 def engine_kinds(text: str) -> tuple[str, ...]:

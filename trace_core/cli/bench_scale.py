@@ -208,8 +208,9 @@ def bench_iteration_cost(
     trees: Annotated[str, typer.Option(help="Parquet trees whose shape the rollout takes.")],
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """Per-iteration pipeline cost for Qwen3 1.7B/8B/14B on their recommended cluster shapes:
-    S3 bytes, reloads, pod start-up and image pulls against rollout and update time."""
+    """Per-iteration pipeline cost for Qwen3 1.7B/8B/14B on their recommended cluster shapes,
+    with the state handed through S3 and resident on the cluster: S3 bytes, weight loads, pod
+    start-up and image pulls against rollout and update time."""
     from trace_core.bench.iteration_cost import SHAPES, run_iteration_cost
     from trace_core.bench.predictor import tree_paths
 
@@ -217,7 +218,8 @@ def bench_iteration_cost(
         rows = run_iteration_cost(tree_paths(trees))
     table = Table(title="one training iteration (assumptions and sources: docs/scaling.md)")
     heads = (
-        "model", "workers × GPUs", "M × N", "policy GB", "S3 GB moved", "S3 s", "reload s",
+        "model", "design", "workers × GPUs", "M × N", "policy GB", "S3 GB moved", "S3 s",
+        "weights s",
         "pods s", "rollout s", "use", "update s", "iteration s", "outside share", "1st pull s",
     )  # fmt: skip
     for head in heads:
@@ -225,7 +227,7 @@ def bench_iteration_cost(
     for r in rows:
         shape = SHAPES[r.model]
         table.add_row(
-            f"Qwen3-{r.model.upper()}", f"{shape.workers} × {shape.gpus_per_worker}",
+            f"Qwen3-{r.model.upper()}", r.design, f"{shape.workers} × {shape.gpus_per_worker}",
             f"{r.roots} × {r.continuations:.1f}", f"{r.policy_bytes / 1e9:.1f}",
             f"{r.s3_bytes / 1e9:.0f}", f"{r.s3_s:.0f}", f"{r.reload_s:.0f}", f"{r.pods_s:.0f}",
             f"{r.rollout_s:.0f}", f"{r.rollout_utilisation:.2f}", f"{r.update_s:.0f}",

@@ -43,6 +43,7 @@ EXPECTED_ELSEWHERE = frozenset(
         "minio.error.MinioException",  # an S3 reply the store did not translate
         "huggingface_hub.errors.HFValidationError",  # a path HF took for a repo id
         "trace_core.rollout.ray_pool.EngineStartError",  # engines that did not start: the cause
+        "trace_core.train.weights.TrainersLostError",  # the checkpoint a rerun resumes from
     }
 )
 """Library errors that are the input's fault, named so that the CLI imports none of them."""

@@ -193,8 +193,9 @@ def _folded(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Ten
     before it: rms_norm(x)·g @ W.T == normalize(x) @ (g[:, None]·W.T). The product rounds
     once, in float32, as a weight perturbation of 1 ulp."""
     w = weight.float().t()
-    if norm is not None:
-        w = w * norm.float()[:, None]
+    if norm is not None:  # written straight into a contiguous result: one pass, not two
+        out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        w = torch.mul(w, norm.float()[:, None], out=out)
     return w.to(weight.dtype).contiguous()
 
 

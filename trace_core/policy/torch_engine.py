@@ -549,19 +549,22 @@ class DecoderSink:
             raise ValueError("the weights sent are not a whole decoder of this engine's shape")
 
     def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        engine = self.engine
-        for name, value in tensors.items():
-            self._pending[name] = value.to(engine.device, dtype=engine.dtype, copy=True)
-        spec = engine.weights.spec
+        engine, spec = self.engine, self.engine.weights.spec
+        # Views of the sync's buffer where no cast or move is needed: a layer whose tensors
+        # are all in is folded straight from them (the fold makes the engine's own copy).
+        here = {n: v.to(engine.device, dtype=engine.dtype) for n, v in tensors.items()}
+        state = {**self._pending, **here}
         for i, names in list(self._wanted.items()):
-            if names <= self._pending.keys():
-                self._layers[i] = layer_weights(self._pending, i, spec)
+            if names <= state.keys():
+                self._layers[i] = layer_weights(state, i, spec)
                 for name in names:
-                    del self._pending[name]
+                    del state[name]
                 del self._wanted[i]
                 engine.weights = replace(engine.weights, layers=tuple(self._layers))
-        if (embed := self._pending.pop("model.embed_tokens.weight", None)) is not None:
-            engine.weights = replace(engine.weights, embed=embed)
+        if (embed := state.pop("model.embed_tokens.weight", None)) is not None:
+            engine.weights = replace(engine.weights, embed=embed.clone())
+        # What waits for a later bucket must outlive this one's buffer.
+        self._pending = {n: v.clone() if n in here else v for n, v in state.items()}
 
     def end(self) -> None:
         engine = self.engine

@@ -43,6 +43,9 @@ UPSTREAM = (
 BUCKET_BYTES = 256 * 2**20
 """Default size of one broadcast: large enough to keep a link busy, small beside a model."""
 
+SYNCED = "sync:"
+"""How the label of weights an engine got by a sync starts (not a checkpoint it could load)."""
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
@@ -23,6 +24,9 @@ from trace_core.policy.engine import Engine
 from trace_core.policy.model import load_checkpoint, resolve_device
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.weights import node_checkpoint
+
+if TYPE_CHECKING:
+    from trace_core.rollout.ray_pool import RayEnginePool
 
 
 @contextlib.contextmanager
@@ -116,10 +120,26 @@ class EngineSession:
         self.reloads = 0
         self.reload_seconds = 0.0
         """Wall seconds spent putting new checkpoints into the kept engine."""
+        self.syncs = 0
+        self.sync_seconds = 0.0
 
     @property
     def keeps(self) -> bool:
         return bool(self.config.workers) or self.config.engine == "vllm"
+
+    @property
+    def pool(self) -> RayEnginePool | None:
+        """The kept engine when it is a pool of Ray actors (started by the first block)."""
+        if self.config.workers and self._kept is not None:
+            return self._kept  # type: ignore[return-value]
+        return None
+
+    def synced(self, label: str, seconds: float) -> None:
+        """The kept engine got new weights by a sync (``train.trainer_group``): blocks for
+        ``label`` use it as it is."""
+        self._checkpoint = label
+        self.syncs += 1
+        self.sync_seconds += seconds
 
     @contextlib.contextmanager
     def engine(

@@ -13,22 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 
 from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.weight_sync import SYNCED
 
 if TYPE_CHECKING:
     from trace_core.policy.weight_sync import WeightPlan, WeightSink
 
 EngineKind = Literal["torch", "hf", "vllm"]
-SYNCED = "sync:"
-"""How the label of weights that came by a sync starts (not a checkpoint a worker can load)."""
 
 
 class StaleWeightsError(RuntimeError):
@@ -285,7 +286,8 @@ class EngineWorker:
         from trace_core.policy.weight_sync import FileSink
 
         engine: Any = self.engine
-        return FileSink(self._template, lambda folder: engine.reload(str(folder)))
+        folder = Path(tempfile.gettempdir()) / f"trace-synced-{os.getpid()}"
+        return FileSink(self._template, lambda f: engine.reload(str(f)), folder)
 
     def shutdown(self) -> None:
         """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""
@@ -297,6 +299,13 @@ class EngineWorker:
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def traffic(self) -> tuple[int, int]:
+        """Bytes this process read and wrote through object storage (``S3Store``)."""
+        from trace_core.store.artifacts import TRAFFIC
+
+        return TRAFFIC.snapshot()
 
     @ray.method(concurrency_group="control")
     def placement(self) -> object:

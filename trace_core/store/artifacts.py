@@ -35,6 +35,7 @@ import io
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -172,6 +173,29 @@ def _check_key(key: str) -> str:
     if key.startswith("/") or ".." in parts or "\\" in key:
         raise ValueError(f"key {key!r} must be a relative POSIX path without '..'")
     return "/".join(p for p in parts if p != ".")
+
+
+class Traffic:
+    """Bytes this process moved to and from object storage (``S3Store``), for the benchmarks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.read = 0
+        self.written = 0
+
+    def add(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.read += read
+            self.written += written
+
+    def snapshot(self) -> tuple[int, int]:
+        with self._lock:
+            return self.read, self.written
+
+
+TRAFFIC = Traffic()
+"""Every ``S3Store`` of this process counts into it (minio transfers; Parquet written through
+pyarrow's own S3 client is not counted)."""
 
 
 # --- local folder ------------------------------------------------------------------------------
@@ -453,6 +477,7 @@ class S3Store:
             "upload",
             lambda: self.client.put_object(self.bucket, name, io.BytesIO(data), len(data)),
         )
+        TRAFFIC.add(written=len(data))
 
     def put_file(
         self, key: str, path: str | os.PathLike[str], progress: Progress | None = None
@@ -466,6 +491,7 @@ class S3Store:
             "upload",
             lambda: self.client.fput_object(self.bucket, name, os.fspath(path), progress=hook),
         )
+        TRAFFIC.add(written=os.path.getsize(path))
 
     def get_bytes(self, key: str = "") -> bytes:
         name = self._name(key)
@@ -478,12 +504,15 @@ class S3Store:
                 response.close()
                 response.release_conn()
 
-        return self._call(key, "download", get)
+        data = self._call(key, "download", get)
+        TRAFFIC.add(read=len(data))
+        return data
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         name = self._name(key)
         # minio writes PATH.part.minio and renames it over PATH when complete.
         self._call(key, "download", lambda: self.client.fget_object(self.bucket, name, str(path)))
+        TRAFFIC.add(read=os.path.getsize(path))
 
     def exists(self, key: str = "") -> bool:
         name = self._name(key)

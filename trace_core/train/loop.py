@@ -36,13 +36,10 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
 
 from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
@@ -50,16 +47,14 @@ from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import make_suite
 from trace_core.policy.checkpoint import check_checkpoint
 from trace_core.policy.model import (
-    MASTER,
     load_checkpoint,
     load_for_training,
     load_master,
-    save_checkpoint,
-    save_master,
 )
 from trace_core.policy.tokenizer import padding_id
-from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer, save_optimizer
+from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer
 from trace_core.policy.value import ValuePredictor
+from trace_core.policy.weight_sync import SYNCED
 from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
@@ -79,6 +74,7 @@ from trace_core.train.run_folder import (
     write_atomic,
 )
 from trace_core.train.warmstart import WarmstartReport, warmstart
+from trace_core.train.weights import StartState, Weights
 
 PREDICTOR = "predictor"
 INIT = "init"
@@ -109,7 +105,7 @@ def train(
     point = resume_point(out)
     done = point.iteration
     for note in point.notes:
-        say(f"{note}; resuming after iteration {done}, the newest complete one")
+        say(f"{note}; resuming after iteration {done}, the newest checkpoint")
     _check_config(out, config, done)
     records = _resumed_log(out, done)
     init = local_init or _fetch_init(config, say)  # a local one was checked above
@@ -128,7 +124,7 @@ def train(
     if done:
         load_master(model, iteration_dir(out, done))
     reference = None
-    if config.update.kl_coef > 0:  # KL to the policy the run started from, resumed or not
+    if config.update.kl_coef > 0 and not config.train_workers:  # KL to the starting policy
         reference, _ = load_checkpoint(start_dir)
     fmt = iteration.turn_format(config, suite, tokenizer)
     optimizer = make_optimizer(model, config.update)
@@ -136,13 +132,22 @@ def train(
     if done:
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
         predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
+    start = StartState(
+        str(policy_dir),
+        optimizer=str(iteration_dir(out, done) / "optimizer.safetensors") if done else None,
+        master=str(iteration_dir(out, done)) if done else None,
+        reference=str(start_dir) if config.update.kl_coef > 0 else None,
+    )
     eval_tasks = iteration.eval_tasks(suite, config)
     train_tasks = suite.tasks("train")
     # Ray engine pools and vLLM start once and take each new policy in place; evaluation runs
     # on them too, so the next rollout finds the policy it evaluated already loaded.
-    with EngineSession(config.engine, config.ray_address) as session:
+    with (
+        Weights(config, model, serving, start, out.name) as weights,
+        EngineSession(config.engine, config.ray_address) as session,
+    ):
 
-        def evaluate(policy: Path) -> EvalReport:
+        def evaluate(policy: str | Path) -> EvalReport:
             return iteration.evaluate(
                 policy, fmt, suite.make_env, eval_tasks, config, model=model, session=session
             )
@@ -156,12 +161,14 @@ def train(
                 IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)
             ]
             _append_log(out, records[0], fresh=True)
+        serving_now = str(policy_dir)  # what the engines are to serve: a checkpoint or a sync
+        checkpointed = done  # the newest checkpoint: what a lost trainer group restarts from
         for i in range(done + 1, config.iterations + 1):
             draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
             seconds = {}
             reloaded = session.reload_seconds
             rollout = iteration.roll_out(
-                policy_dir, train_tasks, suite, predictor, config, i, draws,
+                serving_now, train_tasks, suite, predictor, config, i, draws,
                 run_id=out.name, model=model, tokenizer=tokenizer, session=session,
             )  # fmt: skip
             trees, metrics = rollout.trees, rollout.metrics
@@ -170,26 +177,38 @@ def train(
             fit = iteration.fit_predictor(predictor, trees, draws)
             seconds["predictor"] = time.perf_counter() - start
             start = time.perf_counter()
-            if config.train_workers:
-                stats = _update_on_ray(
-                    config, out, i, policy_dir, trees, draws.update_seed, model, optimizer
-                )
+            folder = iteration_dir(out, checkpointed) if checkpointed else None
+            weights.recover(checkpointed, folder, checkpointed == i - 1, say)
+            if weights.trainers is not None:
+                stats = weights.trainers.update(trees, draws.update_seed)
             else:
                 stats = iteration.update(
                     model, optimizer, trees, config, draws, padding_id(tokenizer), reference,
                     serving,
                 )  # fmt: skip
             seconds["update"] = time.perf_counter() - start
+            # New weights into the engines by broadcast, unless they load files only.
+            checkpoint = i % config.checkpoint_every == 0 or i == config.iterations
+            start = time.perf_counter()
+            label = weights.sync(session, f"{SYNCED}{out.name}:{i}")
+            if label:
+                serving_now = label
+                seconds["sync"] = time.perf_counter() - start
+            checkpoint = checkpoint or not label
             # The folder first (its policy is what a kept engine evaluates), then the log line
             # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
-            _write_iteration(
-                out, i, model, tokenizer, optimizer, predictor, trees, metrics, serving
-            )
-            policy_dir = iteration_dir(out, i) / "policy"
+            start = time.perf_counter()
+            save = weights.saver(model, tokenizer, optimizer) if checkpoint else None
+            _write_iteration(out, i, save, predictor, trees, metrics)
+            if checkpoint:
+                seconds["checkpoint"] = time.perf_counter() - start
+                checkpointed = i
+                policy_dir = iteration_dir(out, i) / "policy"
+                serving_now = serving_now if label else str(policy_dir)
             report, held_out = None, {}
             if i % config.eval_every == 0 or i == config.iterations:
                 start = time.perf_counter()
-                report = evaluate(policy_dir)
+                report = evaluate(serving_now)
                 seconds["eval"] = time.perf_counter() - start
                 skill = iteration.held_out_root_skill(predictor, fmt, eval_tasks, report)
                 held_out = {"eval_root_skill": skill} if math.isfinite(skill) else {}
@@ -301,25 +320,21 @@ def _resumed_log(out: Path, done: int) -> list[IterationRecord]:
 def _write_iteration(
     out: Path,
     i: int,
-    model: torch.nn.Module,
-    tokenizer: object,
-    optimizer: torch.optim.Optimizer,
+    save: Callable[[Path], None] | None,
     predictor: ValuePredictor,
     trees: Sequence[RolloutTree],
     metrics: BatchMetrics,
-    serving: torch.dtype,
 ) -> None:
     """Write iteration i's folder in full (with its manifest); it counts as done once its log
-    line is written and ``latest`` moves to it. The policy is written in ``serving``, its
-    dtype for the engines, and the fp32 master weights beside the optimizer state when that
-    rounds them (``policy.model.save_master``)."""
+    line is written and ``latest`` moves to it. ``save``: write the checkpoint into it (the
+    policy in its serving dtype, the optimizer state and the fp32 master weights beside it when
+    that dtype rounds them: ``Weights.saver``), on a checkpoint iteration."""
 
     def write(staging: Path) -> None:
         write_trees(staging / "trees.parquet", trees)
         (staging / "metrics.json").write_text(json.dumps(metrics.as_dict(), indent=2) + "\n")
-        save_checkpoint(model, tokenizer, staging / "policy", dtype=serving)  # type: ignore[arg-type]
-        save_optimizer(optimizer, staging / "optimizer.safetensors")
-        save_master(model, staging, serving)  # type: ignore[arg-type]
+        if save is not None:
+            save(staging)
         predictor.save(staging / PREDICTOR)
 
     commit_iteration(out, i, write)
@@ -334,49 +349,6 @@ def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None
 
 
 # --- pieces ------------------------------------------------------------------------------
-def _update_on_ray(
-    config: TrainConfig,
-    out: Path,
-    i: int,
-    policy_dir: Path,
-    trees: Sequence[RolloutTree],
-    seed: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-) -> UpdateStats:
-    """The same update on Ray Train workers, loaded back into ``model`` and ``optimizer``."""
-    from trace_core.train.ray_update import OPTIMIZER, update_on_ray
-
-    staging = iteration_dir(out, i).with_name(f"{i:04d}.update")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    write_trees(staging / "trees.parquet", trees)
-    previous = iteration_dir(out, i - 1) / "optimizer.safetensors"
-    master = previous.with_name(MASTER)
-    stats = update_on_ray(
-        policy_dir,
-        staging / "trees.parquet",
-        staging / "policy",
-        config.update,
-        seed,
-        config.train_workers,
-        optimizer_path=previous if i > 1 else None,
-        reference_dir=Path(config.init or out / "warmstart"),
-        address=config.ray_address,
-        use_gpu=config.train_gpus,
-        fsdp=config.train_fsdp,
-        master_path=master if i > 1 and master.is_file() else None,
-    )
-    # Into the same Parameter objects (the optimizer's): the fp32 master weights when the
-    # workers wrote them, else the policy itself (then float32 already).
-    if not load_master(model, staging / "policy"):
-        updated, _ = load_checkpoint(staging / "policy", dtype=torch.float32)
-        model.load_state_dict(updated.state_dict())
-    load_optimizer(optimizer, staging / "policy" / OPTIMIZER)
-    shutil.rmtree(staging)
-    return stats
-
-
 def _eval_dict(report: EvalReport) -> dict[str, object]:
     return {**report.as_dict(), "tokens": report.tokens}
 

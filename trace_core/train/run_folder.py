@@ -5,13 +5,15 @@
     discard_run(out)                           # what --restart does, and only then
 
 An iteration folder is complete when its ``manifest.json`` lists every file it holds, with
-sizes and sha256, and the files match. ``latest`` names the last complete iteration and is
-written last, so a crash leaves it on a complete one. Resuming verifies that iteration; if it
-was damaged since (a file deleted or truncated), the run resumes after the newest iteration
-that is still complete and says so. A folder that holds iterations but no valid ``latest`` is
-never taken for a new run: that would rewrite the iterations in place. It is refused, naming the
-folder, until the user passes ``--restart`` (which discards the run's files first) or picks
-another output.
+sizes and sha256, and the files match. Every ``checkpoint_every``-th iteration and the last also
+hold the policy and its optimizer state: a run resumes after the newest of those, growing and
+training the iterations after it again (their seeds make them what they were). ``latest``
+names the last complete iteration and is written last, so a crash leaves it on a complete one.
+Resuming verifies that iteration; if it was damaged since (a file deleted or truncated), the
+run resumes after the newest iteration that is still complete and says so. A folder that holds
+iterations but no valid ``latest`` is never taken for a new run: that would rewrite the
+iterations in place. It is refused, naming the folder, until the user passes ``--restart``
+(which discards the run's files first) or picks another output.
 """
 
 from __future__ import annotations
@@ -102,17 +104,44 @@ def resume_point(out: Path) -> ResumePoint:
                 "or choose another --output"
             )
         return ResumePoint(0)
-    notes = []
+    notes: list[str] = []
+    later: list[int] = []  # complete iterations after the newest checkpoint
     for i in sorted((i for i in stored if i <= latest), reverse=True):
         problem = check_iteration(iteration_dir(out, i))
-        if problem is None:
+        if problem is None and holds_checkpoint(iteration_dir(out, i)):
+            if later:
+                notes.append(
+                    f"{_span(later)} no checkpoint (checkpoint_every): grown and trained again "
+                    f"from iteration {i}'s"
+                )
             return ResumePoint(i, tuple(notes))
-        notes.append(f"iteration {i} is incomplete ({problem})")
+        if problem is None:
+            later.append(i)
+        else:
+            notes.append(f"iteration {i} is incomplete ({problem})")
+    if later:  # complete iterations, none a checkpoint: the run starts again from its start
+        notes.append(f"{_span(later)} no checkpoint (checkpoint_every): run again from the start")
+        return ResumePoint(0, tuple(notes))
     raise RunFolderError(
         f"{out}: {LATEST} names iteration {latest}, but no iteration up to it is complete"
         + (f" ({'; '.join(notes)})" if notes else "")
         + ": pass --restart to discard the run, or choose another --output"
     )
+
+
+def _span(newest_first: list[int]) -> str:
+    """``iteration 3 holds`` or ``iterations 3..5 hold``."""
+    if len(newest_first) == 1:
+        return f"iteration {newest_first[0]} holds"
+    return f"iterations {newest_first[-1]}..{newest_first[0]} hold"
+
+
+def holds_checkpoint(folder: Path) -> bool:
+    """Whether an iteration's folder holds the policy and optimizer state (a checkpoint
+    iteration: ``TrainConfig.checkpoint_every``)."""
+    return (folder / "policy" / "config.json").is_file() and (
+        folder / "optimizer.safetensors"
+    ).is_file()
 
 
 def commit_iteration(out: Path, i: int, write: Callable[[Path], None]) -> None:

@@ -42,8 +42,9 @@ import ray
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
-from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan
+from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
 from trace_core.store.uri import is_remote
+from trace_core.train.weights import StartState
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"
@@ -63,18 +64,6 @@ class TrainerSpec:
     """Size of one weight-sync broadcast."""
 
 
-@dataclass(frozen=True)
-class StartState:
-    """Where the trainers load from: a policy folder (or ``s3://`` prefix), and the files of
-    the checkpoint it came with, if any (None: a fresh optimizer, no reference)."""
-
-    policy: str
-    optimizer: str | None = None
-    master: str | None = None
-    """The folder holding ``master.safetensors`` (None: the policy's weights are the master)."""
-    reference: str | None = None
-
-
 @ray.remote
 class TrainerRank:
     """One training device's rank (see the module docstring)."""
@@ -91,6 +80,12 @@ class TrainerRank:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes this process read and wrote through object storage (``S3Store``)."""
+        from trace_core.store.artifacts import TRAFFIC
+
+        return TRAFFIC.snapshot()
 
     def endpoint(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0's: where the others dial)."""
@@ -296,29 +291,32 @@ class TrainerGroup:
         stats: list[UpdateStats] = ray.get([r.update.remote(ref, seed) for r in self.ranks])
         return stats[0]
 
-    def sync(self, engines: Sequence[Any], pids: Sequence[int], label: str) -> float:
+    def sync(
+        self,
+        engines: Sequence[Any],
+        pids: Sequence[int],
+        label: str,
+        local: WeightSink | None = None,
+    ) -> float:
         """New weights into every engine actor of ``engines`` (``EngineWorker`` handles whose
-        processes are ``pids``), which then serve them as ``label``; returns wall seconds."""
+        processes are ``pids``), which then serve them as ``label``, and into ``local`` (this
+        process's model, for an engine in this process); returns wall seconds."""
         start = time.perf_counter()
         plan = self.plan
-        if list(pids) != self._members:
-            self._build_sync(engines)
-            self._members = list(pids)
+        members = [*pids, os.getpid() if local is not None else 0]
+        if members != self._members:
+            self._group = _build_sync(
+                self.ranks[0].open_sync, self.ranks[0].join_sync, engines, local is not None
+            )
+            self._members = members
         sends = [r.send.remote(plan) for r in self.ranks]
         receives = [e.receive.remote(plan, label) for e in engines]
+        if local is not None:
+            apply_weights(plan, self._group, local)
         ray.get(sends + receives)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
-
-    def _build_sync(self, engines: Sequence[Any]) -> None:
-        size = 1 + len(engines)
-        host, port = ray.get(self.ranks[0].open_sync.remote(size))
-        backend = "gloo"  # NCCL once the engines' side runs it too (GPU engines)
-        joins = [self.ranks[0].join_sync.remote(host, port, size, backend)]
-        for r, engine in enumerate(engines, 1):
-            joins.append(engine.join_sync.remote(host, port, r, size, backend))
-        ray.get(joins)
 
     def save(self, target: str | Path) -> dict[str, int]:
         """Checkpoint to ``target`` (a folder or ``s3://`` prefix); rank 0's file sizes."""
@@ -327,6 +325,14 @@ class TrainerGroup:
 
     def pids(self) -> list[int]:
         return [int(p) for p in ray.get([r.pid.remote() for r in self.ranks])]
+
+    def alive(self) -> bool:
+        """Whether every trainer actor still answers (its state is then intact)."""
+        try:
+            ray.get([r.pid.remote() for r in self.ranks], timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return True
 
     def close(self) -> None:
         for rank in getattr(self, "ranks", []):
@@ -339,3 +345,67 @@ class TrainerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LocalSource:
+    """This process's model as the sync source (the update ran here, the engines are actors):
+    this process hosts the store and is rank 0 of the sync group."""
+
+    def __init__(self, model: Any, serving: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
+        from trace_core.policy.weight_sync import weight_plan
+
+        self.model = model
+        self.plan = weight_plan(model, serving, bucket_bytes)
+        self._members: list[int] = []
+        self._store: Any = None
+        self.sync_seconds = 0.0
+
+    def sync(self, engines: Sequence[Any], pids: Sequence[int], label: str) -> float:
+        from trace_core.policy.weight_sync import send_weights
+
+        start = time.perf_counter()
+        if list(pids) != self._members:
+            self._group = _build_sync(self._open, self._join, engines, False, here=True)
+            self._members = list(pids)
+        receives = [e.receive.remote(self.plan, label) for e in engines]
+        send_weights(self.model, self.plan, self._group)
+        ray.get(receives)
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        return seconds
+
+    def _open(self, size: int) -> tuple[str, int]:
+        from trace_core.policy.weight_sync import open_store
+
+        host = ray.util.get_node_ip_address()
+        self._store = open_store(host, size)
+        return host, int(self._store.port)
+
+    def _join(self, host: str, port: int, size: int, backend: str) -> Any:
+        from trace_core.policy.weight_sync import sync_group
+
+        return sync_group(host, port, 0, size, backend, store=self._store)
+
+
+def _build_sync(
+    open_sync: Any, join_sync: Any, engines: Sequence[Any], local: bool, here: bool = False
+) -> Any:
+    """A new sync group: rank 0 is the source (``open_sync``/``join_sync``: an actor's remote
+    methods, or with ``here`` this process's), ranks 1.. the engine actors and, with
+    ``local``, this process last. Every member joins at once; returns this process's group."""
+    from trace_core.policy.weight_sync import sync_group
+
+    size = 1 + len(engines) + int(local)
+    backend = "gloo"  # NCCL once the engines' side runs it too (GPU engines)
+    if here:
+        host, port = open_sync(size)
+    else:
+        host, port = ray.get(open_sync.remote(size))
+    joins = [] if here else [join_sync.remote(host, port, size, backend)]
+    for r, engine in enumerate(engines, 1):
+        joins.append(engine.join_sync.remote(host, port, r, size, backend))
+    group = join_sync(host, port, size, backend) if here else None
+    if local:
+        group = sync_group(host, port, size - 1, size, backend)
+    ray.get(joins)
+    return group

@@ -1,0 +1,162 @@
+"""Where a run's training state lives and how new weights reach its engines (``train.loop``).
+
+    with Weights(config, model, serving, start, run) as weights:
+        stats = weights.trainers.update(trees, seed) if weights.trainers else update(model, ...)
+        label = weights.sync(session, "sync:run:3")    # None: the engines load files only
+        save = weights.saver(model, tokenizer, optimizer)   # on a checkpoint iteration
+
+With ``train_workers`` the state is resident in a ``TrainerGroup`` for the whole run; else it is
+this process's model and optimizer. Either way a kept pool of engine actors gets the weights by
+broadcast (``policy.weight_sync``): from trainer rank 0, or from this process. An engine built
+in this process around the model needs only the model's weights (from the trainers, when they
+hold them). An in-process vLLM engine loads files: it reloads each iteration's checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from trace_core.policy.model import save_checkpoint, save_master
+from trace_core.policy.update import save_optimizer
+from trace_core.rollout.engines import EngineSession
+from trace_core.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class StartState:
+    """Where the trainers load from: a policy folder (or ``s3://`` prefix), and the files of
+    the checkpoint it came with, if any (None: a fresh optimizer, no reference)."""
+
+    policy: str
+    optimizer: str | None = None
+    master: str | None = None
+    """The folder holding ``master.safetensors`` (None: the policy's weights are the master)."""
+    reference: str | None = None
+
+
+class TrainersLostError(RuntimeError):
+    """The trainer actors died with training state no checkpoint holds."""
+
+
+class Weights:
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: PreTrainedModel,
+        serving: torch.dtype,
+        start: StartState,
+        run: str,
+    ) -> None:
+        """``start``: what resident trainers load."""
+        self.config, self.model, self.serving, self.start, self.run = (
+            config,
+            model,
+            serving,
+            start,
+            run,
+        )
+        self.trainers: Any = None
+        self.name = f"{run}-trainer"
+        """The trainer actors' name: ``<run>-trainer-<rank>`` (``trainer_group``)."""
+        self._source: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Weights:
+        config = self.config
+        if config.train_workers:
+            from trace_core.rollout.ray_pool import ray_session
+            from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
+
+            self._stack.enter_context(ray_session(config.ray_address))
+            spec = TrainerSpec(
+                config.update, config.train_workers, config.train_gpus, config.train_fsdp
+            )
+            self.trainers = TrainerGroup(spec, self.start, name=self.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.trainers is not None:
+            self.trainers.close()
+        self._stack.close()  # Ray, if this started it
+
+    def recover(
+        self, checkpoint: int, folder: Path | None, current: bool, say: Callable[[str], None]
+    ) -> None:
+        """Before an update: trainer actors that died (their state with them) are rebuilt from
+        the run's newest checkpoint (iteration ``checkpoint``'s ``folder``; None: the start)
+        when that holds their state (``current``: nothing was trained since); otherwise the run
+        stops with one line naming the checkpoint a rerun resumes from."""
+        trainers = self.trainers
+        if trainers is None or trainers.alive():
+            return
+        where = f"iteration {checkpoint}'s checkpoint ({folder})" if folder else "its start"
+        if not current:
+            raise TrainersLostError(
+                f"a trainer actor died, and with it the training state since {where}; run the "
+                "same command again: it resumes from there"
+            )
+        say(f"a trainer actor died: the trainers start again from {where}")
+        from trace_core.train.trainer_group import TrainerGroup
+
+        trainers.close()
+        start = self.start
+        if folder is not None:
+            start = StartState(
+                str(folder / "policy"),
+                optimizer=str(folder / "optimizer.safetensors"),
+                master=str(folder),
+                reference=start.reference,
+            )
+        self.trainers = TrainerGroup(trainers.spec, start, name=self.name)
+
+    def sync(self, session: EngineSession, label: str) -> str | None:
+        """New weights into ``session``'s engines, which then serve them as ``label``; None
+        when they load files only (the caller writes a checkpoint for them to reload)."""
+        pool = session.pool
+        if pool is not None:
+            if self.trainers is None and self._source is None:
+                from trace_core.train.trainer_group import LocalSource
+
+                self._source = LocalSource(self.model, self.serving)
+            engines, pids = pool.sync_members()
+            seconds = (self.trainers or self._source).sync(engines, pids, label)
+            pool.synced(label, seconds)
+            session.synced(label, seconds)
+            return label
+        if session.keeps:  # vLLM in this process
+            return None
+        if self.trainers is not None:  # an engine around this process's model: bring it up
+            from trace_core.policy.weight_sync import ModuleSink
+
+            self.trainers.sync([], [], label, local=ModuleSink(self.model))
+        return label
+
+    def saver(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        optimizer: torch.optim.Optimizer,
+    ) -> Callable[[Path], None]:
+        """Writes the checkpoint into a folder: ``policy/`` in the serving dtype, the optimizer
+        state, and the master weights when the serving dtype rounds them."""
+        trainers = self.trainers
+        if trainers is not None:
+
+            def save_resident(folder: Path) -> None:
+                trainers.save(folder)
+
+            return save_resident
+
+        def save(folder: Path) -> None:
+            save_checkpoint(model, tokenizer, folder / "policy", dtype=self.serving)
+            save_optimizer(optimizer, folder / "optimizer.safetensors")
+            save_master(model, folder, self.serving)
+
+        return save
