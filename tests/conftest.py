@@ -77,6 +77,7 @@ HELPERS = {
     "trace_test_repo": "repo_copy.py",
     "trace_test_commands": "docs/commands.py",
     "trace_image_requirements": "images/image_requirements.py",
+    "trace_sync_worker": "policy/sync_worker.py",
 }
 
 

@@ -270,9 +270,9 @@ def test_iteration_cost_arithmetic(tree_file: Path) -> None:
     # 16 ranks (state each), staging, driver's round trip, KFP pod, launcher, and the rollout
     # pod and 2 engine nodes (the policy each); the trees a few MB.
     copies = 2 * s3.policy_bytes + 2 * s3.optimizer_bytes + (1 + 2 + 1 + 1 + 16) * state
-    assert copies + 3 * s3.policy_bytes <= s3.s3_bytes < copies + 3 * s3.policy_bytes + 1e8
+    assert copies + 3 * s3.policy_bytes <= s3.s3_bytes < copies + 3 * s3.policy_bytes + 1e9
     # Resident: trees every iteration and a fifth of a checkpoint; weights by NCCL.
-    assert state / CHECKPOINT_EVERY <= resident.s3_bytes < state / CHECKPOINT_EVERY + 1e8
+    assert state / CHECKPOINT_EVERY <= resident.s3_bytes < state / CHECKPOINT_EVERY + 1e9
     assert resident.reload_s == pytest.approx(SYNC_FIXED_S + s3.policy_bytes / NCCL_BYTES_S)
     assert resident.rollout_s == s3.rollout_s and resident.update_s == s3.update_s
     for r in (s3, resident):

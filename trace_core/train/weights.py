@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +26,7 @@ from trace_core.policy.model import save_checkpoint, save_master
 from trace_core.policy.update import save_optimizer
 from trace_core.rollout.engines import EngineSession
 from trace_core.train.config import TrainConfig
-
-
-@dataclass(frozen=True)
-class StartState:
-    """Where the trainers load from: a policy folder (or ``s3://`` prefix), and the files of
-    the checkpoint it came with, if any (None: a fresh optimizer, no reference)."""
-
-    policy: str
-    optimizer: str | None = None
-    master: str | None = None
-    """The folder holding ``master.safetensors`` (None: the policy's weights are the master)."""
-    reference: str | None = None
+from trace_core.train.start_state import StartState
 
 
 class TrainersLostError(RuntimeError):
