@@ -30,6 +30,10 @@ MEASURING = {
     r"trace-rl bench scale-calibrate --checkpoint build/policy/calc .*": "bench/test_scale.py",
     r"trace-rl bench workers --checkpoint build/policy/calc .*": "rollout/test_ray_pool.py",
     r"trace-rl warmstart --task calc --output build/policy/calc.*": "test_cli_commands.py",
+    r"trace-rl model import smollm2 --output build/models/smollm2": "policy/models.py",
+    r"trace-rl bench handoff --checkpoint build/(policy/calc|models/smollm2) .*": (
+        "bench/test_handoff.py"
+    ),
 }
 
 
@@ -85,6 +89,33 @@ def render_iteration_cost(data: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def render_handoff(data: dict[str, object]) -> str:
+    """One ``bench handoff --json`` result: each mode's iterations, then the ratios."""
+    policy = float(data["policy_bytes"])  # type: ignore[arg-type]
+    lines = [
+        "| mode | iteration | S3 MB | S3 / policy | weights into engines s | iteration s "
+        "| checkpoint |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
+    modes: dict[str, list[dict[str, float]]] = data["modes"]  # type: ignore[assignment]
+    for mode, rows in modes.items():
+        for r in rows:
+            lines.append(
+                f"| {mode} | {r['iteration']:.0f} | {r['s3_bytes'] / 1e6:,.2f} "
+                f"| {r['s3_bytes'] / policy:.4f} | {r['sync_seconds']:.2f} "
+                f"| {r['iteration_seconds']:.1f} | {'yes' if r['checkpoint'] else ''} |"
+            )
+    ratios: dict[str, float] = data["ratios"]  # type: ignore[assignment]
+    lines.append("")
+    lines.append(
+        f"Resident iterations without a checkpoint: S3 bytes {ratios['s3_share']:.4f} of the "
+        f"policy's {policy / 1e6:,.1f} MB; weights into the engines "
+        f"{ratios['sync_speedup']:.1f}× faster than the S3 mode's download and reload; "
+        f"iterations {ratios['iteration_speedup']:.2f}× faster."
+    )
+    return "\n".join(lines)
+
+
 def stored(name: str) -> dict[str, object]:
     return json.loads((RESULTS / name).read_text())  # type: ignore[no-any-return]
 
@@ -130,6 +161,8 @@ def test_the_validation_and_cost_tables_are_the_stored_results() -> None:
     page = PAGE.read_text()
     assert render_validation(stored("cpu.json")) in page
     assert render_iteration_cost(stored("iteration-cost.json")) in page
+    for name in ("handoff-tiny.json", "handoff-smollm2.json"):
+        assert render_handoff(stored(name)) in page, name
     measured = stored("workers.json")["runs"]
     validation = stored("cpu.json")["validation"]
     # The measured side of the validation is the stored bench workers run, run for run.
