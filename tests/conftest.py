@@ -67,6 +67,11 @@ def share_cores() -> None:
 
 
 share_cores()
+# Every Ray cluster of the suite listens on 127.0.0.1 only, and the heads it starts run without
+# token auth (``ray_head``). Ray reads its auth mode once per process, at the first init: a test
+# process that started an in-process Ray in the default (token) mode could not then talk to
+# a loopback head, nor the reverse, so the whole session uses the heads' mode.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 HELPERS = {
     "trace_manifest_render": "manifests/render.py",
     "trace_train_parity": "train/parity.py",
