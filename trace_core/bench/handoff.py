@@ -144,8 +144,6 @@ def run_handoff_bench(
 def _run_mode(
     config: HandoffBenchConfig, mode: str, root: str, scratch: Path, say: Callable[[str], None]
 ) -> list[IterationFigures]:
-    import ray
-
     from trace_core.envs.suites import make_suite
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.policy.update_config import UpdateConfig
@@ -255,7 +253,6 @@ def _run_mode(
         finally:
             if trainers is not None:
                 trainers.close()
-    del ray
     return figures
 
 

@@ -99,7 +99,7 @@ def _absolute(location: Location) -> str:
     return text if is_remote(text) else str(Path(text).resolve())
 
 
-def _fetched(location: str, scratch: Path, name: str, folder: bool) -> str:
+def local_copy(location: str, scratch: Path, name: str, folder: bool) -> str:
     """A worker's local copy of an input: the path itself, or its download into ``scratch``."""
     if not is_remote(location):
         return location
@@ -151,7 +151,7 @@ def _update_worker(loop_config: dict[str, object], scratch: Path) -> None:
     from trace_core.store.schema import read_trees
 
     def fetched(name: str, folder: bool = True) -> str:
-        return _fetched(str(loop_config[name]), scratch, name, folder)
+        return local_copy(str(loop_config[name]), scratch, name, folder)
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
