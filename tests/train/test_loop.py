@@ -23,7 +23,7 @@ from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.sync import upload_folder
-from trace_core.train import loop
+from trace_core.train import phases
 from trace_core.train import weights as weights_module
 from trace_core.train.base_model import SOURCE
 from trace_core.train.calibration import score_run
@@ -154,12 +154,12 @@ def test_held_out_root_skill_scores_the_eval_prompts_against_their_samples() -> 
 def test_the_iteration_line_gives_each_phase_and_the_update_measurements() -> None:
     seconds = {"rollout": 41.2, "predictor": 0.1, "update": 3.4, "eval": 19.6}
     stats = UpdateStats(12, 300, 1, 0.1, 0.0, 0.0, 1.0, 3e-5, 1e-4, 2, peak_gib=2.14, held_gib=1.5)
-    assert loop._phases_line(seconds, stats) == (
+    assert phases.phases_line(seconds, stats) == (
         "rollout 41 s, predictor 0 s, update 3 s (12 paths, peak 2.1 GiB of which 1.5 held before "
         "it, logprob gap 3.0e-05), eval 20 s"
     )
     flat = UpdateStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    assert "no path with an advantage" in loop._phases_line({"update": 0.0}, flat)
+    assert "no path with an advantage" in phases.phases_line({"update": 0.0}, flat)
 
 
 def test_warmstart_init_fine_tunes_init_once_then_trains_from_it(

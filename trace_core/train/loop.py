@@ -35,8 +35,6 @@ an uninterrupted one would have.
 from __future__ import annotations
 
 import json
-import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -51,17 +49,15 @@ from trace_core.policy.model import (
     load_for_training,
     load_master,
 )
-from trace_core.policy.tokenizer import padding_id
-from trace_core.policy.update import UpdateStats, load_optimizer, make_optimizer
+from trace_core.policy.update import load_optimizer, make_optimizer
 from trace_core.policy.value import ValuePredictor
-from trace_core.policy.weight_sync import SYNCED
 from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
 from trace_core.train.base_model import fetch_model, local_path
 from trace_core.train.config import TrainConfig, check_update_place
-from trace_core.train.draws import draw_iteration
-from trace_core.train.evaluate import ALL, EvalReport
+from trace_core.train.evaluate import ALL
+from trace_core.train.phases import Run, Save, iteration_line, run_iteration, start_record
 from trace_core.train.record import LOG, IterationRecord, read_log
 from trace_core.train.run_folder import (
     CONFIG,
@@ -139,128 +135,38 @@ def train(
         master=str(iteration_dir(out, done)) if done else None,
         reference=str(start_dir) if config.update.kl_coef > 0 else None,
     )
-    eval_tasks = iteration.eval_tasks(suite, config)
-    train_tasks = suite.tasks("train")
     # Ray engine pools and vLLM start once and take each new policy in place; evaluation runs
     # on them too, so the next rollout finds the policy it evaluated already loaded.
     with (
         Weights(config, model, serving, start, out.name) as weights,
         EngineSession(config.engine, config.ray_address) as session,
     ):
-
-        def evaluate(policy: str | Path) -> EvalReport:
-            return iteration.evaluate(
-                policy, fmt, suite.make_env, eval_tasks, config, model=model, session=session
-            )
-
+        run = Run(
+            config, out.name, suite, suite.tasks("train"), iteration.eval_tasks(suite, config),
+            fmt, model, tokenizer, serving, optimizer, reference, predictor, weights, session,
+            serving_now=str(policy_dir), checkpointed=done,
+            checkpoint_at=lambda i: str(iteration_dir(out, i)),
+            total_tokens=records[-1].total_tokens if records else 0,
+        )  # fmt: skip
         if not records:
-            say(f"evaluating the starting policy on {len(eval_tasks)} held-out tasks")
-            start = time.perf_counter()
-            report = evaluate(policy_dir)
-            seconds = {"eval": time.perf_counter() - start}
-            records = [
-                IterationRecord(0, config.strategy, 0, 0, {}, {}, _eval_dict(report), seconds)
-            ]
+            say(f"evaluating the starting policy on {len(run.eval_tasks)} held-out tasks")
+            records = [start_record(run, policy_dir)]
             _append_log(out, records[0], fresh=True)
-        serving_now = str(policy_dir)  # what the engines are to serve: a checkpoint or a sync
-        checkpointed = done  # the newest checkpoint: what a lost trainer group restarts from
-        for i in range(done + 1, config.iterations + 1):
-            draws = draw_iteration(config.seed, i, len(train_tasks), config.prompts)
-            seconds = {}
-            reloaded = session.reload_seconds
-            rollout = iteration.roll_out(
-                serving_now, train_tasks, suite, predictor, config, i, draws,
-                run_id=out.name, model=model, tokenizer=tokenizer, session=session,
-            )  # fmt: skip
-            trees, metrics = rollout.trees, rollout.metrics
-            seconds["rollout"] = rollout.seconds
-            start = time.perf_counter()
-            fit = iteration.fit_predictor(predictor, trees, draws)
-            seconds["predictor"] = time.perf_counter() - start
-            start = time.perf_counter()
-            folder = iteration_dir(out, checkpointed) if checkpointed else None
-            weights.recover(checkpointed, folder, checkpointed == i - 1, say)
-            if weights.trainers is not None:
-                stats = weights.trainers.update(trees, draws.update_seed)
-            else:
-                stats = iteration.update(
-                    model, optimizer, trees, config, draws, padding_id(tokenizer), reference,
-                    serving,
-                )  # fmt: skip
-            seconds["update"] = time.perf_counter() - start
-            # New weights into the engines by broadcast, unless they load files only.
-            checkpoint = i % config.checkpoint_every == 0 or i == config.iterations
-            start = time.perf_counter()
-            label = weights.sync(session, f"{SYNCED}{out.name}:{i}")
-            if label:
-                serving_now = label
-                seconds["sync"] = time.perf_counter() - start
-            checkpoint = checkpoint or not label
+
+        def persist(
+            i: int, trees: Sequence[RolloutTree], metrics: BatchMetrics, save: Save | None
+        ) -> None:
             # The folder first (its policy is what a kept engine evaluates), then the log line
             # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
-            start = time.perf_counter()
-            save = weights.saver(model, tokenizer, optimizer) if checkpoint else None
             _write_iteration(out, i, save, predictor, trees, metrics)
-            if checkpoint:
-                seconds["checkpoint"] = time.perf_counter() - start
-                checkpointed = i
-                policy_dir = iteration_dir(out, i) / "policy"
-                serving_now = serving_now if label else str(policy_dir)
-            report, held_out = None, {}
-            if i % config.eval_every == 0 or i == config.iterations:
-                start = time.perf_counter()
-                report = evaluate(serving_now)
-                seconds["eval"] = time.perf_counter() - start
-                skill = iteration.held_out_root_skill(predictor, fmt, eval_tasks, report)
-                held_out = {"eval_root_skill": skill} if math.isfinite(skill) else {}
-            if session.reload_seconds > reloaded:  # the kept engine took a policy in place
-                seconds["reload"] = session.reload_seconds - reloaded
-            record = IterationRecord(
-                iteration=i,
-                strategy=config.strategy,
-                tokens=metrics.tokens,
-                total_tokens=records[-1].total_tokens + metrics.tokens,
-                rollout=metrics.as_dict(),
-                update=stats.as_dict(),
-                eval=_eval_dict(report) if report else None,
-                seconds=seconds,
-                predictor={
-                    **{k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)},
-                    **held_out,
-                },
-            )
-            _append_log(out, record)
+
+        for i in range(done + 1, config.iterations + 1):
+            outcome = run_iteration(run, i, persist, say)
+            _append_log(out, outcome.record)
             move_latest(out, i)
-            records.append(record)
-            accuracy = f", mean@{config.eval_k} {report.mean_k[ALL]:.3f}" if report else ""
-            skill_text = "".join(
-                f", predictor {label} {record.predictor[key]:+.2f}"
-                for key, label in (("root_skill", "root skill"), ("eval_root_skill", "held out"))
-                if key in record.predictor
-            )
-            phases = _phases_line(seconds, stats)
-            say(
-                f"iteration {i}/{config.iterations}: {metrics.tokens:,} tokens, prompt effective "
-                f"ratio {metrics.prompt_effective_ratio:.2f}{skill_text}{accuracy}; {phases}"
-            )
+            records.append(outcome.record)
+            say(iteration_line(config, outcome))
     return records
-
-
-def _phases_line(seconds: dict[str, float], stats: UpdateStats) -> str:
-    """Seconds per phase, and what the update measured: "rollout 41 s, predictor 0 s, update
-    3 s (12 paths, peak 2.1 GiB of which 1.5 held before it, logprob gap 3.0e-05), eval 20 s"."""
-    parts = []
-    for phase, value in seconds.items():
-        part = f"{phase} {value:.0f} s"
-        if phase == "update":
-            part += (
-                f" ({stats.paths} paths, peak {stats.peak_gib:.1f} GiB of which "
-                f"{stats.held_gib:.1f} held before it, logprob gap {stats.logprob_gap:.1e})"
-                if stats.paths
-                else " (no path with an advantage: every group was all-success or all-failure)"
-            )
-        parts.append(part)
-    return ", ".join(parts)
 
 
 def _fetch_init(config: TrainConfig, say: Callable[[str], None]) -> Path | None:
@@ -321,7 +227,7 @@ def _resumed_log(out: Path, done: int) -> list[IterationRecord]:
 def _write_iteration(
     out: Path,
     i: int,
-    save: Callable[[Path], None] | None,
+    save: Save | None,
     predictor: ValuePredictor,
     trees: Sequence[RolloutTree],
     metrics: BatchMetrics,
@@ -350,10 +256,6 @@ def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None
 
 
 # --- pieces ------------------------------------------------------------------------------
-def _eval_dict(report: EvalReport) -> dict[str, object]:
-    return {**report.as_dict(), "tokens": report.tokens}
-
-
 def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
     """Held-out accuracy and the prompt effective ratio against generated rollout tokens."""
     import matplotlib

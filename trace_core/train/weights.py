@@ -75,11 +75,12 @@ class Weights:
         self._stack.close()  # Ray, if this started it
 
     def recover(
-        self, checkpoint: int, folder: Path | None, current: bool, say: Callable[[str], None]
+        self, checkpoint: int, folder: str | None, current: bool, say: Callable[[str], None]
     ) -> None:
         """Before an update: trainer actors that died (their state with them) are rebuilt from
         the run's newest checkpoint (iteration ``checkpoint``'s ``folder``; None: the start)
-        when that holds their state (``current``: nothing was trained since); otherwise the run
+        (a path or ``s3://`` prefix) when that holds their state (``current``: nothing was trained
+        since); otherwise the run
         stops with one line naming the checkpoint a rerun resumes from."""
         trainers = self.trainers
         if trainers is None or trainers.alive():
@@ -97,9 +98,9 @@ class Weights:
         start = self.start
         if folder is not None:
             start = StartState(
-                str(folder / "policy"),
-                optimizer=str(folder / "optimizer.safetensors"),
-                master=str(folder),
+                f"{folder}/policy",
+                optimizer=f"{folder}/optimizer.safetensors",
+                master=folder,
                 reference=start.reference,
             )
         self.trainers = TrainerGroup(trainers.spec, start, name=self.name)
@@ -131,18 +132,19 @@ class Weights:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         optimizer: torch.optim.Optimizer,
-    ) -> Callable[[Path], None]:
+    ) -> Callable[[str | Path], None]:
         """Writes the checkpoint into a folder: ``policy/`` in the serving dtype, the optimizer
         state, and the master weights when the serving dtype rounds them."""
         trainers = self.trainers
         if trainers is not None:
 
-            def save_resident(folder: Path) -> None:
+            def save_resident(folder: str | Path) -> None:
                 trainers.save(folder)
 
             return save_resident
 
-        def save(folder: Path) -> None:
+        def save(target: str | Path) -> None:
+            folder = Path(target)
             save_checkpoint(model, tokenizer, folder / "policy", dtype=self.serving)
             save_optimizer(optimizer, folder / "optimizer.safetensors")
             save_master(model, folder, self.serving)
