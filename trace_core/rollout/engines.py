@@ -36,12 +36,14 @@ def open_engine(
     model: PreTrainedModel | None = None,
     address: str | None = None,
     name: str = "",
+    serving: str = "",
 ) -> Iterator[Engine]:
     """The engine ``config`` names, for the block; what it started is stopped after it.
 
     ``address``: the Ray head of a pool (``workers >= 1``); None starts Ray in this process,
     unless it is already connected (a Ray job's driver). ``name``, with ``config.keep_alive_s``:
-    the pool's actors are the run's kept ones (``rollout.ray_pool``), left running after it."""
+    the pool's actors are the run's kept ones (``rollout.ray_pool``), left running after it;
+    ``serving``: the sync label they hold (``RayEnginePool``)."""
     if config.workers:
         from trace_core.rollout.ray_pool import RayEnginePool
 
@@ -60,6 +62,7 @@ def open_engine(
             dtype=config.dtype,
             name=name,
             keep_alive_s=config.keep_alive_s,
+            serving=serving,
             driver=config.driver,  # type: ignore[arg-type]  # checked by EngineConfig
             ready_timeout_s=config.ready_timeout_s,
             **config.vllm_kwargs(),
@@ -112,8 +115,10 @@ class EngineSession:
     HF engine is built for each block around the policy already in memory (``model``).
     """
 
-    def __init__(self, config: EngineConfig, address: str | None = None) -> None:
-        self.config, self.address = config, address
+    def __init__(self, config: EngineConfig, address: str | None = None, name: str = "") -> None:
+        """``name``, with ``config.keep_alive_s``: the run's kept engine actors, found again by
+        every step of the run (``open_engine``)."""
+        self.config, self.address, self.name = config, address, name
         self._stack = contextlib.ExitStack()
         self._kept: Engine | None = None
         self._checkpoint = ""
@@ -151,7 +156,7 @@ class EngineSession:
             return
         if self._kept is None:
             self._kept = self._stack.enter_context(
-                open_engine(self.config, checkpoint, address=self.address)
+                open_engine(self.config, checkpoint, address=self.address, name=self.name)
             )
         elif str(checkpoint) != self._checkpoint:
             start = time.perf_counter()
@@ -165,6 +170,17 @@ class EngineSession:
             self.reload_seconds += time.perf_counter() - start
         self._checkpoint = str(checkpoint)
         yield self._kept
+
+    def attach(self, boot: str, label: str) -> bool:
+        """Start the kept engine, or find the run's kept actors (``name``): new actors load
+        ``boot``; True when every actor already holds the sync ``label`` (else the caller
+        syncs them)."""
+        if self._kept is None:
+            self._kept = self._stack.enter_context(
+                open_engine(self.config, boot, address=self.address, name=self.name, serving=label)
+            )
+            self._checkpoint = str(getattr(self._kept, "checkpoint", boot))
+        return self._checkpoint == label
 
     def close(self) -> None:
         """Stop the kept engine (idempotent)."""

@@ -152,6 +152,7 @@ class RayEnginePool:
         name: str = "",
         keep_alive_s: float = 0.0,
         driver: Driver = "async",
+        serving: str = "",
     ) -> None:
         """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
@@ -160,7 +161,9 @@ class RayEnginePool:
         ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``).
         ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring).
         ``driver``: how ``grow_trees`` drives the pool (``EngineConfig.driver``): async through
-        ``stream``, lock-step through ``generate``."""
+        ``stream``, lock-step through ``generate``. ``serving``: what the run's kept actors hold
+        once a sync reached them (a ``SYNCED`` label): found actors that hold it keep it, and
+        the pool serves it when every actor does; new ones start from ``checkpoint``."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -175,6 +178,7 @@ class RayEnginePool:
         self.checkpoint = str(checkpoint)
         self.slack = slack
         self.name, self.kept = name, bool(name) and keep_alive_s > 0
+        self._serving = serving
         self._token = os.urandom(8).hex()
         self.stats = EngineStats()
         self._owners = PrefixOwners()
@@ -252,9 +256,12 @@ class RayEnginePool:
                     f"{theirs}, not {spec}; stop it with release_engines({self.name!r})"
                 )
         found = [i for i, (_, _, started_by) in enumerate(states) if started_by != self._token]
-        stale = [i for i in found if states[i][1] != self.checkpoint]
+        held = (self.checkpoint, self._serving)
+        stale = [i for i in found if states[i][1] not in held]
         if stale:
             self.update_weights(self.checkpoint, stale)
+        if self._serving and all(states[i][1] == self._serving for i in range(len(states))):
+            self.checkpoint = self._serving  # every actor holds the run's last sync
         self.stats.extra["kept_workers"] = float(len(found))
 
     def _wait_ready(self, timeout_s: float) -> None:

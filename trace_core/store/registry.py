@@ -126,6 +126,48 @@ class CheckpointRegistry:
         self.store.put_bytes(self._run_key(run, LATEST), (json.dumps(pointer) + "\n").encode())
         return checkpoint
 
+    def reserve(self, run: str, iteration: int) -> str:
+        """A fresh checkpoint folder's key, for writers that upload its files themselves
+        (trainer ranks, straight from their nodes); ``commit`` then makes it a checkpoint."""
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        return self._run_key(run, f"iter-{iteration:06d}-{uuid.uuid4().hex[:8]}")
+
+    def commit(
+        self,
+        run: str,
+        iteration: int,
+        folder: str,
+        files: Mapping[str, tuple[int, str]],
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Checkpoint:
+        """Make the reserved ``folder`` the run's latest checkpoint, once its files (relative
+        path → size, sha256, as their writers hashed them) are all stored at those sizes: the
+        manifest, then ``latest``. A missing or short file raises, and ``latest`` stays."""
+        if not folder.startswith(self._run_key(run) + "/"):
+            raise ValueError(f"{folder}: not a folder of run {run!r} (reserve it first)")
+        checkpoint = Checkpoint(
+            run,
+            iteration,
+            folder,
+            tuple(CheckpointFile(path, size, sha) for path, (size, sha) in sorted(files.items())),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            dict(metadata or {}),
+        )
+        if not checkpoint.files:
+            raise ValueError(f"{self.store.uri(folder)}: a checkpoint of no files")
+        stored = {o.key: o.size for o in self.store.list_objects(folder)}
+        for f in checkpoint.files:
+            size = stored.get(join_key(folder, f.path))
+            if size != f.bytes:
+                found = "is missing" if size is None else f"has {size} bytes, not {f.bytes}"
+                raise StoreError(f"{self.store.uri(join_key(folder, f.path))} {found}")
+        self.store.put_bytes(join_key(folder, MANIFEST), checkpoint.to_json())
+        pointer = {"iteration": iteration, "folder": folder.rsplit("/", 1)[-1]}
+        self.store.put_bytes(self._run_key(run, LATEST), (json.dumps(pointer) + "\n").encode())
+        return checkpoint
+
     def latest(self, run: str, say: Callable[[str], None] | None = None) -> Checkpoint | None:
         """The last complete checkpoint of ``run``; None if it has none.
 

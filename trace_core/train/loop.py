@@ -144,7 +144,7 @@ def train(
         run = Run(
             config, out.name, suite, suite.tasks("train"), iteration.eval_tasks(suite, config),
             fmt, model, tokenizer, serving, optimizer, reference, predictor, weights, session,
-            serving_now=str(policy_dir), checkpointed=done,
+            serving_now=str(policy_dir), checkpointed=done, started=done,
             checkpoint_at=lambda i: str(iteration_dir(out, i)),
             total_tokens=records[-1].total_tokens if records else 0,
         )  # fmt: skip

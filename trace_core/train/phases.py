@@ -74,6 +74,8 @@ class Run:
     """Iteration → the folder (path or ``s3://`` prefix) its checkpoint is written to."""
     total_tokens: int
     """Rollout tokens generated before the next iteration."""
+    started: int = 0
+    """The iteration of the checkpoint ``weights`` started from (``weights.start``)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def run_iteration(
     trees, metrics = rollout.trees, rollout.metrics
     seconds["rollout"] = rollout.seconds
     # A lost trainer group comes back from the newest checkpoint, if nothing was trained since.
-    folder = run.checkpoint_at(run.checkpointed) if run.checkpointed else None
+    folder = run.checkpoint_at(run.checkpointed) if run.checkpointed != run.started else None
     weights.recover(run.checkpointed, folder, run.checkpointed == i - 1, say)
     start = time.perf_counter()
     if weights.trainers is not None:  # on the trainer actors, while this process fits

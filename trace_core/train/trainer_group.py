@@ -142,6 +142,10 @@ class TrainerRank:
                     scorer, device_ids=[0] if spec.use_gpu else None
                 )
         self.scorer = scorer if world > 1 else self.model
+        return self.info()
+
+    def info(self) -> dict[str, object]:
+        """What a driver needs of a running rank (one that finds the group again, too)."""
         params = sum(p.numel() for p in self.model.parameters())
         return {"parameters": params, "serving": str(self.serving).removeprefix("torch.")}
 
@@ -196,10 +200,11 @@ class TrainerRank:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def save(self, target: str) -> dict[str, int]:
+    def save(self, target: str) -> dict[str, tuple[int, str]]:
         """Write the checkpoint (every rank under FSDP; rank 0 writes) to ``target``: a folder
         (its policy in ``target/policy``, the optimizer state and master weights beside it) or
-        an ``s3://`` prefix, uploaded from this actor. Returns rank 0's file sizes."""
+        an ``s3://`` prefix, uploaded from this actor. Returns rank 0's files (relative path →
+        size, sha256): a registry checkpoint's manifest, without reading the files back."""
         import torch
 
         from trace_core.policy.model import load_checkpoint, save_checkpoint, save_master
@@ -223,7 +228,13 @@ class TrainerRank:
             return {}
         save_checkpoint(model, self.tokenizer, out / "policy", dtype=self.serving)
         save_master(model, out, self.serving)
-        sizes = {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*") if p.is_file()}
+        from trace_core.store.artifacts import file_sha256
+
+        files = {
+            p.relative_to(out).as_posix(): (p.stat().st_size, file_sha256(p))
+            for p in sorted(out.rglob("*"))
+            if p.is_file()
+        }
         if remote:
             from trace_core.store.sync import upload_folder
 
@@ -231,7 +242,7 @@ class TrainerRank:
             import shutil
 
             shutil.rmtree(out)
-        return sizes
+        return files
 
     def _local(self, location: str | None, name: str, folder: bool = True) -> str | None:
         """A local copy of an input (the path itself, or its download into scratch)."""
@@ -245,13 +256,21 @@ class TrainerRank:
 class TrainerGroup:
     """The driver's handle on the trainer actors (see the module docstring)."""
 
-    def __init__(self, spec: TrainerSpec, start: StartState, name: str = "") -> None:
+    def __init__(
+        self, spec: TrainerSpec, start: StartState, name: str = "", detached: bool = False
+    ) -> None:
+        """``name``: the actors are ``<name>-<rank>`` in the namespace ``TRAINER_NAMESPACE``;
+        ``detached``: they outlive this driver (a pipeline step), until ``release_trainers``."""
         if spec.workers < 1:
             raise ValueError(f"workers must be >= 1, got {spec.workers}")
+        if detached and not name:
+            raise ValueError("detached trainers need a name (the next step finds them by it)")
         self.spec, self.name = spec, name
         options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if spec.use_gpu else 0}
         if name:  # found by name: one run's trainers serve no other
             options |= {"namespace": TRAINER_NAMESPACE}
+        if detached:
+            options |= {"lifetime": "detached"}
         self.ranks = [
             TrainerRank.options(**options, **({"name": f"{name}-{r}"} if name else {})).remote(  # type: ignore[attr-defined]
                 r, spec
@@ -264,11 +283,32 @@ class TrainerGroup:
         except BaseException:
             self.close()
             raise
-        self.parameters = int(infos[0]["parameters"])  # type: ignore[call-overload]
-        self.serving = str(infos[0]["serving"])
+        self._attached(infos[0])
+
+    def _attached(self, info: dict[str, object]) -> None:
+        self.parameters = int(info["parameters"])  # type: ignore[call-overload]
+        self.serving = str(info["serving"])
         self._plan: WeightPlan | None = None
         self._members: list[int] = []  # the engines' pids the sync group was built with
         self.sync_seconds = 0.0
+
+    @classmethod
+    def find(cls, spec: TrainerSpec, name: str) -> TrainerGroup | None:
+        """The running group ``name`` (started by an earlier step), with its state; None when
+        any of its actors is gone (the group is then stopped: its state is incomplete)."""
+        ranks = []
+        for r in range(spec.workers):
+            try:
+                ranks.append(ray.get_actor(f"{name}-{r}", namespace=TRAINER_NAMESPACE))
+            except ValueError:
+                break
+        group = cls.__new__(cls)
+        group.spec, group.name, group.ranks = spec, name, ranks
+        if len(ranks) < spec.workers or not group.alive():
+            group.close()
+            return None
+        group._attached(ray.get(ranks[0].info.remote()))
+        return group
 
     @property
     def plan(self) -> WeightPlan:
@@ -308,10 +348,13 @@ class TrainerGroup:
         self.sync_seconds += seconds
         return seconds
 
-    def save(self, target: str | Path) -> dict[str, int]:
-        """Checkpoint to ``target`` (a folder or ``s3://`` prefix); rank 0's file sizes."""
-        sizes: list[dict[str, int]] = ray.get([r.save.remote(str(target)) for r in self.ranks])
-        return sizes[0]
+    def save(self, target: str | Path) -> dict[str, tuple[int, str]]:
+        """Checkpoint to ``target`` (a folder or ``s3://`` prefix); rank 0's files (relative
+        path → size, sha256)."""
+        files: list[dict[str, tuple[int, str]]] = ray.get(
+            [r.save.remote(str(target)) for r in self.ranks]
+        )
+        return files[0]
 
     def pids(self) -> list[int]:
         return [int(p) for p in ray.get([r.pid.remote() for r in self.ranks])]
@@ -335,6 +378,16 @@ class TrainerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def release_trainers(name: str, workers: int) -> int:
+    """Stop the detached trainer actors of ``name`` (the run's last step); how many ran."""
+    stopped = 0
+    for r in range(workers):
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(f"{name}-{r}", namespace=TRAINER_NAMESPACE), no_restart=True)
+            stopped += 1
+    return stopped
 
 
 class LocalSource:

@@ -41,8 +41,10 @@ class Weights:
         serving: torch.dtype,
         start: StartState,
         run: str,
+        trainers: Any = None,
     ) -> None:
-        """``start``: what resident trainers load."""
+        """``start``: what resident trainers load. ``trainers``: the run's detached group a
+        pipeline step found or started (``train.steps.session``); it outlives this object."""
         self.config, self.model, self.serving, self.start, self.run = (
             config,
             model,
@@ -50,15 +52,16 @@ class Weights:
             start,
             run,
         )
-        self.trainers: Any = None
-        self.name = f"{run}-trainer"
+        self.trainers: Any = trainers
+        self.keep = trainers is not None
+        self.name = trainers.name if trainers is not None else f"{run}-trainer"
         """The trainer actors' name: ``<run>-trainer-<rank>`` (``trainer_group``)."""
         self._source: Any = None
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Weights:
         config = self.config
-        if config.train_workers:
+        if config.train_workers and self.trainers is None:
             from trace_core.rollout.ray_pool import ray_session
             from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
 
@@ -70,7 +73,7 @@ class Weights:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.trainers is not None:
+        if self.trainers is not None and not self.keep:
             self.trainers.close()
         self._stack.close()  # Ray, if this started it
 
@@ -78,14 +81,15 @@ class Weights:
         self, checkpoint: int, folder: str | None, current: bool, say: Callable[[str], None]
     ) -> None:
         """Before an update: trainer actors that died (their state with them) are rebuilt from
-        the run's newest checkpoint (iteration ``checkpoint``'s ``folder``; None: the start)
+        the run's newest checkpoint (iteration ``checkpoint``'s ``folder``; None: ``start``'s)
         (a path or ``s3://`` prefix) when that holds their state (``current``: nothing was trained
         since); otherwise the run
         stops with one line naming the checkpoint a rerun resumes from."""
         trainers = self.trainers
         if trainers is None or trainers.alive():
             return
-        where = f"iteration {checkpoint}'s checkpoint ({folder})" if folder else "its start"
+        where = f"iteration {checkpoint}'s checkpoint" if checkpoint else "its start"
+        where += f" ({folder})" if folder else ""
         if not current:
             raise TrainersLostError(
                 f"a trainer actor died, and with it the training state since {where}; run the "
@@ -103,7 +107,7 @@ class Weights:
                 master=folder,
                 reference=start.reference,
             )
-        self.trainers = TrainerGroup(trainers.spec, start, name=self.name)
+        self.trainers = TrainerGroup(trainers.spec, start, name=self.name, detached=self.keep)
 
     def sync(self, session: EngineSession, label: str) -> str | None:
         """New weights into ``session``'s engines, which then serve them as ``label``; None

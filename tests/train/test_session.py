@@ -1,0 +1,208 @@
+"""The pipeline's iterations on a run's session (``train.steps.session``), on a loopback Ray head
+and the test SeaweedFS: the steps chained by hand give the record, log, trees and weights that
+``trace-rl train`` gives on the same seed, move no policy or optimizer bytes through S3 except
+checkpoints, and survive a lost trainer or engine actor as the issue of each case says."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import trace_train_parity as parity  # registered by tests/conftest.py
+from safetensors.torch import load_file
+
+from trace_core.rollout.engine_config import EngineConfig
+from trace_core.store.artifacts import open_store
+from trace_core.store.registry import CheckpointRegistry
+from trace_core.store.schema import read_trees
+from trace_core.train.contract import PipelineConfig, PipelineParameters
+from trace_core.train.loop import train
+from trace_core.train.record import IterationRecord, read_log
+from trace_core.train.steps.session import (
+    SessionLostError,
+    StartPoint,
+    close_session,
+    iterate_step,
+    open_session_step,
+)
+from trace_core.train.steps.start import load_step, prep_step
+from trace_core.train.trainer_group import TRAINER_NAMESPACE
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+SETTINGS = {
+    "group": 2,
+    "prompts": 12,
+    "max_tokens": 6,
+    "eval_tasks": 4,
+    "eval_k": 1,
+    "eval_every": 1,
+    "checkpoint_every": 2,
+    "train_workers": 1,
+    "update": {"lr": 1e-2, "minibatch": 4, "skip_flat_paths": False},
+}
+ENGINE = EngineConfig(workers=1, keep_alive_s=600)
+
+
+@dataclass
+class Chain:
+    config: PipelineConfig
+    root: Path
+    metrics: dict[int, dict[str, float]]
+
+
+@pytest.fixture(scope="module")
+def head(start_ray_head, seaweed) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A loopback head whose actors reach the test S3 (as a cluster's pods hold its Secret)."""
+    with start_ray_head(env=seaweed.env()) as running:
+        yield running.address
+
+
+@pytest.fixture(scope="module")
+def store(seaweed) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    env = seaweed.env()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield "s3://trace/session"
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def pipeline_config(init: Path, root: Path, head: str, store: str, name: str) -> PipelineConfig:
+    """prep's config of the run, on the loopback head (the address the local pipeline gives its
+    steps), with its session's name."""
+    params = PipelineParameters(
+        task="calc", base_model_uri=str(init), budget=6, iterations=3, run_name=name,
+        store_uri=store, rollout_workers=1, settings_json=json.dumps(SETTINGS),
+    )  # fmt: skip
+    prep = prep_step(params, root / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
+    config = PipelineConfig.from_json(prep.config_json)
+    engine = replace(config.train.engine, keep_alive_s=ENGINE.keep_alive_s)
+    return replace(
+        config, train=replace(config.train, engine=engine, ray_address=head), engine_name=name
+    )
+
+
+def chain(config: PipelineConfig, root: Path, iterations: range) -> Chain:
+    """open, then the iterations, as the pipeline wires them (state i-1 → iteration i)."""
+    suite = parity.ParitySuite()
+    metrics: dict[int, dict[str, float]] = {}
+    if iterations.start == 1:
+        load_step(config, root / "policy-0", root / "predictor-0", root / "optimizer-0")
+        start = StartPoint(
+            str(root / "policy-0"), str(root / "predictor-0"), str(root / "optimizer-0")
+        )
+        metrics[0] = open_session_step(config, root / "prompts", start, root / "state-0", suite)  # type: ignore[arg-type]
+    for i in iterations:
+        metrics[i] = iterate_step(
+            config, i, root / "prompts", root / f"state-{i - 1}", root / f"state-{i}",
+            root / f"trees-{i}", suite,  # type: ignore[arg-type]
+        )  # fmt: skip
+    return Chain(config, root, metrics)
+
+
+MEASURED = {"update": ("peak_gib", "held_gib"), "predictor": ("seconds",)}
+"""What the machine measured rather than the run computed: a process's memory, wall times."""
+
+
+def comparable(records: list[IterationRecord]) -> list[dict[str, object]]:
+    """The records without what the machine measured (which phases were timed stays)."""
+    out = []
+    for record in records:
+        body = {**asdict(record), "seconds": sorted(record.seconds)}
+        for field, keys in MEASURED.items():
+            body[field] = {k: v for k, v in body[field].items() if k not in keys}
+        out.append(body)
+    return out
+
+
+def differences(a: list[IterationRecord], b: list[IterationRecord]) -> list[str]:
+    """Where two logs differ: iteration, field, key, the two values."""
+    found = []
+    for x, y in zip(comparable(a), comparable(b), strict=True):
+        for field, value in x.items():
+            if value != y[field]:
+                keys = sorted(set(value) | set(y[field])) if isinstance(value, dict) else [""]
+                for key in keys:
+                    mine = value.get(key) if isinstance(value, dict) else value
+                    theirs = y[field].get(key) if isinstance(value, dict) else y[field]
+                    if mine != theirs:
+                        found.append(f"{x['iteration']} {field} {key}: {mine} != {theirs}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def unbroken(init: Path, head: str, store: str, tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    root = tmp_path_factory.mktemp("session")
+    config = pipeline_config(init, root, head, store, "unbroken")
+    done = chain(config, root, range(1, 4))
+    close_session(config, root / "state-3")
+    return done
+
+
+def test_the_session_steps_give_the_loops_run_and_move_only_checkpoints(
+    init: Path, head: str, store: str, tmp_path: Path, unbroken: Chain
+) -> None:
+    loop_config = replace(unbroken.config.train, output=tmp_path / "unbroken", engine=ENGINE)
+    records = train(loop_config, suite=parity.ParitySuite())  # type: ignore[arg-type]
+    log = read_log(unbroken.root / "state-3")
+    assert comparable(log) == comparable(records), differences(log, records)
+    for i in (1, 2, 3):
+        mine = read_trees(unbroken.root / f"trees-{i}" / "trees.parquet")
+        theirs = read_trees(tmp_path / "unbroken" / "iterations" / f"{i:04d}" / "trees.parquet")
+        assert len(mine) == len(theirs)
+        assert all(a.equals(b) for a, b in zip(mine, theirs, strict=True))
+    registry = CheckpointRegistry(open_store(store))
+    checkpoint = registry.latest("unbroken")
+    assert checkpoint is not None and checkpoint.iteration == 3
+    got = registry.download(checkpoint, tmp_path / "registered")
+    a = load_file(str(got / "policy" / "model.safetensors"))
+    b = load_file(str(tmp_path / "unbroken/iterations/0003/policy/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r.iteration for r in read_log(got / "policy")] == [0, 1, 2, 3]
+    # S3 carries checkpoints only: none on iteration 1, the final one's files on iteration 3.
+    bytes_by_iteration = {i: unbroken.metrics[i]["s3_bytes"] for i in (1, 2, 3)}
+    files = sum(f.bytes for f in checkpoint.files)
+    assert bytes_by_iteration[1] == 0
+    assert files <= bytes_by_iteration[3] <= files + 16_384, (bytes_by_iteration, files)
+
+
+def _kill_trainer(name: str, head: str) -> None:
+    with ray.init(address=head, namespace=TRAINER_NAMESPACE, logging_level="error"):
+        actor = ray.get_actor(f"{name}-trainer-0", namespace=TRAINER_NAMESPACE)
+        os.kill(int(ray.get(actor.pid.remote())), signal.SIGKILL)
+
+
+def test_a_lost_trainer_is_rebuilt_from_the_newest_checkpoint_or_the_step_says_how_to_resume(
+    init: Path, head: str, store: str, tmp_path: Path, unbroken: Chain
+) -> None:
+    store = f"{store}-faults"  # the same run name as the unbroken run, a registry of its own
+    config = pipeline_config(init, tmp_path, head, store, "unbroken")
+    chain(config, tmp_path, range(1, 2))
+    _kill_trainer("unbroken", head)  # iteration 1 holds no checkpoint: its training is lost
+    with pytest.raises(SessionLostError, match="the newest checkpoint is its start") as lost:
+        chain(config, tmp_path, range(2, 3))
+    assert "submit the run again with run_name unbroken" in str(lost.value)
+    assert not (tmp_path / "state-2").exists()  # nothing half-written
+
+    # Resubmitted: the same steps from the start, then the trainer dies after iteration 2's
+    # checkpoint and iteration 3 rebuilds it from there; the run ends as the unbroken one.
+    again = tmp_path / "again"
+    config = replace(pipeline_config(init, again, head, store, "unbroken"), engine_name="again")
+    chain(config, again, range(1, 3))
+    _kill_trainer("again", head)
+    chain(config, again, range(3, 4))
+    close_session(config, again / "state-3")
+    assert comparable(read_log(again / "state-3")) == comparable(
+        read_log(unbroken.root / "state-3")
+    )

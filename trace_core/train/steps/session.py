@@ -1,0 +1,464 @@
+"""The pipeline's iterations on the run's session: trainer and engine actors on the Ray cluster
+that live across steps, found again by name by every step of the run, so the policy and its
+optimizer state stay resident and only references travel between steps.
+
+    open_session_step(config, prompts, start, state_out)      # trainers, engines, iteration 0
+    iterate_step(config, 1, prompts, state, state_out, trees)  # train.phases.run_iteration
+    close_session(config, state)                               # the run's last step
+
+What travels from step to step is the run's **state** folder (a KFP artifact of a few MB):
+
+    state/state.json    RunState: iterations done, the newest checkpoint (its URIs), what the
+                        engines serve (a sync label), the session's name
+    state/log.jsonl     every iteration's record so far (``train.record``)
+    state/predictor/    the predictor after the last fit
+    state/tokenizer/    the policy's tokenizer and config, no weights
+
+A checkpoint (every ``checkpoint_every`` iterations and the last) is written by trainer rank 0
+straight into a reserved folder of the run's registry (``store.registry``); the step adds the
+predictor and the log, and moves ``latest`` once every file is there at the size its writer
+hashed. When the session is gone (the Ray cluster restarted, a trainer actor died), the next
+step rebuilds it from the newest checkpoint if nothing was trained since; otherwise it stops
+with one line naming that checkpoint and how the run resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from trace_core.algo.metrics import BatchMetrics
+from trace_core.algo.tree import RolloutTree
+from trace_core.envs.base import TaskSuite
+from trace_core.train.contract import (
+    OPTIMIZER,
+    PROMPTS_EVAL,
+    PROMPTS_TRAIN,
+    TREES,
+    PipelineConfig,
+    write_draws,
+    write_metrics,
+)
+from trace_core.train.record import LOG, IterationRecord, read_log
+
+STATE = "state.json"
+KIND = "trace.run-state"
+MASTER = "master.safetensors"
+
+
+class SessionLostError(RuntimeError):
+    """The run's trainers are gone with state no checkpoint holds; the message says how the run
+    resumes."""
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where a session starts: the warm start's or load step's folders (paths or URIs)."""
+
+    policy: str
+    predictor: str
+    optimizer: str | None = None
+    """A folder holding ``optimizer.safetensors`` (and ``master.safetensors``), if any."""
+    iteration: int = 0
+    records: tuple[IterationRecord, ...] = ()
+    """The log a resumed run goes on from."""
+
+
+@dataclass(frozen=True)
+class RunState:
+    """``state.json``: see the module docstring."""
+
+    iteration: int
+    checkpoint: int
+    """The newest checkpoint's iteration; its files are ``policy``, ``optimizer``, ``master``."""
+    policy: str
+    optimizer: str | None
+    master: str | None
+    reference: str | None
+    """The starting policy (the KL anchor), when ``kl_coef`` > 0."""
+    serving: str
+    """The sync label the engines hold."""
+    session: str
+    """The actors' name: engines ``<session>-<i>``, trainers ``<session>-trainer-<rank>``."""
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": KIND, **asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> RunState:
+        try:
+            body = json.loads(text)
+            if body.pop("kind") != KIND:
+                raise ValueError(f"kind is not {KIND!r}")
+            return cls(**body)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{where}: not a run state ({err})") from None
+
+
+def write_state(
+    folder: Path,
+    state: RunState,
+    records: Sequence[IterationRecord],
+    predictor: Any,
+    tokenizer: Any,
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / STATE).write_text(state.to_json())
+    _write_log(folder / LOG, records)
+    predictor.save(folder / "predictor")
+    tokenizer.save_pretrained(folder / "tokenizer")
+
+
+def read_state(folder: Path) -> tuple[RunState, list[IterationRecord]]:
+    path = folder / STATE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; pass the state output of the previous step")
+    return RunState.from_json(path.read_text(), str(path)), read_log(folder)
+
+
+def _write_log(path: Path, records: Sequence[IterationRecord]) -> None:
+    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
+
+
+# --- the steps --------------------------------------------------------------------------------
+def open_session_step(
+    config: PipelineConfig,
+    prompts_dir: Path,
+    start: StartPoint,
+    state_out: Path,
+    suite: TaskSuite | None = None,
+) -> dict[str, float]:
+    """Start the run's session from ``start`` (trainers load it, engines boot from it), and,
+    for a new run, evaluate the starting policy: iteration 0's record, as ``trace-rl train``
+    writes it."""
+    from trace_core.policy.checkpoint import load_tokenizer
+    from trace_core.policy.value import ValuePredictor
+    from trace_core.store.sync import download_folder
+    from trace_core.store.uri import is_remote
+
+    _check_session(config)
+    optimizer = master = None
+    if start.optimizer:
+        optimizer, master = _optimizer_files(start.optimizer)
+    state = RunState(
+        iteration=start.iteration,
+        checkpoint=start.iteration,
+        policy=start.policy,
+        optimizer=optimizer,
+        master=master,
+        reference=start.policy if config.train.update.kl_coef > 0 else None,
+        serving="",
+        session=config.engine_name,
+    )
+    with tempfile.TemporaryDirectory(prefix="trace-session-") as scratch:
+        light = Path(scratch, "tokenizer")
+        if is_remote(start.policy):
+            download_folder(start.policy, light, keep=_not_weights)
+        else:
+            light = Path(start.policy)
+        tokenizer = load_tokenizer(light)
+        predictor_dir = Path(start.predictor)
+        if is_remote(start.predictor):
+            predictor_dir = Path(scratch, "predictor")
+            download_folder(start.predictor, predictor_dir)
+        predictor = ValuePredictor.load(predictor_dir, tokenizer)
+        with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
+            records = list(start.records)
+            if not records:
+                from trace_core.train.phases import start_record
+
+                records = [start_record(session.run, session.run.serving_now)]
+            state = replace(state, serving=session.run.serving_now)
+            write_state(state_out, state, records, predictor, tokenizer)
+    record = records[-1]
+    return {"iteration": float(record.iteration), **_eval_metrics(record)}
+
+
+def iterate_step(
+    config: PipelineConfig,
+    iteration: int,
+    prompts_dir: Path,
+    state_dir: Path,
+    state_out: Path,
+    trees_out: Path,
+    suite: TaskSuite | None = None,
+) -> dict[str, float]:
+    """Training iteration ``iteration`` on the run's session (``train.phases.run_iteration``):
+    its trees and metrics to ``trees_out``, the state after it to ``state_out``. The metrics
+    include ``s3_bytes``: what this step and the session's actors read and wrote through
+    object storage."""
+    from trace_core.policy.checkpoint import load_tokenizer
+    from trace_core.policy.value import ValuePredictor
+    from trace_core.store.schema import write_trees
+    from trace_core.train.draws import draw_iteration
+    from trace_core.train.phases import iteration_line, run_iteration
+
+    _check_session(config)
+    state, records = read_state(state_dir)
+    if state.iteration != iteration - 1:
+        raise ValueError(
+            f"{state_dir / STATE}: the state after iteration {state.iteration}; iteration "
+            f"{iteration} needs the one after {iteration - 1}"
+        )
+    tokenizer = load_tokenizer(state_dir / "tokenizer")
+    predictor = ValuePredictor.load(state_dir / "predictor", tokenizer)
+    registry = _registry(config)
+    reserved: dict[int, str] = {}
+    written: dict[str, tuple[int, str]] = {}
+
+    def checkpoint_at(i: int) -> str:
+        if i not in reserved:
+            reserved[i] = registry.reserve(_registry_run(config), i)
+        return registry.store.uri(reserved[i])
+
+    def persist(
+        i: int, trees: Sequence[RolloutTree], metrics: BatchMetrics, save: Callable[..., Any] | None
+    ) -> None:
+        trees_out.mkdir(parents=True, exist_ok=True)
+        write_trees(trees_out / TREES, trees)
+        train = config.train
+        draws = draw_iteration(train.seed, i, len(session.run.train_tasks), train.prompts)
+        write_draws(trees_out, i, draws)
+        if save is not None:
+            written.update(session.run.weights.trainers.save(checkpoint_at(i)))
+
+    with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
+        before = session.traffic()
+        session.run.total_tokens = records[-1].total_tokens if records else 0
+        session.run.checkpoint_at = checkpoint_at
+        outcome = run_iteration(session.run, iteration, persist, print)
+        print(iteration_line(config.train, outcome), flush=True)
+        records.append(outcome.record)
+        run = session.run
+        new = replace(state, iteration=iteration, serving=run.serving_now)
+        if run.checkpointed == iteration:
+            uri = checkpoint_at(iteration)
+            _commit_checkpoint(config, registry, reserved[iteration], written, records, predictor)
+            new = replace(
+                new,
+                checkpoint=iteration,
+                policy=f"{uri}/policy",
+                optimizer=f"{uri}/{OPTIMIZER}",
+                master=uri if f"{MASTER}" in written else None,
+            )
+        write_state(state_out, new, records, predictor, tokenizer)
+        moved = session.traffic() - before
+    write_metrics(trees_out, {**_record_metrics(outcome.record), "s3_bytes": float(moved)})
+    return _record_metrics(outcome.record) | {"s3_bytes": float(moved)}
+
+
+def close_session(config: PipelineConfig, state_dir: Path) -> int:
+    """Stop the run's session (its last step): trainers and kept engine actors; how many ran."""
+    from trace_core.rollout.ray_pool import ray_session, release_engines
+    from trace_core.train.steps.cycle import worker_address
+    from trace_core.train.trainer_group import release_trainers
+
+    state, _ = read_state(state_dir)
+    address = worker_address(config)
+    stopped = release_engines(state.session, address)
+    with ray_session(address):
+        stopped += release_trainers(f"{state.session}-trainer", config.train.train_workers)
+    return stopped
+
+
+# --- the session --------------------------------------------------------------------------------
+class _Session:
+    """The run's trainers and engines for one step: found by name, or started (from the newest
+    checkpoint) when nothing was trained since it; ``run`` is ``train.phases.Run`` on them."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        prompts_dir: Path,
+        state: RunState,
+        tokenizer: Any,
+        predictor: Any,
+        suite: TaskSuite | None,
+    ) -> None:
+        self.config, self.prompts_dir, self.state = config, prompts_dir, state
+        self.tokenizer, self.predictor, self.suite = tokenizer, predictor, suite
+
+    def __enter__(self) -> _Session:
+        import contextlib
+
+        import torch
+
+        from trace_core.envs.prompts import read_prompts
+        from trace_core.envs.suites import make_suite
+        from trace_core.rollout.engines import EngineSession
+        from trace_core.rollout.ray_pool import ray_session
+        from trace_core.train import iteration
+        from trace_core.train.phases import Run
+        from trace_core.train.start_state import StartState
+        from trace_core.train.steps.cycle import worker_address
+        from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
+        from trace_core.train.weights import Weights
+
+        config, state, train = self.config, self.state, self.config.train
+        task, train_tasks = read_prompts(str(self.prompts_dir / PROMPTS_TRAIN))
+        _, eval_tasks = read_prompts(str(self.prompts_dir / PROMPTS_EVAL))
+        suite = self.suite or make_suite(task, train.data, train.seed)
+        address = worker_address(config)
+        self._stack = contextlib.ExitStack()
+        self._stack.__enter__()
+        try:
+            self._stack.enter_context(ray_session(address))
+            spec = TrainerSpec(
+                train.update, train.train_workers, train.train_gpus, train.train_fsdp
+            )
+            name = f"{state.session}-trainer"
+            trainers = TrainerGroup.find(spec, name)
+            if trainers is None:
+                if state.checkpoint != state.iteration:
+                    raise SessionLostError(_lost(config, state))
+                start = StartState(state.policy, state.optimizer, state.master, state.reference)
+                trainers = TrainerGroup(spec, start, name=name, detached=True)
+            session = self._stack.enter_context(
+                EngineSession(train.engine, address, name=state.session)
+            )
+            start = StartState(state.policy, state.optimizer, state.master, state.reference)
+            weights = Weights(train, None, torch.float32, start, name, trainers=trainers)  # type: ignore[arg-type]
+            label = state.serving or f"sync:{config.run_id}:{state.iteration}"
+            if not session.attach(state.policy, label):
+                weights.sync(session, label)  # new or restarted engines: the current weights
+            self.run = Run(
+                train, config.run_id, suite, train_tasks, eval_tasks,
+                iteration.turn_format(train, suite, self.tokenizer), None, self.tokenizer,  # type: ignore[arg-type]
+                torch.float32, None, None, self.predictor, weights, session,  # type: ignore[arg-type]
+                serving_now=label, checkpointed=state.checkpoint, started=state.checkpoint,
+                checkpoint_at=lambda i: state.policy.rsplit("/policy", 1)[0], total_tokens=0,
+            )  # fmt: skip
+            self.trainers = trainers
+        except BaseException:
+            self._stack.__exit__(None, None, None)
+            raise
+        return self
+
+    def traffic(self) -> int:
+        """Bytes read plus written through object storage so far, by this process and the
+        session's actors."""
+        import ray
+
+        from trace_core.store.artifacts import TRAFFIC
+
+        counts = [TRAFFIC.snapshot()]
+        counts += ray.get([r.traffic.remote() for r in self.trainers.ranks])
+        pool = self.run.session.pool
+        if pool is not None:
+            engines, _ = pool.sync_members()
+            counts += ray.get([e.traffic.remote() for e in engines])
+        return sum(read + wrote for read, wrote in counts)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _check_session(config: PipelineConfig) -> None:
+    train = config.train
+    if not config.engine_name:
+        raise ValueError("a run's session needs its name (engine_name, set by prep)")
+    if train.train_workers < 1 or train.engine.workers < 1 or not train.engine.keep_alive_s:
+        raise ValueError(
+            "a run's session needs trainer actors (train_workers >= 1) and kept engine actors "
+            "(rollout_workers >= 1, engine keep_alive_s > 0)"
+        )
+    if not config.store:
+        raise ValueError("a run's session needs store_uri: its checkpoints are written there")
+
+
+def _registry(config: PipelineConfig) -> Any:
+    from trace_core.store.artifacts import open_store
+    from trace_core.store.registry import CheckpointRegistry
+
+    return CheckpointRegistry(open_store(config.store))
+
+
+def _registry_run(config: PipelineConfig) -> str:
+    """The registry name the run's checkpoints go under: its run_name, else its session's."""
+    return config.run_name or config.engine_name
+
+
+def _commit_checkpoint(
+    config: PipelineConfig,
+    registry: Any,
+    folder: str,
+    written: Mapping[str, tuple[int, str]],
+    records: Sequence[IterationRecord],
+    predictor: Any,
+) -> None:
+    """The predictor and the log beside the trainers' files, then the manifest and ``latest``."""
+    from trace_core.store.artifacts import file_sha256
+    from trace_core.train.steps.start import BASE_MODEL
+
+    files = dict(written)
+    with tempfile.TemporaryDirectory(prefix="trace-checkpoint-") as scratch:
+        root = Path(scratch)
+        predictor.save(root / "predictor")
+        (root / "policy").mkdir()
+        _write_log(root / "policy" / LOG, records)  # the log travels with the policy
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            relative = path.relative_to(root).as_posix()
+            registry.store.put_file(f"{folder}/{relative}", path)
+            files[relative] = (path.stat().st_size, file_sha256(path))
+    registry.commit(
+        _registry_run(config),
+        records[-1].iteration,
+        folder,
+        files,
+        metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
+    )
+
+
+def _optimizer_files(folder: str) -> tuple[str | None, str | None]:
+    """The optimizer state and master weights a start folder holds (None: none)."""
+    from trace_core.store.uri import is_remote
+
+    if is_remote(folder):
+        from trace_core.store.artifacts import open_store
+
+        keys = {o.key.rsplit("/", 1)[-1] for o in open_store(folder).list_objects("")}
+        has = keys.__contains__
+    else:
+        has = lambda name: Path(folder, name).is_file()  # noqa: E731
+    optimizer = f"{folder}/{OPTIMIZER}" if has(OPTIMIZER) else None
+    return optimizer, (folder if has(MASTER) else None)
+
+
+def _lost(config: PipelineConfig, state: RunState) -> str:
+    where = f"iteration {state.checkpoint}'s checkpoint ({state.policy.rsplit('/policy', 1)[0]})"
+    if state.checkpoint == 0:
+        where = f"its start ({state.policy})"
+    how = (
+        f"submit the run again with run_name {config.run_name}: it resumes from there"
+        if config.run_name
+        else "the run has no run_name, so it cannot resume: submit it again with one"
+    )
+    return (
+        f"the run's trainers are gone (the Ray cluster restarted or a trainer actor died) with "
+        f"the training state of iterations {state.checkpoint + 1}-{state.iteration}; the newest "
+        f"checkpoint is {where}; {how}"
+    )
+
+
+def _record_metrics(record: IterationRecord) -> dict[str, float]:
+    metrics = {"iteration": float(record.iteration), "tokens": float(record.tokens)}
+    metrics |= {k: float(v) for k, v in record.rollout.items() if isinstance(v, int | float)}
+    metrics |= {f"seconds_{k}": float(v) for k, v in record.seconds.items()}
+    return metrics | _eval_metrics(record)
+
+
+def _eval_metrics(record: IterationRecord) -> dict[str, float]:
+    if not record.eval:
+        return {}
+    mean_k = record.eval.get("mean_k")
+    return {"accuracy_mean_k": float(mean_k["all"])} if mean_k else {}  # type: ignore[index]
+
+
+def _not_weights(key: str) -> bool:
+    from trace_core.train.base_model import WEIGHT_SUFFIXES
+
+    return not key.endswith(WEIGHT_SUFFIXES)
