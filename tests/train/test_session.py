@@ -194,6 +194,7 @@ def test_a_lost_trainer_is_rebuilt_from_the_newest_checkpoint_or_the_step_says_h
         chain(config, tmp_path, range(2, 3))
     assert "submit the run again with run_name unbroken" in str(lost.value)
     assert not (tmp_path / "state-2").exists()  # nothing half-written
+    assert close_session(config, tmp_path / "state-1") == 1  # its engine actor (the head's CPUs)
 
     # Resubmitted: the same steps from the start, then the trainer dies after iteration 2's
     # checkpoint and iteration 3 rebuilds it from there; the run ends as the unbroken one.
