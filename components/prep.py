@@ -18,7 +18,9 @@ def prep(
     continuations: int,
     iterations: int,
     seed: int,
+    checkpoint_every: int,
     ray_address: str,
+    ray_jobs_url: str,
     engine: str,
     rollout_workers: int,
     gpus_per_worker: float,
@@ -36,8 +38,11 @@ def prep(
     from trace_core.train.steps.start import prep_step
 
     parameters = PipelineParameters(
-        task, dataset_uri, base_model_uri, strategy, budget, continuations, iterations, seed,
-        ray_address, engine, rollout_workers, gpus_per_worker, run_name, store_uri, settings_json,
+        task=task, dataset_uri=dataset_uri, base_model_uri=base_model_uri, strategy=strategy,
+        budget=budget, continuations=continuations, iterations=iterations, seed=seed,
+        checkpoint_every=checkpoint_every, ray_address=ray_address, ray_jobs_url=ray_jobs_url,
+        engine=engine, rollout_workers=rollout_workers, gpus_per_worker=gpus_per_worker,
+        run_name=run_name, store_uri=store_uri, settings_json=settings_json,
     )  # fmt: skip
     result = prep_step(parameters, Path(prompts.path))
     prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})

@@ -1,7 +1,7 @@
 """Report: an HTML view of the last iteration's trees and a Markdown summary of the run."""
 
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Markdown, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Output
 
 from components.images import image
 
@@ -10,7 +10,7 @@ from components.images import image
 def report(
     config_json: str,
     trees: Input[Dataset],
-    policy: Input[Model],
+    state: Input[Artifact],
     start_eval: str,
     final_eval: str,
     tree_view: Output[HTML],
@@ -27,7 +27,7 @@ def report(
     report_step(
         PipelineConfig.from_json(config_json),
         Path(trees.path),
-        Path(policy.path),
+        Path(state.path),
         json.loads(start_eval),
         json.loads(final_eval),
         Path(tree_view.path),

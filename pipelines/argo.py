@@ -11,29 +11,29 @@ with hera; the committed YAML is checked against the generator and against Argo'
 The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a container running
 ``trace-rl step ...`` in the project's images (``images/images.env``)::
 
-    prep ─► warmstart | load ─► evaluate-start ─────────────────────────────┐
-                         └─► [ rollout-i ─► fit-predictor-i ─┐      ] × K ─► evaluate ─► report
-                                            update-policy-i ─┴─► rollout-(i+1)
+    prep ─► warmstart | load ─► open-session ─► [ iterate-i ] × K ─► close-session ─► report
 
 - K is unrolled when the manifests are generated (``ArgoOptions.iterations``, 4 as in the
   committed KFP pipeline); the rest are workflow parameters named as the KFP run parameters:
-  task, dataset_uri, base_model_uri, strategy, budget, continuations, seed, ray_address,
-  run_name, store_uri, settings_json.
+  task, dataset_uri, base_model_uri, strategy, budget, continuations, seed, checkpoint_every,
+  ray_address, ray_jobs_url, run_name, store_uri, settings_json.
 - Steps share no volume: folders go through S3, under
-  ``<store_uri>/staging/<workflow name>/`` (prompts, start/policy, iter-1/trees, ...); small
-  values (the config JSON, where the policy starts) go through Argo output parameters.
+  ``<store_uri>/staging/<workflow name>/`` (prompts, start/policy, state-1, iter-1/trees, ...);
+  small values (the config JSON, where the policy starts) go through Argo output parameters.
+  Between the iterations only the run's state travels (its log, predictor and where the newest
+  checkpoint is): the policy and optimizer state stay on the session's trainer actors, on the
+  Ray cluster at ``ray_address`` (``trace_core/train/steps/session.py``).
 - Resuming: prep looks up ``run_name`` in the checkpoint registry below ``store_uri``
   (``trace_core/store/registry.py``) and starts from its ``latest`` checkpoint (``load``) if it
-  has one; the final ``evaluate`` registers the trained policy and predictor as the new
-  ``latest``. The CronWorkflow passes the same ``run_name`` every time, so each scheduled
-  workflow continues where the last complete one ended; ``concurrencyPolicy: Forbid`` keeps two
-  from training the same run at once (KFP's ``max_concurrency=1``), and Argo never backfills
-  missed schedules (KFP's ``no_catchup``).
-- rollout, update-policy and the evaluations run in TRACE_GPU_IMAGE with ``nvidia.com/gpu``
-  limits on GPU nodes (the node label and taint of ``manifests/base/gpu-nodes.yaml``); the
-  others in TRACE_IMAGE.
-  With ``ray_address`` set they submit Ray jobs to the KubeRay head instead and their GPUs idle:
-  regenerate with ``ArgoOptions(gpus=0)`` for that setup.
+  has one; every checkpoint (each ``checkpoint_every`` iterations and the last) becomes the new
+  ``latest`` once complete. The CronWorkflow passes the same ``run_name`` every time, so each
+  scheduled workflow continues where the last complete one ended; ``concurrencyPolicy:
+  Forbid`` keeps two from training the same run at once (KFP's ``max_concurrency=1``), and Argo
+  never backfills missed schedules (KFP's ``no_catchup``).
+- open-session and the iterations run in TRACE_GPU_IMAGE with ``nvidia.com/gpu`` limits on GPU
+  nodes (the node label and taint of ``manifests/base/gpu-nodes.yaml``); the others in
+  TRACE_IMAGE. With a Ray cluster (``ray_address`` or ``ray_jobs_url``) the GPUs are the
+  cluster's and the pods' idle: regenerate with ``ArgoOptions(gpus=0)`` for that setup.
 - Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``trace-s3`` and
   RAY_AUTH_TOKEN from ``trace-ray-auth`` (``valueFrom.secretKeyRef``); the S3 endpoint and region
   from the ConfigMap ``trace-rl-settings`` (all three made by ``manifests/base``). Nothing secret
@@ -83,7 +83,7 @@ S3_SECRET = "trace-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (manifes
 RAY_SECRET = "trace-ray-auth"  # key auth_token (manifests/secrets/ray-auth)
 SETTINGS = "trace-rl-settings"  # ConfigMap: AWS_ENDPOINT_URL_S3, AWS_REGION (manifests/base)
 SERVICE_ACCOUNT = "trace-pipeline"  # may only report step outputs (manifests/base/rbac.yaml)
-GPU_STEPS = ("rollout", "update-policy", "evaluate-start", "evaluate")
+GPU_STEPS = ("open-session", "iterate")
 OUT = "/tmp/outputs"  # where steps write the small values Argo reads as output parameters
 
 # The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list),
@@ -96,8 +96,9 @@ PARAMETERS = {
 # What each container runs: ``trace-rl step STEP --config-json C --iteration I`` with these
 # ``--input NAME=URI`` and ``--output NAME=URI`` folders (prep: ``--param NAME=VALUE`` for each
 # workflow parameter instead of the config). prep writes config.json, start and start_iteration
-# into its local ``result`` folder, which Argo reads as output parameters; evaluate writes its
-# report into ``result`` (``eval.json``), which report reads back.
+# into its local ``result`` folder, which Argo reads as output parameters; open-session writes
+# the starting evaluation into its ``state`` (``eval.json``), close-session the final one into
+# ``result``, and report reads both back.
 STEPS_RUNNABLE = tuple(STEP_FOLDERS)
 
 
@@ -117,9 +118,9 @@ class ArgoOptions:
     """What is fixed when the manifests are generated."""
 
     iterations: int = 4
-    """K: rollout → fit/update iterations, unrolled into the DAG (as in the KFP pipeline)."""
+    """K: training iterations, unrolled into the DAG (as in the KFP pipeline)."""
     gpus: int = 1
-    """GPUs of each rollout, update-policy and evaluate pod (0: they only submit Ray jobs)."""
+    """GPUs of the open-session and iterate pods (0: the Ray cluster holds the run's GPUs)."""
     name: str = "trace-training"
     schedule: str = "0 3 * * *"
     """Argo's cron: 5 fields, no seconds (KFP's has 6)."""
@@ -170,7 +171,7 @@ CHECKOV_SKIPS = {
 }
 
 
-def _env(gpu: bool) -> list[Env | SecretEnv | ConfigMapEnv]:
+def _env(gpu: bool, ray: bool = False) -> list[Env | SecretEnv | ConfigMapEnv]:
     env: list[Env | SecretEnv | ConfigMapEnv] = [
         SecretEnv(name=key, secret_name=S3_SECRET, secret_key=key)
         for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -179,7 +180,7 @@ def _env(gpu: bool) -> list[Env | SecretEnv | ConfigMapEnv]:
         ConfigMapEnv(name=key, config_map_name=SETTINGS, config_map_key=key)
         for key in ("AWS_ENDPOINT_URL_S3", "AWS_REGION")
     ]
-    if gpu:  # rollout and update submit Ray jobs when ray_address is set
+    if gpu or ray:  # the steps that use Ray, on a token-auth cluster
         env.append(
             SecretEnv(
                 name="RAY_AUTH_TOKEN",
@@ -215,7 +216,7 @@ def _container(
             Parameter(name=p, value_from=m.ValueFrom(path=f"{OUT}/{name}/{file}"))
             for p, file in (outputs or {}).items()
         ],
-        env=_env(gpu),
+        env=_env(gpu, ray=name == "close-session"),
         resources=Resources(
             cpu_request=size.cpu,
             cpu_limit=size.cpu_limit,
@@ -275,10 +276,9 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
     prep_args += ["--output", f"result={OUT}/prep"]
 
     def step(name: str, *, iteration: bool = False) -> list[str]:
-        command = "update" if name == "update-policy" else name
         return [
             "step",
-            command,
+            name,
             "--config-json",
             CONFIG,
             "--iteration",
@@ -310,57 +310,38 @@ def _templates(options: ArgoOptions) -> dict[str, Container]:
             options,
             inputs=("config", "policy", "predictor", "optimizer"),
         ),
-        "rollout": _container(
-            "rollout",
-            step("rollout", iteration=True)
-            + _folders("prompts", "policy", "predictor", flag="--input")
-            + _folders("trees", flag="--output"),
-            options,
-            inputs=("config", "iteration", "prompts", "policy", "predictor", "trees"),
-        ),
-        "fit-predictor": _container(
-            "fit-predictor",
-            step("fit-predictor", iteration=True)
-            + _folders("trees", "policy", "predictor", flag="--input")
-            + ["--output", "predictor={{inputs.parameters.new_predictor}}"],
-            options,
-            inputs=("config", "iteration", "trees", "policy", "predictor", "new_predictor"),
-        ),
-        "update-policy": _container(
-            "update-policy",
-            step("update-policy", iteration=True)
-            + _folders("trees", "policy", "reference", "optimizer", flag="--input")
-            + ["--output", "policy={{inputs.parameters.new_policy}}"]
-            + ["--output", "optimizer={{inputs.parameters.new_optimizer}}"],
-            options,
-            inputs=(
-                *("config", "iteration", "trees", "policy", "reference", "optimizer"),
-                *("new_policy", "new_optimizer"),
-            ),
-        ),
-        "evaluate-start": _container(
-            "evaluate-start",
-            step("evaluate")
-            + _folders("prompts", "policy", flag="--input")
-            + _folders("result", flag="--output"),
-            options,
-            inputs=("config", "prompts", "policy", "result"),
-        ),
-        "evaluate": _container(
-            "evaluate",
-            step("evaluate")
+        "open-session": _container(
+            "open-session",
+            step("open-session", iteration=True)
             + _folders("prompts", "policy", "predictor", "optimizer", flag="--input")
+            + _folders("state", flag="--output"),
+            options,
+            inputs=("config", "iteration", "prompts", "policy", "predictor", "optimizer", "state"),
+        ),
+        "iterate": _container(
+            "iterate",
+            step("iterate", iteration=True)
+            + _folders("prompts", "state", flag="--input")
+            + _folders("trees", flag="--output")
+            + ["--output", "state={{inputs.parameters.new_state}}"],
+            options,
+            inputs=("config", "iteration", "prompts", "state", "trees", "new_state"),
+        ),
+        "close-session": _container(
+            "close-session",
+            step("close-session")
+            + _folders("state", flag="--input")
             + _folders("result", flag="--output"),
             options,
-            inputs=("config", "prompts", "policy", "predictor", "optimizer", "result"),
+            inputs=("config", "state", "result"),
         ),
         "report": _container(
             "report",
             step("report")
-            + _folders("trees", "policy", "start_eval", "final_eval", flag="--input")
+            + _folders("trees", "state", "start_eval", "final_eval", flag="--input")
             + _folders("report", flag="--output"),
             options,
-            inputs=("config", "trees", "policy", "start_eval", "final_eval", "report"),
+            inputs=("config", "trees", "state", "start_eval", "final_eval", "report"),
         ),
     }
 
@@ -383,8 +364,8 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
         },
         annotations={
             "workflows.argoproj.io/description": (
-                f"TRACE tree-rollout RL: prep, warm start or resume, {opts.iterations} × "
-                "(rollout → fit predictor ∥ update policy), evaluate, report. "
+                f"TRACE tree-rollout RL: prep, warm start or resume, open the run's session, "
+                f"{opts.iterations} iterations on it, close it, report. "
                 "Generated by pipelines/argo.py."
             )
         },
@@ -423,76 +404,45 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                 depends="prep",
                 when=f"{chosen} == load",
             )
+            start_iteration = "{{tasks.prep.outputs.parameters.start_iteration}}"
             Task(
-                name="evaluate-start",
-                template=t["evaluate-start"],
+                name="open-session",
+                template=t["open-session"],
                 arguments={
                     "config": config,
+                    "iteration": start_iteration,
                     "prompts": _folder("prompts"),
                     "policy": _folder("start/policy"),
-                    "result": _folder("eval-start"),
+                    "predictor": _folder("start/predictor"),
+                    "optimizer": _folder("start/optimizer"),
+                    "state": _folder("state-0"),
                 },
                 depends=started,
             )
-            policy, predictor, after = "start/policy", "start/predictor", started
-            optimizer = "start/optimizer"
+            state, after = "state-0", "open-session"
             for i in range(1, opts.iterations + 1):
                 # The registry's iteration count goes on: a resumed run's first is start + 1.
                 iteration = f"{{{{=asInt(tasks.prep.outputs.parameters.start_iteration) + {i}}}}}"
-                trees = _folder(f"iter-{i}/trees")
                 Task(
-                    name=f"rollout-{i}",
-                    template=t["rollout"],
+                    name=f"iterate-{i}",
+                    template=t["iterate"],
                     arguments={
                         "config": config,
                         "iteration": iteration,
                         "prompts": _folder("prompts"),
-                        "policy": _folder(policy),
-                        "predictor": _folder(predictor),
-                        "trees": trees,
+                        "state": _folder(state),
+                        "trees": _folder(f"iter-{i}/trees"),
+                        "new_state": _folder(f"state-{i}"),
                     },
                     depends=after,
                 )
-                Task(
-                    name=f"fit-predictor-{i}",
-                    template=t["fit-predictor"],
-                    arguments={
-                        "config": config,
-                        "iteration": iteration,
-                        "trees": trees,
-                        "policy": _folder(policy),
-                        "predictor": _folder(predictor),
-                        "new_predictor": _folder(f"iter-{i}/predictor"),
-                    },
-                    depends=f"rollout-{i}",
-                )
-                Task(
-                    name=f"update-policy-{i}",
-                    template=t["update-policy"],
-                    arguments={
-                        "config": config,
-                        "iteration": iteration,
-                        "trees": trees,
-                        "policy": _folder(policy),
-                        "reference": _folder("start/policy"),
-                        "optimizer": _folder(optimizer),
-                        "new_policy": _folder(f"iter-{i}/policy"),
-                        "new_optimizer": _folder(f"iter-{i}/optimizer"),
-                    },
-                    depends=f"rollout-{i}",
-                )
-                policy, predictor = f"iter-{i}/policy", f"iter-{i}/predictor"
-                optimizer = f"iter-{i}/optimizer"
-                after = f"fit-predictor-{i} && update-policy-{i}"
+                state, after = f"state-{i}", f"iterate-{i}"
             Task(
-                name="evaluate",
-                template=t["evaluate"],
+                name="close-session",
+                template=t["close-session"],
                 arguments={
                     "config": config,
-                    "prompts": _folder("prompts"),
-                    "policy": _folder(policy),
-                    "predictor": _folder(predictor),
-                    "optimizer": _folder(optimizer),
+                    "state": _folder(state),
                     "result": _folder("eval-final"),
                 },
                 depends=after,
@@ -503,12 +453,12 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                 arguments={
                     "config": config,
                     "trees": _folder(f"iter-{opts.iterations}/trees"),
-                    "policy": _folder(policy),
-                    "start_eval": _folder("eval-start"),
+                    "state": _folder(state),
+                    "start_eval": _folder("state-0"),
                     "final_eval": _folder("eval-final"),
                     "report": _folder("report"),
                 },
-                depends="evaluate && evaluate-start",
+                depends="close-session",
             )
     return template
 

@@ -8,7 +8,10 @@ the cluster, each step a subprocess of this Python, artifacts in a local folder.
 environment (trace_core installed, nothing pip-installed); the Kubernetes settings (Secrets,
 node selectors) are part of the pipeline and ignored here, and the GPU requests are left out
 (the runner cannot resolve their run parameters; see ``PipelineOptions.gpu_requests``).
-Ray, where a step uses it, starts in that step's process. Output under ``--output`` (``runs/``):
+The run gets a Ray head of its own on 127.0.0.1 (``pipelines.ray_head``; unless the parameters
+name one in ``ray_address``), which every step connects to: the run's trainer and engine actors
+live there from open session to close session, as on a cluster. Output under ``--output``
+(``runs/``):
 
     runs/kfp/trace-training-<time>/<task>/<artifact>   every step's artifacts, as KFP names them
     runs/<run name>/trees/iteration-0001.parquet ...   links to each iteration's trees (a
@@ -32,11 +35,12 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from pipelines.ray_head import loopback_head
 from pipelines.steplog import StepLog
 from trace_core.train.contract import PipelineParameters
 
@@ -128,18 +132,50 @@ def run_local(
     say(f"every step's output: {log_path}")
     start = time.perf_counter()
     terminal = terminal or sys.stdout
+    parameters = run.parameters()
+    with contextlib.ExitStack() as head:
+        if not parameters["ray_address"]:  # the run's own head, for its session's actors
+            parameters["ray_address"] = head.enter_context(loopback_head())
+            say(f"Ray head for this run: {parameters['ray_address']} (stopped when it ends)")
+            head.enter_context(_environment(RAY_AUTH_MODE="disabled"))
+        _run(pipeline, parameters, log_path, terminal, root, p.iterations)
+    seconds = time.perf_counter() - start
+    (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]
+    return _collect(run, run_dir, seconds, log_path)
+
+
+def _run(
+    pipeline: Callable[..., object],
+    parameters: dict[str, object],
+    log_path: Path,
+    terminal: TextIO,
+    root: Path,
+    iterations: int,
+) -> None:
     with (
         log_path.open("w") as log,
-        contextlib.redirect_stdout(StepLog(log, terminal, root, p.iterations, log_path)),
+        contextlib.redirect_stdout(StepLog(log, terminal, root, iterations, log_path)),
         warnings.catch_warnings(),
     ):
         # Expected here: the Kubernetes settings are no-ops and the images are not used.
         warnings.filterwarnings("ignore", ".*have no effect in the current local runner")
         warnings.filterwarnings("ignore", "You may be attemping to run a task")
-        pipeline(**run.parameters())
-    seconds = time.perf_counter() - start
-    (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]
-    return _collect(run, run_dir, seconds, log_path)
+        pipeline(**parameters)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """``values`` in this process's environment (which the steps inherit) for the block."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _collect(run: LocalRun, run_dir: Path, seconds: float, log: Path) -> LocalResult:
@@ -161,12 +197,10 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float, log: Path) -> LocalRe
     html = _copy(_only(run_dir.glob("*/tree_view")), mine / "report.html")
     summary = _copy(_only(run_dir.glob("*/summary")), mine / "summary.md")
     # The start policy's evaluation is at the iteration the run started from, the final one K later.
-    evals = sorted(
-        (_task_output(task) for task in run_dir.glob("evaluate*")),
-        key=lambda e: int(e["iteration"]),  # type: ignore[call-overload]
-    )
+    evals = [_task_output(task) for name in ("open-session", "close-session")
+             for task in run_dir.glob(f"{name}*")]  # fmt: skip
     if len(evals) != 2:
-        raise FileNotFoundError(f"{run_dir}: expected two evaluate steps, found {len(evals)}")
+        raise FileNotFoundError(f"{run_dir}: expected the open and close session steps' output")
     start_eval, final_eval = evals
     metrics = [m for m, _ in rollouts]
     curves = plot_curves(run.params.strategy, start_eval, final_eval, metrics, mine / "curves.png")

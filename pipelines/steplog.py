@@ -3,10 +3,10 @@ iteration, and the progress lines of a long step; everything the runner prints (
 output, KFP's executor JSON) goes to a log file instead.
 
        5:18  warmstart             318 s  SFT loss 0.412, held-out success 0.610
-       5:35  evaluate               17 s  held-out pass@1 0.800, mean@4 0.432
-       ...
-       6:07  update-policy          12 s
-             iteration 1 (1/6): prompt effective ratio 0.75, mixed groups 70, 8,123 tokens
+       5:35  open-session           17 s  held-out pass@1 0.800, mean@4 0.432
+       6:07  iterate                32 s
+             iteration 1 (1/6): prompt effective ratio 0.75, mixed groups 70, 8,123 tokens;
+             update loss -0.0123, held-out mean@4 0.440
 
 KFP's runner prints to ``sys.stdout``, so ``run_local`` puts a ``StepLog`` there for the run:
 it writes every line to the log and reads the runner's "Executing task" and "finished with
@@ -48,7 +48,6 @@ class StepLog(io.TextIOBase):
         self._task: str | None = None
         self._task_start = self._start
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self._rollouts: dict[int, dict[str, float]] = {}
         self._updates = 0
         self._progress_shown = False
 
@@ -127,30 +126,27 @@ class StepLog(io.TextIOBase):
                 f"{m.get('warmstart_success', float('nan')):.3f}",
                 "",
             )
-        if step == "evaluate":
+        if step in ("open-session", "close-session"):
             report = _output(folder)
             pass1, mean_k, k = report.get("pass1", {}), report.get("mean_k", {}), report.get("k")
             text = f"held-out pass@1 {pass1['all']:.3f}" if "all" in pass1 else ""
             if "all" in mean_k:
                 text += f", mean@{k} {mean_k['all']:.3f}"
             return text, ""
-        if step == "rollout":
+        if step == "iterate":
             m = _metrics(folder / "trees")
-            if "iteration" in m:
-                self._rollouts[int(m["iteration"])] = m
-            return "", ""
-        if step == "update-policy":
-            m = _metrics(folder / "new_policy")
             self._updates += 1
             iteration = int(m.get("iteration", 0))
-            r = self._rollouts.get(iteration, {})
             line = f"iteration {iteration} ({self._updates}/{self.iterations}):"
-            if r:
+            if "prompt_effective_ratio" in m:
                 line += (
-                    f" prompt effective ratio {r['prompt_effective_ratio']:.2f}, mixed groups "
-                    f"{int(r['mixed_groups'])}, {int(r['tokens']):,} tokens;"
+                    f" prompt effective ratio {m['prompt_effective_ratio']:.2f}, mixed groups "
+                    f"{int(m['mixed_groups'])}, {int(m['tokens']):,} tokens;"
                 )
-            line += f" update loss {m.get('loss', float('nan')):.4f}"
+            line += f" update loss {m.get('update_loss', float('nan')):.4f}"
+            if "accuracy_mean_at_" in " ".join(m):
+                key = next(k for k in m if k.startswith("accuracy_mean_at_"))
+                line += f", held-out mean@{key.rsplit('_', 1)[1]} {m[key]:.3f}"
             return "", line
         return "", ""
 

@@ -1,21 +1,30 @@
 """The TRACE training pipeline for Kubeflow Pipelines: the DAG, its cluster settings, compiling.
 
-    prep ─► If start == warmstart: warmstart        ─► evaluate (start)
-            Else:                   load_policy     ─► evaluate (start)
-          ─► [ rollout ─► fit_predictor ─┐                 ] × K ─► evaluate ─► report
-                          update_policy ─┴─► next rollout
+    prep ─► If start == warmstart: warmstart   ─► open session ─► [ iteration i ] × K
+            Else:                   load_policy ─►                 ─► close session ─► report
 
     python -m pipelines.trace_training pipelines/compiled/trace_training.yaml   # compile
     compile_pipeline(Path("x.yaml"), PipelineOptions(iterations=8))              # from code
 
+The run lives in its **session** on the Ray cluster (``trace_core.train.steps.session``): open
+session starts the trainer actors (they hold the policy, AdamW's state and the reference for
+the whole run) and the engine actors, and evaluates the starting policy; each iteration step
+finds them by name and runs one iteration (rollout → fit ∥ update → weight broadcast →
+checkpoint every ``checkpoint_every`` → evaluation every ``eval_every``), passing on only a
+small state artifact (log, predictor, where the newest checkpoint is); close session stops the
+actors. Without a Ray cluster each step starts Ray in its own process and the state goes
+through a checkpoint every iteration.
+
 The K iterations are unrolled when the pipeline is built (KFP v2 has no loops that carry
 state), so K is a build option, not a run parameter: the committed YAML has K = 4, and
 ``trace-rl run-local`` builds its own. Everything else is a run parameter set in the KFP UI:
-task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N), seed, ray_address,
-the rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors;
-gpus_per_worker: the GPUs each asks for), run_name (resume from / register under this name),
-store_uri, settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' request and
-placement (gpus, accelerator, gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret,
+task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N), seed,
+checkpoint_every, ray_address (the Ray head's GCS address HOST:6379 the steps connect to),
+ray_jobs_url (a dashboard http://HEAD:8265 to submit the Ray steps to as Ray jobs instead), the
+rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors; gpus_per_worker:
+the GPUs each asks for), run_name (resume from / register under this name), store_uri,
+settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' request and placement
+(gpus, accelerator, gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret,
 ray_auth_secret).
 
 Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
@@ -23,17 +32,16 @@ the local run must be this same pipeline; so the warm-start branch and the load 
 carry the iterations (the UI shows the one that ran).
 
 Cluster settings:
-- rollout, update_policy and evaluate request ``gpus`` accelerators of type ``accelerator`` and
+- open session and the iterations request ``gpus`` accelerators of type ``accelerator`` and
   take the node selector and tolerations given at run time; they use TRACE_GPU_IMAGE, the other
-  steps TRACE_IMAGE (``images/images.env``). With a ``ray_address`` the GPUs are the Ray cluster's:
-  run with gpus=0 then. They also get RAY_AUTH_TOKEN from the Secret ``ray_auth_secret`` (key
-  auth_token, optional), which a Ray job submission to a token-auth cluster needs.
+  steps TRACE_IMAGE (``images/images.env``). With a Ray cluster the GPUs are the cluster's: run
+  with gpus=0 then. The steps that use Ray get RAY_AUTH_TOKEN from the Secret
+  ``ray_auth_secret`` (key auth_token, optional), which a token-auth cluster needs.
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
-- caching is off for prep and load_policy (they read the registry), rollout (sampling is
-  stochastic) and evaluate (it registers checkpoints); warmstart, fit and update are pure
-  functions of their inputs and may be cached.
+- caching is off for every step but warmstart (a pure function of its inputs): prep and
+  load_policy read the registry, the session's steps act on actors and write checkpoints.
 """
 
 import contextlib
@@ -46,13 +54,12 @@ from kfp import compiler, dsl, kubernetes
 from kfp.dsl import PipelineTask
 
 from components import (
-    evaluate,
-    fit_predictor,
+    close_session,
+    iterate,
     load_policy,
+    open_session,
     prep,
     report,
-    rollout,
-    update_policy,
     warmstart,
 )
 from components.images import check_images
@@ -118,7 +125,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         budget: int = 128,
         continuations: int = 2,
         seed: int = 0,
+        checkpoint_every: int = 5,
         ray_address: str = "",
+        ray_jobs_url: str = "",
         engine: str = "torch",
         rollout_workers: int = 0,
         gpus_per_worker: float = 0.0,
@@ -132,7 +141,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         s3_secret: str = "mlpipeline-minio-artifact",
         ray_auth_secret: str = "trace-ray-auth",
     ) -> None:
-        def place(task: PipelineTask, name: str, gpu: bool = False) -> PipelineTask:
+        def place(
+            task: PipelineTask, name: str, gpu: bool = False, uses_ray: bool = False
+        ) -> PipelineTask:
             task.set_display_name(name)
             task.set_container_image(opts.gpu_image if gpu else opts.image)
             if opts.image_pull_secrets:
@@ -145,7 +156,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
             if gpu:
                 kubernetes.add_node_selector_json(task, gpu_node_selector)
                 kubernetes.add_toleration_json(task, gpu_tolerations)
-                # The Ray token, for submitting these steps as Ray jobs (ray_address).
+            if gpu or uses_ray:  # the Ray token, for a token-auth cluster
                 kubernetes.use_secret_as_env(
                     task, ray_auth_secret, {"auth_token": "RAY_AUTH_TOKEN"}, True
                 )
@@ -161,7 +172,9 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 continuations=continuations,
                 iterations=opts.iterations,
                 seed=seed,
+                checkpoint_every=checkpoint_every,
                 ray_address=ray_address,
+                ray_jobs_url=ray_jobs_url,
                 engine=engine,
                 rollout_workers=rollout_workers,
                 gpus_per_worker=gpus_per_worker,
@@ -176,71 +189,43 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         prompts = prepped.outputs["prompts"]
 
         def iterations(start: PipelineTask) -> None:
-            """Start eval, K iterations, final eval and report, from ``start``'s policy."""
-            policy, predictor = start.outputs["policy"], start.outputs["predictor"]
-            optimizer = start.outputs["optimizer"]
-            start_eval = place(
-                evaluate(config_json=config, prompts=prompts, policy=policy),
-                "evaluate start",
+            """The session from ``start``'s policy, K iterations on it, its close, the report."""
+            opened = place(
+                open_session(
+                    config_json=config,
+                    start_iteration=first,
+                    prompts=prompts,
+                    policy=start.outputs["policy"],
+                    predictor=start.outputs["predictor"],
+                    optimizer=start.outputs["optimizer"],
+                ),
+                "open session",
                 gpu=True,
             ).set_caching_options(False)
+            state = opened.outputs["state"]
             for i in range(1, opts.iterations + 1):
-                grown = place(
-                    rollout(
+                step = place(
+                    iterate(
                         config_json=config,
                         iteration=i,
                         start_iteration=first,
                         prompts=prompts,
-                        policy=policy,
-                        predictor=predictor,
+                        state=state,
                     ),
-                    f"rollout {i}",
+                    f"iteration {i}",
                     gpu=True,
                 ).set_caching_options(False)
-                fitted = place(
-                    fit_predictor(
-                        config_json=config,
-                        iteration=i,
-                        start_iteration=first,
-                        trees=grown.outputs["trees"],
-                        policy=policy,
-                        predictor=predictor,
-                    ),
-                    f"fit predictor {i}",
-                )
-                updated = place(
-                    update_policy(
-                        config_json=config,
-                        iteration=i,
-                        start_iteration=first,
-                        trees=grown.outputs["trees"],
-                        policy=policy,
-                        reference=start.outputs["policy"],
-                        optimizer=optimizer,
-                    ),
-                    f"update policy {i}",
-                    gpu=True,
-                )
-                policy, optimizer = updated.outputs["new_policy"], updated.outputs["new_optimizer"]
-                predictor = fitted.outputs["new_predictor"]
-            final_eval = place(
-                evaluate(
-                    config_json=config,
-                    prompts=prompts,
-                    policy=policy,
-                    predictor=predictor,
-                    optimizer=optimizer,
-                ),
-                "evaluate",
-                gpu=True,
+                state = step.outputs["new_state"]
+            closed = place(
+                close_session(config_json=config, state=state), "close session", uses_ray=True
             ).set_caching_options(False)
             place(
                 report(
                     config_json=config,
-                    trees=grown.outputs["trees"],
-                    policy=policy,
-                    start_eval=start_eval.outputs["Output"],
-                    final_eval=final_eval.outputs["Output"],
+                    trees=step.outputs["trees"],
+                    state=state,
+                    start_eval=opened.outputs["Output"],
+                    final_eval=closed.outputs["Output"],
                 ),
                 "report",
             )

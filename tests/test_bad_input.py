@@ -218,9 +218,9 @@ CASES = {
         r"--param iterations='x': expected an integer",
     ),
     "step with a missing input folder": Case(
-        "step fit-predictor --iteration 1 --config-json CONFIG --input trees={w}/nope "
-        "--input policy={w}/policy --input predictor={w}/predictor --output predictor={w}/new",
-        r"step fit-predictor: input trees={w}/nope: no such folder",
+        "step iterate --iteration 1 --config-json CONFIG --input prompts={w}/nope "
+        "--input state={w}/state --output trees={w}/new --output state={w}/new-state",
+        r"step iterate: input prompts={w}/nope: no such folder",
     ),
     "step writing into a folder that holds files": Case(
         "step prep --output prompts={w}/full --output result={w}/new",

@@ -24,7 +24,6 @@ import yaml
 
 from pipelines import argo
 from trace_core.cli import app
-from trace_core.train.contract import OPTIONAL_INPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "manifests" / "argo"
@@ -253,9 +252,7 @@ def test_every_step_uses_the_step_interface(name: str) -> None:
     assert "--iteration" in flags
     assert ("--param" in flags) == (step == "prep")
     assert ("--config-json" in flags) == (step != "prep")
-    given_in = set(_pairs(flags.get("--input", [])))
-    optional = set(OPTIONAL_INPUTS.get(step, ()))
-    assert set(inputs) - optional <= given_in <= set(inputs)
+    assert set(_pairs(flags.get("--input", []))) == set(inputs)
     assert set(_pairs(flags.get("--output", []))) == set(outputs)
 
 

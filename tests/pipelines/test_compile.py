@@ -36,7 +36,8 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
     parameters = set(spec.root.input_definitions.parameters)
     assert {
         "task", "dataset_uri", "base_model_uri", "strategy", "budget", "continuations", "seed",
-        "ray_address", "run_name", "store_uri", "settings_json", "gpus", "accelerator",
+        "checkpoint_every", "ray_address", "ray_jobs_url", "run_name", "store_uri",
+        "settings_json", "gpus", "accelerator",
         "gpu_node_selector", "gpu_tolerations", "s3_secret", "ray_auth_secret",
     } <= parameters  # fmt: skip
     for name, executor in platform.platforms["kubernetes"].deployment_spec.executors.items():
@@ -45,8 +46,8 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
         )
         env = {e.env_var for secret in config.secret_as_env for e in secret.key_to_env}
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, name
-        gpu = name.startswith(("exec-rollout", "exec-update-policy", "exec-evaluate"))
-        assert ("RAY_AUTH_TOKEN" in env) == gpu, name
+        gpu = name.startswith(("exec-open-session", "exec-iterate"))
+        assert ("RAY_AUTH_TOKEN" in env) == (gpu or name.startswith("exec-close-session")), name
         assert bool(config.tolerations) == gpu and config.HasField("node_selector") == gpu
 
 
@@ -63,8 +64,8 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
     executors = spec["deploymentSpec"]["executors"]
     tasks = _tasks(spec)
     images = read_images()
-    rollouts = [t for name, t in tasks.items() if name.startswith("rollout")]
-    assert len(rollouts) == 2 * PipelineOptions().iterations  # K in each start branch
+    iterations = [t for name, t in tasks.items() if name.startswith("iterate")]
+    assert len(iterations) == 2 * PipelineOptions().iterations  # K in each start branch
     for name, task in tasks.items():
         kind = name.rstrip("-0123456789")
         if kind.startswith("condition"):
@@ -72,11 +73,11 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
         container = executors[task["componentRef"]["name"].replace("comp-", "exec-", 1)][
             "container"
         ]
-        gpu = kind in ("rollout", "update-policy", "evaluate")
+        gpu = kind in ("open-session", "iterate")
         assert container["image"] == images["TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE"], name
         assert ("accelerator" in container.get("resources", {})) == gpu, name
         cached = task.get("cachingOptions", {}).get("enableCache", False)
-        if kind in ("prep", "load-policy", "rollout", "evaluate"):
+        if kind not in ("warmstart", "report"):  # the registry, the actors: not pure functions
             assert not cached, f"{name} must not be cached"
         assert "pip install" not in " ".join(container["command"]), name  # image has it all
 
@@ -95,8 +96,8 @@ def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
     for component, first in ((warm, "warmstart"), (load, "load-policy")):
         (name,) = component
         tasks = spec["components"][name]["dag"]["tasks"]
-        assert first in tasks and sum(t.startswith("rollout") for t in tasks) == 4
-    assert not any(t.startswith(("warmstart", "rollout")) for t in spec["root"]["dag"]["tasks"])
+        assert first in tasks and sum(t.startswith("iterate") for t in tasks) == 4
+    assert not any(t.startswith(("warmstart", "iterate")) for t in spec["root"]["dag"]["tasks"])
 
 
 @pytest.mark.parametrize("component", components.__all__)
@@ -114,7 +115,7 @@ def test_components_are_thin(component: str) -> None:
 
 
 def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path) -> None:
-    """`trace-rl pipeline compile --iterations 2 --s3-endpoint ...`: K = 2 rollouts in each
+    """`trace-rl pipeline compile --iterations 2 --s3-endpoint ...`: K = 2 iterations in each
     start branch, and every step's AWS_ENDPOINT_URL_S3 is the endpoint given. The command's
     defaults are the committed package's."""
     from typer.testing import CliRunner
@@ -128,8 +129,8 @@ def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path
     done = CliRunner().invoke(app, [*args, "--s3-endpoint", endpoint])
     assert done.exit_code == 0, done.output
     spec = next(yaml.safe_load_all(out.read_text()))
-    rollouts = [name for name in _tasks(spec) if name.startswith("rollout")]
-    assert len(rollouts) == 2 * 2
+    iterations = [name for name in _tasks(spec) if name.startswith("iterate")]
+    assert len(iterations) == 2 * 2
     for executor in spec["deploymentSpec"]["executors"].values():
         env = {e["name"]: e["value"] for e in executor["container"].get("env", [])}
         assert env["AWS_ENDPOINT_URL_S3"] == endpoint
@@ -158,7 +159,7 @@ def test_compile_command_takes_the_images_and_pull_secrets(tmp_path: Path) -> No
         name: executor["container"]["image"]
         for name, executor in spec["deploymentSpec"]["executors"].items()
     }
-    assert {i for name, i in images.items() if "rollout" in name} == {gpu}
+    assert {i for name, i in images.items() if "iterate" in name} == {gpu}
     assert {i for name, i in images.items() if "prep" in name or "report" in name} == {cpu}
     assert set(images.values()) == {cpu, gpu}
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]

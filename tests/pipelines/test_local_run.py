@@ -9,14 +9,20 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from trace_test_browser import find_chromium, headless  # registered by tests/conftest.py
+import trace_train_parity as parity  # registered by tests/conftest.py
+from trace_test_browser import find_chromium, headless
 
 from pipelines.local import LocalRun, print_result, run_local
+from trace_core.store.artifacts import open_store
+from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
-from trace_core.train.contract import PipelineParameters
+from trace_core.train.contract import PipelineConfig, PipelineParameters
+from trace_core.train.loop import train
+from trace_core.train.record import read_log
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,10 +41,18 @@ def metrics_of(task_dir: Path, name: str = "metrics") -> dict[str, float]:
     return artifact["metadata"]
 
 
-@pytest.mark.long  # ≈ 2.5 min: every step a KFP subprocess
-def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.long  # ≈ 3 min: every step a KFP subprocess
+def test_pipeline_runs_through_kfp_local(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: dict[str, str]
+) -> None:
+    """Three iterations with a checkpoint every two, the registry on the test S3: the run's own
+    Ray head holds its trainer and engine actors from open session to close session."""
     settings = json.dumps(TINY)
-    params = PipelineParameters(iterations=2, budget=8, run_name="ci", settings_json=settings)
+    store = "s3://trace/local-run"
+    params = PipelineParameters(
+        iterations=3, budget=8, run_name="ci", settings_json=settings, checkpoint_every=2,
+        store_uri=store,
+    )  # fmt: skip
     run = LocalRun(output=tmp_path, params=params)
     terminal = io.StringIO()
     result = run_local(run, say=lambda _line: None, terminal=terminal)
@@ -47,43 +61,59 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.Mon
     shown = terminal.getvalue().splitlines()
     steps = [line.split()[1] for line in shown if line.split()[2:4][-1:] == ["s"]]
     assert steps[:2] == ["prep", "warmstart"] and steps[-1] == "report", shown
-    cycle = ["rollout", "fit-predictor", "update-policy"]
-    expected = ["prep", "warmstart", "evaluate", "evaluate-2", "report", *cycle]
-    assert sorted(steps) == sorted([*expected, *(f"{step}-2" for step in cycle)]), shown
+    cycle = ["iterate", "iterate-2", "iterate-3"]
+    expected = ["prep", "warmstart", "open-session", *cycle, "close-session", "report"]
+    assert sorted(steps) == sorted(expected), shown
     assert [line.split()[:2] for line in shown if " iteration " in f" {line}"] == [
         ["iteration", "1"],
         ["iteration", "2"],
+        ["iteration", "3"],
     ], shown
     assert not any('"executor_input"' in line or "outputFile" in line for line in shown)
     assert any(line.split()[1:3] == ["warm", "start:"] for line in shown), shown  # progress
     log = result.log.read_text()
     assert "Executing task" in log and '"outputFile"' in log and "progress: warm start" in log
 
-    # Warm start branch, two iterations of M=8 roots with N=2 continuations = 16 units each.
+    # Warm start branch, three iterations of M=8 roots with N=2 continuations = 16 units each.
     tasks = {p.name for p in result.run_dir.iterdir() if p.is_dir()}
     assert {"prep", "warmstart", "report"} <= tasks and "load-policy" not in tasks
-    assert len(result.trees) == 2
+    assert len(result.trees) == 3
     for i, path in enumerate(result.trees, start=1):
         trees = read_trees(path)
         assert {t.info.iteration for t in trees} == {i}
         assert {t.info.run_id for t in trees} == {"ci"}
         assert sum(t.units for t in trees) == 8 * (1 + 2 / 2)
-    for name in sorted(t for t in tasks if t.startswith("rollout")):
+    moved = {}
+    for name in sorted(t for t in tasks if t.startswith("iterate")):
         logged = metrics_of(result.run_dir / name)
         for key in ("prompt_effective_ratio", "anchor_effective_ratio", "mixed_groups", "tokens"):
             assert key in logged, (name, key)
         assert logged["units"] == 16.0
-    final = next(
-        metrics_of(result.run_dir / t)
-        for t in tasks
-        if t.startswith("evaluate") and metrics_of(result.run_dir / t)["iteration"] == 2
-    )
+        moved[int(logged["iteration"])] = logged["s3_bytes"]
+    # The policy and optimizer state stay on the run's actors: S3 carries the checkpoints of
+    # iterations 2 and 3 (checkpoint_every 2, and the last), nothing on iteration 1.
+    registry = CheckpointRegistry(open_store(store))
+    (second, third) = registry.checkpoints("ci")[-2:]
+    assert (second.iteration, third.iteration) == (2, 3)
+    assert moved[1] == 0, moved
+    for checkpoint in (second, third):
+        files = sum(f.bytes for f in checkpoint.files)
+        assert files <= moved[checkpoint.iteration] <= files + 16_384, (moved, files)
+    final = metrics_of(result.run_dir / "close-session")
+
+    # The pipeline's log is the one `trace-rl train` writes for the same config and seed: the
+    # iterations ran through the same function (``train.phases``), on the run's actors.
+    body = json.loads((result.run_dir / "prep" / "executor_output.json").read_text())
+    config = PipelineConfig.from_json(body["parameterValues"]["config_json"]).train
+    loop = train(replace(config, output=tmp_path / "loop" / "ci", ray_address=None))
+    log = read_log(result.run_dir / "iterate-3" / "new_state")
+    assert parity.comparable(log) == parity.comparable(loop), parity.differences(log, loop)
     # The logged metrics are the step's report; pass@1 is greedy on 8 tasks: a count out of 8.
     assert final["accuracy_pass1"] == result.final_eval["pass1"]["all"]  # type: ignore[index]
     assert final["accuracy_mean_at_1"] == result.final_eval["mean_k"]["all"]  # type: ignore[index]
     assert final["eval_tokens"] == result.final_eval["tokens"]
     assert (8 * final["accuracy_pass1"]).is_integer()
-    assert str(result.final_eval["checkpoint"]).startswith(str((tmp_path / "store").resolve()))
+    assert str(result.final_eval["checkpoint"]).startswith(f"{store}/checkpoints/ci/iter-000003-")
 
     # The report is a file of its own with its extension, which a browser renders as a page.
     assert result.report_html.suffix == ".html" and not result.report_html.is_symlink()
@@ -114,7 +144,7 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.Mon
         done = subprocess.run(command, shell=True, capture_output=True, text=True, env=os.environ)
         assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
         outputs.append(done.stdout)
-    assert "trace" in outputs[1] and "iteration 2" in outputs[1]
+    assert "trace" in outputs[1] and "iteration 3" in outputs[1]
     assert result.curves is not None and result.curves.read_bytes().startswith(b"\x89PNG")
     assert f"plot: {result.curves} " in "\n".join(printed)
     # The accuracy change, paired task by task, with its interval (8 tasks: a wide one).
@@ -124,13 +154,13 @@ def test_pipeline_runs_through_kfp_local(tmp_path: Path, monkeypatch: pytest.Mon
     assert result.trees[-1].with_suffix(".html").is_file()  # inspect html: beside its input
 
     # The same run name again (a recurring run): the Else branch loads the registered
-    # checkpoint and goes on with iterations 3 and 4.
-    again = run_local(run, say=lambda _line: None)
+    # checkpoint and goes on with iteration 4.
+    again = run_local(replace(run, params=replace(params, iterations=1)), say=lambda _line: None)
     tasks = {p.name for p in again.run_dir.iterdir() if p.is_dir()}
     assert "load-policy" in tasks and "warmstart" not in tasks
-    assert metrics_of(again.run_dir / "load-policy")["resumed_iteration"] == 2
-    assert [read_trees(p)[0].info.iteration for p in again.trees] == [3, 4]
-    assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (2, 4)
+    assert metrics_of(again.run_dir / "load-policy")["resumed_iteration"] == 3
+    assert [read_trees(p)[0].info.iteration for p in again.trees] == [4]
+    assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (3, 4)
     # The first run's iterations keep their links beside the second's.
     assert sorted(p.name for p in again.trees_dir.glob("iteration-*.parquet")) == [
         f"iteration-000{i}.parquet" for i in (1, 2, 3, 4)

@@ -6,9 +6,12 @@ package).
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from trace_core.envs.base import Split, Step, Task
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.model import TinyPolicyConfig
+from trace_core.train.record import IterationRecord
 
 SMALL = TinyPolicyConfig(
     hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
@@ -48,3 +51,34 @@ class ParitySuite:
 
     def make_env(self) -> ParityEnv:
         return ParityEnv()
+
+
+# --- comparing two runs' logs ---------------------------------------------------------------
+MEASURED = {"update": ("peak_gib", "held_gib"), "predictor": ("seconds",)}
+"""What the machine measured rather than the run computed: a process's memory, wall times."""
+
+
+def comparable(records: list[IterationRecord]) -> list[dict[str, object]]:
+    """The records without what the machine measured (which phases were timed stays)."""
+    out = []
+    for record in records:
+        body = {**asdict(record), "seconds": sorted(record.seconds)}
+        for field, keys in MEASURED.items():
+            body[field] = {k: v for k, v in body[field].items() if k not in keys}
+        out.append(body)
+    return out
+
+
+def differences(a: list[IterationRecord], b: list[IterationRecord]) -> list[str]:
+    """Where two logs differ: iteration, field, key, the two values."""
+    found = []
+    for x, y in zip(comparable(a), comparable(b), strict=True):
+        for field, value in x.items():
+            if value != y[field]:
+                keys = sorted(set(value) | set(y[field])) if isinstance(value, dict) else [""]
+                for key in keys:
+                    mine = value.get(key) if isinstance(value, dict) else value
+                    theirs = y[field].get(key) if isinstance(value, dict) else y[field]
+                    if mine != theirs:
+                        found.append(f"{x['iteration']} {field} {key}: {mine} != {theirs}")
+    return found

@@ -9,7 +9,7 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
 from trace_core.train.contract import PipelineConfig, PipelineParameters
 from trace_core.train.loop import train
-from trace_core.train.record import IterationRecord, read_log
+from trace_core.train.record import read_log
 from trace_core.train.steps.session import (
     SessionLostError,
     StartPoint,
@@ -111,36 +111,6 @@ def chain(config: PipelineConfig, root: Path, iterations: range) -> Chain:
     return Chain(config, root, metrics)
 
 
-MEASURED = {"update": ("peak_gib", "held_gib"), "predictor": ("seconds",)}
-"""What the machine measured rather than the run computed: a process's memory, wall times."""
-
-
-def comparable(records: list[IterationRecord]) -> list[dict[str, object]]:
-    """The records without what the machine measured (which phases were timed stays)."""
-    out = []
-    for record in records:
-        body = {**asdict(record), "seconds": sorted(record.seconds)}
-        for field, keys in MEASURED.items():
-            body[field] = {k: v for k, v in body[field].items() if k not in keys}
-        out.append(body)
-    return out
-
-
-def differences(a: list[IterationRecord], b: list[IterationRecord]) -> list[str]:
-    """Where two logs differ: iteration, field, key, the two values."""
-    found = []
-    for x, y in zip(comparable(a), comparable(b), strict=True):
-        for field, value in x.items():
-            if value != y[field]:
-                keys = sorted(set(value) | set(y[field])) if isinstance(value, dict) else [""]
-                for key in keys:
-                    mine = value.get(key) if isinstance(value, dict) else value
-                    theirs = y[field].get(key) if isinstance(value, dict) else y[field]
-                    if mine != theirs:
-                        found.append(f"{x['iteration']} {field} {key}: {mine} != {theirs}")
-    return found
-
-
 @pytest.fixture(scope="module")
 def unbroken(init: Path, head: str, store: str, tmp_path_factory: pytest.TempPathFactory) -> Chain:
     root = tmp_path_factory.mktemp("session")
@@ -156,7 +126,7 @@ def test_the_session_steps_give_the_loops_run_and_move_only_checkpoints(
     loop_config = replace(unbroken.config.train, output=tmp_path / "unbroken", engine=ENGINE)
     records = train(loop_config, suite=parity.ParitySuite())  # type: ignore[arg-type]
     log = read_log(unbroken.root / "state-3")
-    assert comparable(log) == comparable(records), differences(log, records)
+    assert parity.comparable(log) == parity.comparable(records), parity.differences(log, records)
     for i in (1, 2, 3):
         mine = read_trees(unbroken.root / f"trees-{i}" / "trees.parquet")
         theirs = read_trees(tmp_path / "unbroken" / "iterations" / f"{i:04d}" / "trees.parquet")
@@ -204,6 +174,6 @@ def test_a_lost_trainer_is_rebuilt_from_the_newest_checkpoint_or_the_step_says_h
     _kill_trainer("again", head)
     chain(config, again, range(3, 4))
     close_session(config, again / "state-3")
-    assert comparable(read_log(again / "state-3")) == comparable(
+    assert parity.comparable(read_log(again / "state-3")) == parity.comparable(
         read_log(unbroken.root / "state-3")
     )

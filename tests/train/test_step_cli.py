@@ -3,13 +3,13 @@ real command line (``BIN/trace-rl step STEP --config-json C --iteration I --inpu
 --output NAME=URI ...``; prep takes ``--param NAME=VALUE``), chained as the workflow chains them
 (pipelines/argo.py), with every step's files checked, not only its exit code::
 
-    prep ─► warmstart ─► evaluate (start) ∥ rollout 1 ─► fit-predictor 1 ∥ update 1
-         ─► evaluate (final, registers the run's checkpoint) ─► report
-         ─► prep again (now: load after iteration 1) ─► load (the registered checkpoint)
+    prep ─► warmstart ─► open-session ─► iterate 1 (its checkpoint registered) ─► close-session
+         ─► report ─► prep again (now: load after iteration 1) ─► load (the registered checkpoint)
 
 once on local folders and once with every folder (and the checkpoint store) an s3:// prefix on
-the session's SeaweedFS server (tests/conftest.py); steps that run side by side in the workflow
-run side by side here. A tiny run: M=4 roots, N=2 continuations, 1 iteration, 20 SFT steps.
+the session's SeaweedFS server (tests/conftest.py). Without a Ray cluster every session step
+starts Ray in its own process. A tiny run: M=4 roots, N=2 continuations, 1 iteration, 20 SFT
+steps.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     prep = f.local("prep")
     config_json = (prep / "config.json").read_text()
     config = json.loads(config_json)
-    assert (config["run_name"], config["store"], config["ray_address"]) == (RUN, store, "")
+    assert (config["run_name"], config["store"], config["ray_jobs_url"]) == (RUN, store, "")
     train = config["train"]
     assert (train["task"], train["budget"], train["continuations"]) == ("calc", BUDGET, 2)
     assert (train["iterations"], train["eval_tasks"], train["warmstart_steps"]) == (1, 8, 20)
@@ -236,17 +236,23 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     weights0 = load_file(str(policy0 / "model.safetensors"))
     predictor0_sha = sha(predictor0, "value.safetensors")
 
-    # evaluate (start) beside rollout 1, as the workflow runs them.
-    trees, eval_start = f["iter-1/trees"], f.named(result="eval-start")
-    ok(
-        cwd,
-        logs,
-        step("evaluate", inputs=f.named("prompts", policy="start/policy"), outputs=eval_start),
-        step("rollout", 1, inputs={**f.named("prompts"), **start}, outputs={"trees": trees}),
-    )
-    assert f.keys("eval-start") == {"eval.json", "metrics.json"}
-    start_eval = check_eval(f.local("eval-start"), iteration=0)
+    # open-session: without a Ray cluster, Ray in the step's own process; the state it passes
+    # on holds the log with iteration 0 (the start's evaluation), the predictor, no weights.
+    opened = f.named(state="state-0")
+    begin = {**f.named("prompts"), **start, "optimizer": f["start/optimizer"]}
+    ok(cwd, logs, step("open-session", inputs=begin, outputs=opened))
+    assert {"state.json", "log.jsonl", "eval.json", "metrics.json"} <= f.keys("state-0")
+    assert not any(k.endswith("model.safetensors") for k in f.keys("state-0"))
+    state0 = f.local("state-0")
+    start_eval = check_eval(state0, iteration=0)
     assert "checkpoint" not in start_eval  # the start's evaluation registers nothing
+    assert [r["iteration"] for r in log_lines(state0)] == [0]
+
+    # iterate 1: rollout, fit, update, checkpoint (the last iteration, and every iteration
+    # without a cluster: the trainers go with the step's process).
+    trees = f["iter-1/trees"]
+    ok(cwd, logs, step("iterate", 1, inputs=f.named("prompts", state="state-0"),
+                       outputs={"trees": trees, "state": f["state-1"]}))  # fmt: skip
     assert {"trees.parquet", "draws.json", "metrics.json"} <= f.keys("iter-1/trees")
     trees1 = f.local("iter-1/trees")
     grown = read_trees(trees1 / "trees.parquet")
@@ -257,68 +263,38 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     rolled = read_json(trees1 / "metrics.json")
     assert rolled["units"] == BUDGET * (1 + CONTINUATIONS / 2)
     assert rolled["tokens"] == sum(t.generated_tokens for t in grown)
+    assert rolled["update_paths"] > 0 and rolled["update_steps"] >= 1
     assert read_json(trees1 / "draws.json")["iteration"] == 1
-
-    # fit-predictor 1 beside update 1.
-    ok(
-        cwd,
-        logs,
-        step("fit-predictor", 1, {"trees": trees, **start}, f.named(predictor="iter-1/predictor")),
-        step(
-            "update",
-            1,
-            {
-                "trees": trees,
-                **f.named(
-                    policy="start/policy", reference="start/policy", optimizer="start/optimizer"
-                ),
-            },
-            f.named(policy="iter-1/policy", optimizer="iter-1/optimizer"),
-        ),
-    )
-    predictor1 = f.local("iter-1/predictor")
-    assert {"value.json", "value.safetensors", "metrics.json"} <= f.keys("iter-1/predictor")
-    assert sha(predictor1, "value.safetensors") != predictor0_sha  # the fit changed it
-    assert read_json(predictor1 / "metrics.json")["iteration"] == 1.0
-    assert sha(f.local("start/predictor"), "value.safetensors") == predictor0_sha  # input kept
-    assert policy_files | {"log.jsonl"} <= f.keys("iter-1/policy")
-    assert "optimizer.safetensors" not in f.keys("iter-1/policy")  # only the update reads it
-    assert f.keys("iter-1/optimizer") == {"optimizer.safetensors", "optimizer.json"}
-    policy1, optimizer1 = f.local("iter-1/policy"), f.local("iter-1/optimizer")
-    weights1 = load_file(str(policy1 / "model.safetensors"))
+    state1 = f.local("state-1")
+    assert sha(state1 / "predictor", "value.safetensors") != predictor0_sha  # the fit changed it
+    record = log_lines(state1)[-1]
+    assert (record["iteration"], record["strategy"]) == (1, "trace")
+    assert record["tokens"] == rolled["tokens"]
+    registry = CheckpointRegistry(open_store(store))
+    checkpoint = registry.latest(RUN)
+    assert checkpoint is not None and checkpoint.iteration == 1
+    resumed = tempfile.mkdtemp(prefix="registered-", dir=f.scratch)
+    registered = registry.download(checkpoint, Path(resumed) / "c")
+    weights1 = load_file(str(registered / "policy" / "model.safetensors"))
     assert weights1.keys() == weights0.keys()
     assert any(not torch.equal(weights0[k], weights1[k]) for k in weights0), (
         "update changed nothing"
     )
-    updated = read_json(policy1 / "metrics.json")
-    assert updated["iteration"] == 1.0 and updated["paths"] > 0 and updated["steps"] >= 1
-    (record,) = log_lines(policy1)
-    assert (record["iteration"], record["strategy"]) == (1, "trace")
-    assert record["tokens"] == rolled["tokens"]
+    assert {"optimizer.safetensors", "predictor/value.safetensors"} <= {
+        c.path for c in checkpoint.files
+    }
 
-    # evaluate (final, with the predictor): registers policy-1 and predictor-1 under RUN.
-    final = f.named(
-        "prompts",
-        policy="iter-1/policy",
-        predictor="iter-1/predictor",
-        optimizer="iter-1/optimizer",
-    )
-    ok(cwd, logs, step("evaluate", inputs=final, outputs=f.named(result="eval-final")))
+    # close-session: the last iteration's evaluation, with the checkpoint that holds it.
+    ok(cwd, logs, step("close-session", inputs=f.named(state="state-1"),
+                       outputs=f.named(result="eval-final")))  # fmt: skip
     final_eval = check_eval(f.local("eval-final"), iteration=1)
-    registry = CheckpointRegistry(open_store(store))
-    checkpoint = registry.latest(RUN)
-    assert checkpoint is not None and checkpoint.iteration == 1
     assert final_eval["checkpoint"] == registry.store.uri(checkpoint.key)
-    registered = {c.path: c.sha256 for c in checkpoint.files}
-    assert registered["policy/model.safetensors"] == sha(policy1, "model.safetensors")
-    assert registered["predictor/value.safetensors"] == sha(predictor1, "value.safetensors")
-    assert registered["optimizer/optimizer.safetensors"] == sha(optimizer1, "optimizer.safetensors")
 
     # report: the HTML tree view and the Markdown summary of the run.
     inputs = f.named(
         trees="iter-1/trees",
-        policy="iter-1/policy",
-        start_eval="eval-start",
+        state="state-1",
+        start_eval="state-0",
         final_eval="eval-final",
     )
     ok(cwd, logs, step("report", inputs=inputs, outputs=f.named("report")))
@@ -345,15 +321,16 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     }
     ok(cwd, logs, step("load", outputs=resume))
     loaded, loaded_predictor = f.local("run-2/start/policy"), f.local("run-2/start/predictor")
-    assert sha(loaded, "model.safetensors") == registered["policy/model.safetensors"]
-    assert sha(loaded, "model.safetensors") == sha(policy1, "model.safetensors")
+    assert sha(loaded, "model.safetensors") == sha(registered / "policy", "model.safetensors")
     loaded_optimizer = f.local("run-2/start/optimizer")
     assert sha(loaded_optimizer, "optimizer.safetensors") == sha(
-        optimizer1, "optimizer.safetensors"
+        registered, "optimizer.safetensors"
     )
-    assert sha(loaded_predictor, "value.safetensors") == sha(predictor1, "value.safetensors")
+    assert sha(loaded_predictor, "value.safetensors") == sha(
+        state1 / "predictor", "value.safetensors"
+    )
     assert read_json(loaded / "metrics.json")["resumed_iteration"] == 1.0
-    assert [r["iteration"] for r in log_lines(loaded)] == [1]  # the log travels with it
+    assert [r["iteration"] for r in log_lines(loaded)] == [0, 1]  # the log travels with it
 
 
 def test_steps_chained_on_local_folders(tmp_path: Path) -> None:
@@ -381,7 +358,7 @@ def test_steps_chained_on_s3_folders(
     assert {
         "staging/prompts/train.parquet",
         "staging/iter-1/trees/trees.parquet",
-        "staging/iter-1/policy/model.safetensors",
+        "staging/state-1/state.json",
         "staging/report/summary.md",
         f"store/checkpoints/{RUN}/latest.json",
     } <= keys
@@ -403,7 +380,7 @@ def test_prep_takes_every_workflow_parameter_at_its_default(tmp_path: Path) -> N
     assert result.returncode == 0, result.output
     assert (tmp_path / "prep" / "start").read_text() == "warmstart"
     config = json.loads((tmp_path / "prep" / "config.json").read_text())
-    assert (config["run_name"], config["ray_address"], config["train"]["init"]) == ("", "", None)
+    assert (config["run_name"], config["ray_jobs_url"], config["train"]["init"]) == ("", "", None)
 
 
 def one_error_line(result: Done) -> str:
@@ -434,16 +411,17 @@ def test_bad_input_is_one_error_line(
     if case == "unknown-step":
         bad = Step("grow", CONFIG, 1, {"prompts": str(tmp_path)}, {"trees": str(tmp_path / "t")})
         line = one_error_line(run_steps(tmp_path, tmp_path / "logs", bad)[0])
-        assert "'grow'" in line and "rollout" in line  # names it and the steps there are
+        assert "'grow'" in line and "iterate" in line  # names it and the steps there are
         return
     if case == "missing-input-folder":
         missing = str(tmp_path / "no-such")
     else:
         request.getfixturevalue("s3_env")
         missing = f"s3://trace/step-cli-{os.getpid()}-nothing-here"
-    inputs = {name: f"{missing}/{name}" for name in ("trees", "policy", "predictor")}
-    predictor = tmp_path / "predictor-out"
-    bad = Step("fit-predictor", CONFIG, 1, inputs, {"predictor": str(predictor)})
+    inputs = {name: f"{missing}/{name}" for name in ("prompts", "state")}
+    predictor = tmp_path / "state-out"
+    outputs = {"trees": str(tmp_path / "trees-out"), "state": str(predictor)}
+    bad = Step("iterate", CONFIG, 1, inputs, outputs)
     line = one_error_line(run_steps(tmp_path, tmp_path / "logs", bad)[0])
     assert any(uri in line for uri in inputs.values()), line  # names the folder
     missing_words = ("no such", "not found", "missing", "does not exist", "nothing")

@@ -189,14 +189,17 @@ def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_pat
 
 
 @pytest.mark.usefixtures("client_env")
-def test_pipeline_rollout_step_on_vllm_actors_reads_the_policy_from_s3(
+def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
     head: Any, node_cache: Path, tmp_path: Path
 ) -> None:
+    """open session, one iteration and close session, each a Ray job, engine vllm: the job's
+    vLLM engine actor boots from the policy the job staged on S3 (into the node's cache), the
+    trainer broadcasts each new policy into it, and the trees come back."""
     from kfp import dsl, local
-    from kfp.dsl import Dataset, Model
+    from kfp.dsl import Artifact, Dataset, Model
     from ray.job_submission import JobSubmissionClient
 
-    from components import rollout
+    from components import close_session, iterate, open_session
     from trace_core.train.contract import PipelineConfig, PipelineParameters
     from trace_core.train.steps.start import load_step, prep_step
 
@@ -207,7 +210,7 @@ def test_pipeline_rollout_step_on_vllm_actors_reads_the_policy_from_s3(
         budget=6,
         continuations=2,
         iterations=1,
-        ray_address=head.dashboard_url,
+        ray_jobs_url=head.dashboard_url,
         engine="vllm",
         rollout_workers=1,
         store_uri="s3://trace/vllm-test",
@@ -217,36 +220,43 @@ def test_pipeline_rollout_step_on_vllm_actors_reads_the_policy_from_s3(
     config = PipelineConfig.from_json(prep_step(parameters, tmp_path / "prompts").config_json)
     load_step(config, tmp_path / "policy", tmp_path / "predictor", tmp_path / "optimizer")
 
-    @dsl.pipeline(name="vllm-rollout")
-    def one_rollout(config_json: str) -> None:
+    @dsl.pipeline(name="vllm-session")
+    def one_iteration(config_json: str) -> None:
         def imported(name: str, kind: type) -> dsl.PipelineTask:
             return dsl.importer(artifact_uri=str(tmp_path / name), artifact_class=kind)
 
-        rollout(
+        prompts = imported("prompts", Dataset).output
+        opened = open_session(
             config_json=config_json,
-            iteration=1,
             start_iteration=0,
-            prompts=imported("prompts", Dataset).output,
+            prompts=prompts,
             policy=imported("policy", Model).output,
             predictor=imported("predictor", Model).output,
+            optimizer=imported("optimizer", Artifact).output,
         )
+        step = iterate(
+            config_json=config_json, iteration=1, start_iteration=0, prompts=prompts,
+            state=opened.outputs["state"],
+        )  # fmt: skip
+        close_session(config_json=config_json, state=step.outputs["new_state"])
 
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
         pipeline_root=str(tmp_path / "kfp"),
         workspace_root=str(tmp_path / "workspace"),
     )
-    one_rollout(config_json=config.to_json())
+    one_iteration(config_json=config.to_json())
 
-    (trees_path,) = (tmp_path / "kfp").glob("vllm-rollout-*/rollout/trees/trees.parquet")
+    (trees_path,) = (tmp_path / "kfp").glob("vllm-session-*/iterate/trees/trees.parquet")
     assert sum(t.units for t in read_trees(trees_path)) == 6 * (1 + 2 / 2)
-    # The job's one engine actor ran on the head, with the one CPU asked...
+    # The run's one engine actor ran on the head, with the one CPU asked...
     jobs = JobSubmissionClient(head.dashboard_url).list_jobs()
-    (job,) = [j for j in jobs if (j.submission_id or "").startswith("trace-pipeline-rollout-")]
+    (job,) = [j for j in jobs if "-open-session-" in (j.submission_id or "")]
     (actor,) = engine_actors(head, job.job_id)
     assert actor.required_resources == {"CPU": 1.0}
-    # ...and read the policy's weights from the job's staged input on S3, into the node's cache.
+    # ...and read the starting policy's weights from the job's staged input on S3, into the
+    # node's cache; later policies came by broadcast from the trainer.
     (copy,) = [p for p in node_cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     source = (copy / "source.txt").read_text().strip()
-    assert source.startswith("s3://trace/vllm-test/staging/trace-pipeline-rollout-0001-")
+    assert "/staging/trace-" in source and "-open-session-0000-" in source
     assert source.endswith("/in/policy") and (copy / "model.safetensors").is_file()

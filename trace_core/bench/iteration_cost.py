@@ -6,22 +6,25 @@ simulated (``scale_sim`` on the model's GPU profile, the stored trees copied to 
 their turns scaled to ``turn_tokens`` generated tokens); the update is FLOPs at an assumed
 utilisation. Around them:
 
-* **``s3``: the state handed through S3 every iteration** (the pipeline's steps as they run
-  today, and a resident run's recovery path). Every copy is counted, in order: the update
-  step's KFP launcher downloads the policy, the reference and the optimizer state; the Ray
-  job's driver downloads the optimizer state and the trees again; every update rank downloads
-  the policy and the optimizer state; rank 0 uploads the result to staging; the driver
-  downloads and re-uploads it; the KFP pod downloads it and its launcher uploads it as the
-  step's outputs; then the rollout pod and every engine node download the policy, and every
-  engine reloads it from disk. The optimizer state is AdamW's two fp32 moments and the fp32
-  master weights (12 B a parameter: the policy is served in bf16).
-* **``resident``: trainers and engines live across iterations** (``train.trainer_group``):
-  S3 carries the trees, predictor and metrics every iteration, and a checkpoint (policy,
-  optimizer state, master weights) every ``checkpoint_every`` iterations, written by trainer
-  rank 0 (the cost per iteration is its share); new weights reach the engines by an NCCL
-  broadcast from trainer rank 0 at ``NCCL_BYTES_S``, loaded in place.
+* **``s3``: the state handed through S3 every iteration** (the pipeline's steps as they ran
+  before the run's session: a rollout step and an update step, each its own pod and process).
+  Every copy is counted, in order: the update step's KFP launcher downloads the policy, the
+  reference and the optimizer state; the Ray job's driver downloads the optimizer state and
+  the trees again; every update rank downloads the policy and the optimizer state; rank 0
+  uploads the result to staging; the driver downloads and re-uploads it; the KFP pod downloads
+  it and its launcher uploads it as the step's outputs; then the rollout pod and every engine
+  node download the policy, and every engine reloads it from disk. The optimizer state is
+  AdamW's two fp32 moments and the fp32 master weights (12 B a parameter: the policy is served
+  in bf16).
+* **``resident``: trainers and engines live across iterations** (``train.trainer_group``; the
+  pipeline's session, ``train.steps.session``, and ``trace-rl train --train-workers``): one
+  step pod per iteration; S3 carries the trees, predictor and metrics every iteration, and a
+  checkpoint (policy, optimizer state, master weights) every ``checkpoint_every`` iterations,
+  written by trainer rank 0 (the cost per iteration is its share); new weights reach the
+  engines by an NCCL broadcast from trainer rank 0 at ``NCCL_BYTES_S``, loaded in place.
 
-Both pay two KFP step pods on the critical path (rollout, update). Every rate below is an
+The s3 design pays two KFP step pods on the critical path (rollout, update), the resident one
+one (the iteration step). Every rate below is an
 assumption or a public figure, named where it is defined and cited in docs/scaling.md; none
 is measured here. What is computed: bytes from parameter counts, and rollout seconds from the
 simulation.
@@ -163,7 +166,6 @@ def run_iteration_cost(
             "model": model,
             "policy_bytes": policy,
             "optimizer_bytes": optimizer,
-            "pods_s": 2 * STEP_POD_S,
             "image_pull_s": IMAGE_BYTES / PULL_BYTES_S,
             "rollout_s": sim.makespan_s,
             "rollout_utilisation": sim.utilisation,
@@ -194,6 +196,7 @@ def run_iteration_cost(
                 s3_s=update_io + rollout_read + 2 * trees_bytes / S3_POD_BYTES_S,
                 update_io_s=update_io,
                 reload_s=RELOAD_FIXED_S + policy / (RELOAD_BYTES_S * shape.gpus_per_worker),
+                pods_s=2 * STEP_POD_S,  # the rollout step's pod, then the update step's
                 **common,  # type: ignore[arg-type]
             )
         )
@@ -205,6 +208,7 @@ def run_iteration_cost(
                 s3_s=3 * trees_bytes / S3_POD_BYTES_S + checkpoint_s,
                 update_io_s=checkpoint_s,
                 reload_s=SYNC_FIXED_S + policy / NCCL_BYTES_S,
+                pods_s=STEP_POD_S,  # one iteration step
                 **common,  # type: ignore[arg-type]
             )
         )

@@ -353,7 +353,7 @@ def step_command(
     step: Annotated[
         str,
         typer.Argument(
-            help="prep, warmstart, load, rollout, fit-predictor, update, evaluate or report.",
+            help="prep, warmstart, load, open-session, iterate, close-session or report.",
             show_default=False,
         ),
     ],

@@ -1,5 +1,5 @@
 """One rollout phase, the single path every caller takes: ``trace-rl rollout``, the training
-loop (``train.loop``) and the pipeline's rollout step (``train.steps.cycle``).
+loop and the pipeline's iteration step (both through ``train.phases``).
 
     result = run_rollout(
         "build/policy/calc", pool, suite.make_env, predictor=Path("predictor/"),

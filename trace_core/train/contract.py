@@ -6,17 +6,18 @@ them. The KFP pipeline (``pipelines/trace_training.py``), the Argo workflows
     params = PipelineParameters(task="calc", iterations=2, settings_json='{"budget": 16}')
     config = params.config()                              # validated; prep writes its JSON
     PipelineConfig.from_json(config.to_json()) == config
-    StepCall("rollout", 1, {"prompts": ..., "policy": ..., "predictor": ...}, {"trees": ...})
+    StepCall("iterate", 1, {"prompts": ..., "state": ...}, {"trees": ..., "state": ...})
 
 Folders (the KFP artifacts; local paths or s3:// prefixes):
     prompts/    train.parquet, eval.parquet (``envs.prompts``; eval holds the first eval_tasks)
-    policy/     HF checkpoint + log.jsonl (one ``IterationRecord`` per iteration so far, so the
-                log travels with the policy): what rollout, fit, evaluate and report read
+    policy/     HF checkpoint (+ log.jsonl when resuming): where the run's session starts
     optimizer/  optimizer.json (the iteration its state is after) + optimizer.safetensors
-                (AdamW's moments, from the first update on): only the update reads and writes it
+                (AdamW's moments) and master.safetensors when resuming
     predictor/  a saved ``ValuePredictor`` (before the first fit: the run's fresh one)
+    state/      the run's state between the session's steps (``train.steps.session``):
+                state.json, log.jsonl, predictor/, tokenizer/ (open-session's: eval.json too)
     trees/      trees.parquet, draws.json (the iteration's random draws, ``train.draws``)
-    result/     prep: config.json, start, start_iteration; evaluate: eval.json
+    result/     prep: config.json, start, start_iteration; close-session: eval.json
 Each step also writes ``metrics.json`` (flat name → number) into its first output folder; that
 file is how a step run as a Ray job reports back (``train.dispatch.run_step``).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,17 +51,28 @@ STEP_FOLDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "prep": ((), ("prompts", "result")),
     "warmstart": ((), ("policy", "predictor", "optimizer")),
     "load": ((), ("policy", "predictor", "optimizer")),
-    "rollout": (("prompts", "policy", "predictor"), ("trees",)),
-    "fit-predictor": (("trees", "policy", "predictor"), ("predictor",)),
-    "update": (("trees", "policy", "reference", "optimizer"), ("policy", "optimizer")),
-    "evaluate": (("prompts", "policy", "predictor", "optimizer"), ("result",)),  # final: all
-    "report": (("trees", "policy", "start_eval", "final_eval"), ("report",)),
+    "open-session": (("prompts", "policy", "predictor", "optimizer"), ("state",)),
+    "iterate": (("prompts", "state"), ("trees", "state")),
+    "close-session": (("state",), ("result",)),
+    "report": (("trees", "state", "start_eval", "final_eval"), ("report",)),
 }
 """Input and output folders of each step (what ``trace-rl step`` and the Argo containers pass)."""
-OPTIONAL_INPUTS = {"evaluate": ("predictor", "optimizer")}
-RAY_STEPS = ("rollout", "update", "evaluate")
-"""Steps that run as a Ray job when the pipeline has a Ray dashboard address: the ones that
-use engine actors or Ray Train workers."""
+RAY_STEPS = ("open-session", "iterate", "close-session")
+"""The steps on the run's session (``train.steps.session``): they run as Ray jobs when the
+pipeline has a Ray dashboard address (``ray_jobs_url``)."""
+
+
+def check_gcs_address(address: str, field: str) -> None:
+    """``address`` is empty, ``auto`` or HOST:PORT (a Ray head's GCS), not a dashboard URL."""
+    if not address or address == "auto":
+        return
+    if address.startswith(("http://", "https://")):
+        raise ValueError(
+            f"{field} {address!r} is a Ray dashboard URL: {field} is the head's GCS address "
+            "HOST:PORT (port 6379); a dashboard URL for Ray job submission goes in ray_jobs_url"
+        )
+    if not re.fullmatch(r"[\w.-]+:\d{1,5}", address, re.A):
+        raise ValueError(f"{field} {address!r}: expected a Ray head's GCS address HOST:PORT")
 
 
 def write_optimizer_info(folder: Path, iteration: int) -> None:
@@ -77,8 +90,7 @@ def check_step_folders(step: str, inputs: Mapping[str, str], outputs: Mapping[st
     if step not in STEP_FOLDERS:
         raise ValueError(f"step {step!r}: choose one of {', '.join(STEP_FOLDERS)}")
     wanted_in, wanted_out = STEP_FOLDERS[step]
-    optional = set(OPTIONAL_INPUTS.get(step, ()))
-    missing = sorted((set(wanted_in) - set(inputs) - optional) | (set(wanted_out) - set(outputs)))
+    missing = sorted((set(wanted_in) - set(inputs)) | (set(wanted_out) - set(outputs)))
     extra = sorted((set(inputs) - set(wanted_in)) | (set(outputs) - set(wanted_out)))
     if missing or extra:
         raise ValueError(
@@ -119,31 +131,31 @@ class PipelineConfig:
     store: str = ""
     """Artifact store root (a path or s3://bucket/prefix): ``checkpoints/`` of named runs and
     ``staging/`` for steps run as Ray jobs."""
-    ray_address: str = ""
-    """Empty: every step runs in its own process (Ray, where used, in-process). A Ray dashboard
-    address http://HEAD:8265: rollout, update and evaluate are submitted there as Ray
-    jobs."""
+    ray_jobs_url: str = ""
+    """A Ray dashboard address http://HEAD:8265: the steps that use Ray (``RAY_STEPS``) are
+    submitted there as Ray jobs, whose drivers run on the cluster. Empty: they run in their own
+    process, connected to ``train.ray_address`` (a GCS address), or with Ray in-process."""
     engine_name: str = ""
-    """What the run's kept engine actors are named after on the Ray cluster (with
-    ``train.engine.keep_alive_s``): set by prep, one per pipeline run. Empty: every rollout and
-    evaluate step starts and stops its own engines."""
+    """The run's session name: its kept engine actors are ``<name>-<i>``, its trainers
+    ``<name>-trainer-<rank>`` (``train.steps.session``); set by prep, one per pipeline run."""
 
     def __post_init__(self) -> None:
         if self.run_name:
             check_run_name(self.run_name, "run_name")
         if self.run_name and not self.store:
             raise ValueError(f"run_name {self.run_name!r} needs store_uri (where checkpoints go)")
-        if self.ray_address:
-            if not re.fullmatch(r"https?://[^/\s]+/?", self.ray_address):
+        if self.ray_jobs_url:
+            if not re.fullmatch(r"https?://[^/\s]+/?", self.ray_jobs_url):
                 raise ValueError(
-                    f"ray_address {self.ray_address!r}: expected the Ray dashboard address "
-                    "http://HEAD:8265 (Ray job submission), or empty for in-process Ray"
+                    f"ray_jobs_url {self.ray_jobs_url!r}: expected the Ray dashboard address "
+                    "http://HEAD:8265 (Ray job submission)"
                 )
             if not is_remote(self.store):
                 raise ValueError(
-                    "ray_address needs store_uri to be an s3:// prefix: steps run as Ray jobs "
+                    "ray_jobs_url needs store_uri to be an s3:// prefix: steps run as Ray jobs "
                     f"exchange their inputs and outputs there (got {self.store!r})"
                 )
+        check_gcs_address(self.train.ray_address or "", "ray_address")
         if self.engine_name and not re.fullmatch(r"[\w][\w.-]{0,99}", self.engine_name, re.A):
             raise ValueError(f"engine_name {self.engine_name!r}: letters, digits, '.', '_', '-'")
 
@@ -152,7 +164,7 @@ class PipelineConfig:
             "train": self.train.to_json(),
             "run_name": self.run_name,
             "store": self.store,
-            "ray_address": self.ray_address,
+            "ray_jobs_url": self.ray_jobs_url,
         }
         if self.engine_name:
             body["engine_name"] = self.engine_name
@@ -166,14 +178,14 @@ class PipelineConfig:
             raise ValueError(f"config_json is not JSON: {err}") from None
         if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
             raise ValueError("config_json: expected an object with a 'train' object")
-        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_address", "engine_name"})
+        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_jobs_url", "engine_name"})
         if unknown:
             raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")
         return cls(
             train=TrainConfig.from_json(body["train"]),
             run_name=str(body.get("run_name", "")),
             store=str(body.get("store", "")),
-            ray_address=str(body.get("ray_address", "")),
+            ray_jobs_url=str(body.get("ray_jobs_url", "")),
             engine_name=str(body.get("engine_name", "")),
         )
 
@@ -181,6 +193,18 @@ class PipelineConfig:
     def run_id(self) -> str:
         """The ``run_id`` of the trees this run grows."""
         return self.run_name or "pipeline"
+
+
+def in_ray_job(config: PipelineConfig) -> bool:
+    """Whether this is the Ray job a step of a run with ``ray_jobs_url`` was sent as (Ray sets
+    RAY_ADDRESS for a job's driver), rather than the place that sends it."""
+    return bool(config.ray_jobs_url and os.environ.get("RAY_ADDRESS"))
+
+
+def worker_address(config: PipelineConfig) -> str | None:
+    """Where the run's actors are: inside a step's Ray job, that job's cluster; otherwise the
+    head at ``train.ray_address``, or (None) a Ray started in this process."""
+    return "auto" if in_ray_job(config) else config.train.ray_address
 
 
 # --- the run parameters: declared once, here -------------------------------------------------
@@ -207,8 +231,14 @@ class PipelineParameters:
     """K: training iterations (unrolled when the pipeline is built)."""
     seed: int = 0
     """Seed of pools, plans, sampling and updates."""
+    checkpoint_every: int = 5
+    """Write the policy, optimizer state and predictor to the registry every this many
+    iterations (and after the last); in between they stay on the run's trainers."""
     ray_address: str = ""
-    """Ray dashboard http://HEAD:8265: rollout, update and evaluate run there as Ray jobs."""
+    """A Ray head's GCS address HOST:PORT that the steps connect to: the run's trainer and
+    engine actors live there across steps (empty: each step starts Ray in its own process)."""
+    ray_jobs_url: str = ""
+    """A Ray dashboard http://HEAD:8265 the Ray steps are submitted to as Ray jobs."""
     engine: str = "torch"
     """Rollout engine: torch, hf or vllm."""
     rollout_workers: int = 0
@@ -229,7 +259,10 @@ class PipelineParameters:
             raise ValueError(f"settings_json is not JSON: {err}") from None
         if not isinstance(settings, dict):
             raise ValueError("settings_json must be a JSON object of TrainConfig fields")
-        own = {"task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed"}
+        own = {
+            "task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed",
+            "checkpoint_every",
+        }  # fmt: skip
         clash = sorted(own & set(settings))
         if clash:
             raise ValueError(
@@ -270,10 +303,12 @@ class PipelineParameters:
                 "continuations": self.continuations,
                 "iterations": self.iterations,
                 "seed": self.seed,
+                "checkpoint_every": self.checkpoint_every,
+                "ray_address": self.ray_address or None,
                 "output": "pipeline",
             }
         )
-        return PipelineConfig(train, self.run_name, self.store_uri, self.ray_address)
+        return PipelineConfig(train, self.run_name, self.store_uri, self.ray_jobs_url)
 
 
 ENGINE_PARAMETERS = {
@@ -320,22 +355,3 @@ def read_metrics(folder: Path) -> dict[str, float]:
 def write_draws(trees_dir: Path, iteration: int, draws: IterationDraws) -> None:
     body = {"iteration": iteration, **dataclasses.asdict(draws)}
     (trees_dir / DRAWS).write_text(json.dumps(body) + "\n")
-
-
-def read_draws(trees_dir: Path, iteration: int) -> IterationDraws:
-    """The draws the rollout made (``draws.json`` beside the trees): fit and update take their
-    seeds from there, so they need neither the prompts nor the generator's position."""
-    path = trees_dir / DRAWS
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; these trees were not written by rollout_step")
-    body = json.loads(path.read_text())
-    draws = IterationDraws(
-        pool=tuple(body["pool"]),
-        grow_seed=int(body["grow_seed"]),
-        fit_seed=int(body["fit_seed"]),
-        update_seed=int(body["update_seed"]),
-    )
-    trees_iteration = int(body.get("iteration", iteration))
-    if trees_iteration != iteration:
-        raise ValueError(f"{path}: trees of iteration {trees_iteration}, expected {iteration}")
-    return draws

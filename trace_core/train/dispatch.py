@@ -1,7 +1,7 @@
 """Running a step: here, as a Ray job, or from the command line (``trace-rl step``).
 
-    run_step(StepCall("rollout", 3, inputs, outputs), config)   # a KFP component's call
-    execute_cli_step("fit-predictor", 3, {"trees": "s3://b/t", ...}, {"predictor": ...}, cfg)
+    run_step(StepCall("iterate", 3, inputs, outputs), config)   # a KFP component's call
+    execute_cli_step("iterate", 3, {"state": "s3://b/s", ...}, {"trees": ..., "state": ...}, cfg)
 
 A step's folders may be local paths or s3:// prefixes: remote inputs are downloaded into a
 scratch folder first, remote outputs written there and uploaded once the step has succeeded.
@@ -27,24 +27,18 @@ from trace_core.train.contract import (
     PipelineConfig,
     StepCall,
     check_step_folders,
+    in_ray_job,
     parse_parameters,
     read_metrics,
-    write_metrics,
 )
-from trace_core.train.steps.cycle import (
-    fit_predictor_step,
-    in_ray_job,
-    rollout_step,
-    update_step,
-)
-from trace_core.train.steps.finish import eval_metrics, evaluate_step, report_step
+from trace_core.train.steps.finish import report_step
 from trace_core.train.steps.start import load_step, prep_step, warmstart_step
 
 
 def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
     """Run ``call`` here, or as a Ray job when the config has a Ray dashboard address; either
     way its outputs end up in the local output folders and its metrics are returned."""
-    if config.ray_address:
+    if config.ray_jobs_url:
         from trace_core.train.rayjob import submit_step
 
         submit_step(call, config)
@@ -54,44 +48,33 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
 
 
 def execute_step(call: StepCall, config: PipelineConfig) -> None:
-    """Run ``call`` in this process; s3:// folders are fetched first and published after."""
-    # Engine actors read a remote policy from object storage themselves (each node once): the
-    # driver fetches only its tokenizer and config, and stays light (unless it registers the
-    # policy as the run's checkpoint: the final evaluation).
-    # So do Ray Train workers; the update's driver reads the trees and the policy's log.
-    policy = call.inputs.get("policy", "")
-    registers = call.step == "evaluate" and "predictor" in call.inputs and bool(config.run_name)
-    actors_read = (
-        call.step in ("rollout", "evaluate")
-        and is_remote(policy)
-        and config.train.engine.workers > 0
-        and not registers
+    """Run ``call`` (a step on the run's session) in this process: only its small folders
+    (prompts, state) are fetched; the starting policy, predictor and optimizer state are read
+    where they lie, by the actors; the outputs are published once the step has succeeded."""
+    from trace_core.train.steps.session import (
+        StartPoint,
+        close_session_step,
+        iterate_step,
+        open_session_step,
     )
-    light = {"policy"} if actors_read else set()
-    remote = {name: uri for name, uri in call.inputs.items() if is_remote(uri)}
-    if call.step == "update" and config.train.train_workers and remote:
-        light = {"policy", "reference"}
-    engine_checkpoint = policy if actors_read else None
-    with _staged(call.step, call.inputs, call.outputs, light) as (local, out):
+
+    fetched = {name: uri for name, uri in call.inputs.items() if name in ("prompts", "state")}
+    with _staged(call.step, fetched, call.outputs) as (local, out):
         match call.step:
-            case "rollout":
-                rollout_step(
-                    config, call.iteration, local["prompts"], local["policy"],
-                    local["predictor"], out["trees"], engine_checkpoint=engine_checkpoint,
+            case "open-session":
+                where = {name: call.input_uris.get(name) or call.inputs[name] for name in
+                         ("policy", "predictor", "optimizer")}  # fmt: skip
+                start = StartPoint(
+                    where["policy"], where["predictor"], where["optimizer"], call.iteration
+                )
+                open_session_step(config, local["prompts"], start, out["state"])
+            case "iterate":
+                iterate_step(
+                    config, call.iteration, local["prompts"], local["state"], out["state"],
+                    out["trees"],
                 )  # fmt: skip
-            case "update":
-                update_step(
-                    config, call.iteration, local["trees"], local["policy"],
-                    local["reference"], local["optimizer"], out["policy"], out["optimizer"],
-                    input_uris=remote,
-                )  # fmt: skip
-            case "evaluate":
-                report = evaluate_step(
-                    config, local["prompts"], local["policy"], local.get("predictor"),
-                    optimizer_dir=local.get("optimizer"), engine_checkpoint=engine_checkpoint,
-                )  # fmt: skip
-                (out["result"] / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
-                write_metrics(out["result"], eval_metrics(report))
+            case "close-session":
+                close_session_step(config, local["state"], out["result"])
 
 
 @contextlib.contextmanager
@@ -179,7 +162,7 @@ def execute_cli_step(
     config = None if step == "prep" else PipelineConfig.from_json(config_json)
     if config is not None and step in RAY_STEPS:
         call = StepCall(step, iteration, inputs, outputs)
-        if config.ray_address and not in_ray_job(config):
+        if config.ray_jobs_url and not in_ray_job(config):
             # A step of a run with a Ray dashboard address, outside a Ray job (an Argo
             # container): sent to the cluster, as the KFP components send theirs.
             from trace_core.train.rayjob import submit_step
@@ -202,17 +185,12 @@ def execute_cli_step(
                     warmstart_step(config, out["policy"], out["predictor"], out["optimizer"])
                 case "load":
                     load_step(config, out["policy"], out["predictor"], out["optimizer"])
-                case "fit-predictor":
-                    fit_predictor_step(
-                        config, iteration, local["trees"], local["policy"],
-                        local["predictor"], out["predictor"],
-                    )  # fmt: skip
                 case "report":
                     start, final = (
                         json.loads((local[name] / EVAL_FILE).read_text())
                         for name in ("start_eval", "final_eval")
                     )
                     report_step(
-                        config, local["trees"], local["policy"], start, final,
+                        config, local["trees"], local["state"], start, final,
                         out["report"] / "report.html", out["report"] / "summary.md",
                     )  # fmt: skip

@@ -76,6 +76,8 @@ class Run:
     """Rollout tokens generated before the next iteration."""
     started: int = 0
     """The iteration of the checkpoint ``weights`` started from (``weights.start``)."""
+    always_checkpoint: bool = False
+    """Checkpoint every iteration: the training state does not outlive this process."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ def run_iteration(
         run.serving_now = label
         seconds["sync"] = time.perf_counter() - start
     checkpoint = i % config.checkpoint_every == 0 or i == config.iterations or not label
+    checkpoint = checkpoint or run.always_checkpoint
     start = time.perf_counter()
     save = weights.saver(run.model, run.tokenizer, run.optimizer) if checkpoint else None
     persist(i, trees, metrics, save)

@@ -1,10 +1,10 @@
 """A pipeline step run as a Ray job on a (Kube)Ray cluster: submit, stream its logs, fetch its
 outputs, and fail when it fails.
 
-    submit_step(StepCall("rollout", 3, inputs, outputs), config)   # config.ray_address set
+    submit_step(StepCall("iterate", 3, inputs, outputs), config)   # config.ray_jobs_url set
 
-The job's entrypoint is the same command a person would type, ``trace-rl step rollout
---config-json ... --input policy=s3://... --output trees=s3://...``; it runs on the head (or
+The job's entrypoint is the same command a person would type, ``trace-rl step iterate
+--config-json ... --input state=s3://... --output trees=s3://...``; it runs on the head (or
 wherever the cluster places the driver) with the cluster's image. Inputs and outputs cross
 through S3: an input already in object storage (a KFP artifact's ``minio://`` URI on a cluster)
 is passed as is, any other is uploaded under ``<store>/staging/<job id>/in/<name>``; outputs are
@@ -56,7 +56,7 @@ def submit_step(
     log: Callable[[str], None] | None = None,
     poll_seconds: float = 1.0,
 ) -> str:
-    """Run ``call`` as a Ray job at ``config.ray_address``; returns the job's id."""
+    """Run ``call`` as a Ray job at ``config.ray_jobs_url``; returns the job's id."""
     from ray.job_submission import JobSubmissionClient
 
     write = log or (lambda text: print(text, end="", flush=True, file=sys.stdout))
@@ -77,7 +77,7 @@ def submit_step(
         for name, target in call.outputs.items()
     }
     remote = StepCall(call.step, call.iteration, inputs, outputs)
-    client = JobSubmissionClient(config.ray_address)
+    client = JobSubmissionClient(config.ray_jobs_url)
     env = {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
     client.submit_job(
         entrypoint=step_command(remote, config),
@@ -85,7 +85,7 @@ def submit_step(
         runtime_env={"env_vars": env} if env else None,
         metadata={"trace.step": call.step, "trace.iteration": str(call.iteration)},
     )
-    write(f"submitted Ray job {job_id} to {config.ray_address}\n")
+    write(f"submitted Ray job {job_id} to {config.ray_jobs_url}\n")
     try:
         status, tail = _follow(client, job_id, write, poll_seconds)
     except BaseException:

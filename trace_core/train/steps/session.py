@@ -35,6 +35,7 @@ from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import TaskSuite
 from trace_core.train.contract import (
+    EVAL_FILE,
     OPTIMIZER,
     PROMPTS_EVAL,
     PROMPTS_TRAIN,
@@ -44,6 +45,7 @@ from trace_core.train.contract import (
     write_metrics,
 )
 from trace_core.train.record import LOG, IterationRecord, read_log
+from trace_core.train.steps.finish import eval_metrics
 
 STATE = "state.json"
 KIND = "trace.run-state"
@@ -57,15 +59,14 @@ class SessionLostError(RuntimeError):
 
 @dataclass(frozen=True)
 class StartPoint:
-    """Where a session starts: the warm start's or load step's folders (paths or URIs)."""
+    """Where a session starts: the warm start's or load step's folders (paths or URIs); the
+    policy's ``log.jsonl``, if any, is the log a resumed run goes on from."""
 
     policy: str
     predictor: str
     optimizer: str | None = None
     """A folder holding ``optimizer.safetensors`` (and ``master.safetensors``), if any."""
     iteration: int = 0
-    records: tuple[IterationRecord, ...] = ()
-    """The log a resumed run goes on from."""
 
 
 @dataclass(frozen=True)
@@ -166,16 +167,26 @@ def open_session_step(
             predictor_dir = Path(scratch, "predictor")
             download_folder(start.predictor, predictor_dir)
         predictor = ValuePredictor.load(predictor_dir, tokenizer)
+        records = [r for r in read_log(light) if r.iteration <= start.iteration]
+        if [r.iteration for r in records] != list(range(len(records))) or (
+            records and records[-1].iteration != start.iteration
+        ):
+            raise ValueError(
+                f"{start.policy}: its log does not hold iterations 0..{start.iteration} in order"
+            )
         with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
-            records = list(start.records)
-            if not records:
-                from trace_core.train.phases import start_record
+            from trace_core.train.phases import eval_dict, evaluate, start_record
 
+            if not records:
                 records = [start_record(session.run, session.run.serving_now)]
+            shown = records[-1].eval or eval_dict(evaluate(session.run, session.run.serving_now))
             state = replace(state, serving=session.run.serving_now)
             write_state(state_out, state, records, predictor, tokenizer)
-    record = records[-1]
-    return {"iteration": float(record.iteration), **_eval_metrics(record)}
+    result = {**shown, "iteration": start.iteration}
+    (state_out / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    metrics = {"iteration": float(start.iteration), **eval_metrics(result)}
+    write_metrics(state_out, metrics)
+    return metrics
 
 
 def iterate_step(
@@ -230,6 +241,7 @@ def iterate_step(
         before = session.traffic()
         session.run.total_tokens = records[-1].total_tokens if records else 0
         session.run.checkpoint_at = checkpoint_at
+        session.run.always_checkpoint = not on_cluster(config)
         outcome = run_iteration(session.run, iteration, persist, print)
         print(iteration_line(config.train, outcome), flush=True)
         records.append(outcome.record)
@@ -247,22 +259,55 @@ def iterate_step(
             )
         write_state(state_out, new, records, predictor, tokenizer)
         moved = session.traffic() - before
-    write_metrics(trees_out, {**_record_metrics(outcome.record), "s3_bytes": float(moved)})
-    return _record_metrics(outcome.record) | {"s3_bytes": float(moved)}
+    metrics = {**_record_metrics(outcome.record), "s3_bytes": float(moved)}
+    write_metrics(trees_out, metrics)
+    return metrics
 
 
 def close_session(config: PipelineConfig, state_dir: Path) -> int:
-    """Stop the run's session (its last step): trainers and kept engine actors; how many ran."""
+    """Stop the run's session (its last step): trainers and kept engine actors; how many ran.
+    Without a Ray cluster they went with the step that started them."""
     from trace_core.rollout.ray_pool import ray_session, release_engines
-    from trace_core.train.steps.cycle import worker_address
+    from trace_core.train.contract import worker_address
     from trace_core.train.trainer_group import release_trainers
 
+    if not on_cluster(config):
+        return 0
     state, _ = read_state(state_dir)
     address = worker_address(config)
     stopped = release_engines(state.session, address)
     with ray_session(address):
         stopped += release_trainers(f"{state.session}-trainer", config.train.train_workers)
     return stopped
+
+
+def close_session_step(
+    config: PipelineConfig, state_dir: Path, result_dir: Path
+) -> dict[str, float]:
+    """The run's last step: stop its session; ``result/eval.json`` is the last iteration's
+    held-out evaluation, with the iteration and the checkpoint the registry holds of it."""
+    state, records = read_state(state_dir)
+    close_session(config, state_dir)
+    last = records[-1]
+    if last.eval is None:
+        raise ValueError(
+            f"{state_dir / LOG}: the last iteration ({last.iteration}) was not evaluated"
+        )
+    result = {**last.eval, "iteration": last.iteration}
+    if config.run_name and state.checkpoint == last.iteration:
+        result["checkpoint"] = state.policy.rsplit("/policy", 1)[0]
+    result_dir.mkdir(parents=True, exist_ok=True)
+    (result_dir / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    metrics = eval_metrics(result)
+    write_metrics(result_dir, metrics)
+    return metrics
+
+
+def on_cluster(config: PipelineConfig) -> bool:
+    """Whether the run's steps share a Ray cluster (its session outlives each step)."""
+    from trace_core.train.contract import in_ray_job
+
+    return bool(config.train.ray_address) or in_ray_job(config)
 
 
 # --- the session --------------------------------------------------------------------------------
@@ -292,9 +337,9 @@ class _Session:
         from trace_core.rollout.engines import EngineSession
         from trace_core.rollout.ray_pool import ray_session
         from trace_core.train import iteration
+        from trace_core.train.contract import worker_address
         from trace_core.train.phases import Run
         from trace_core.train.start_state import StartState
-        from trace_core.train.steps.cycle import worker_address
         from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
         from trace_core.train.weights import Weights
 
@@ -445,17 +490,16 @@ def _lost(config: PipelineConfig, state: RunState) -> str:
 
 
 def _record_metrics(record: IterationRecord) -> dict[str, float]:
+    """An iteration's figures as the step's KFP metrics (flat name → number)."""
     metrics = {"iteration": float(record.iteration), "tokens": float(record.tokens)}
     metrics |= {k: float(v) for k, v in record.rollout.items() if isinstance(v, int | float)}
+    metrics |= {
+        f"update_{k}": float(v) for k, v in record.update.items() if isinstance(v, int | float)
+    }
     metrics |= {f"seconds_{k}": float(v) for k, v in record.seconds.items()}
-    return metrics | _eval_metrics(record)
-
-
-def _eval_metrics(record: IterationRecord) -> dict[str, float]:
-    if not record.eval:
-        return {}
-    mean_k = record.eval.get("mean_k")
-    return {"accuracy_mean_k": float(mean_k["all"])} if mean_k else {}  # type: ignore[index]
+    if record.eval:
+        metrics |= eval_metrics({**record.eval, "iteration": record.iteration})
+    return metrics
 
 
 def _not_weights(key: str) -> bool:

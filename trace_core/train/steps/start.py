@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BASE_MODEL = "base_model"
+MASTER = "master.safetensors"
 """The registry metadata that records what a run started from (its ``base_model_uri``)."""
 
 
@@ -63,10 +64,8 @@ def prep_step(
     from trace_core.envs.prompts import write_prompts
     from trace_core.envs.suites import make_suite
 
-    config = _base_model_defaults(params.config(), params)
+    config = with_session(_base_model_defaults(params.config(), params))
     train = config.train
-    if train.engine.keep_alive_s and config.ray_address:  # this run's kept engine actors
-        config = dataclasses.replace(config, engine_name=f"{config.run_id}-{uuid.uuid4().hex[:8]}")
     suite = suite or make_suite(train.task, train.data, train.seed)
     train_tasks = suite.tasks("train")
     eval_tasks = suite.tasks("eval")[: train.eval_tasks]
@@ -79,6 +78,29 @@ def prep_step(
             _check_same_base(checkpoint.metadata, config)
             start, done = "load", checkpoint.iteration
     return PrepResult(config.to_json(), start, done, len(train_tasks), len(eval_tasks))
+
+
+SESSION_KEEP_ALIVE_S = 1800.0
+"""How long the session's engine actors outlive the run's last call when its last step never
+came (a failed run); they stop sooner when it ends."""
+
+
+def with_session(config: PipelineConfig) -> PipelineConfig:
+    """The config with what a run's session needs (``train.steps.session``): a name of its own,
+    at least one trainer and one kept engine actor, and a store for its checkpoints."""
+    if not config.store:
+        raise ValueError("store_uri is empty: the run's checkpoints are written there")
+    train = config.train
+    engine = train.engine
+    if not engine.workers or not engine.keep_alive_s:
+        engine = dataclasses.replace(
+            engine,
+            workers=engine.workers or 1,
+            keep_alive_s=engine.keep_alive_s or SESSION_KEEP_ALIVE_S,
+        )
+    train = dataclasses.replace(train, engine=engine, train_workers=train.train_workers or 1)
+    name = f"{config.run_id}-{uuid.uuid4().hex[:8]}"
+    return dataclasses.replace(config, train=train, engine_name=name)
 
 
 def _check_same_base(metadata: Mapping[str, str], config: PipelineConfig) -> None:
@@ -177,10 +199,14 @@ def load_step(
         _move(staging / "policy", policy_dir)
         _move(staging / "predictor", predictor_dir)
         optimizer_dir.mkdir(parents=True, exist_ok=True)
-        if (staging / "optimizer" / OPTIMIZER).is_file():
+        if (staging / OPTIMIZER).is_file():  # a session's checkpoint, as its trainers wrote it
+            os.replace(staging / OPTIMIZER, optimizer_dir / OPTIMIZER)
+        elif (staging / "optimizer" / OPTIMIZER).is_file():
             os.replace(staging / "optimizer" / OPTIMIZER, optimizer_dir / OPTIMIZER)
         elif (policy_dir / OPTIMIZER).is_file():  # checkpoints registered before the split
             os.replace(policy_dir / OPTIMIZER, optimizer_dir / OPTIMIZER)
+        if (staging / MASTER).is_file():  # fp32 weights the serving dtype rounds
+            os.replace(staging / MASTER, optimizer_dir / MASTER)
         write_optimizer_info(optimizer_dir, checkpoint.iteration)
         shutil.rmtree(staging)
         metrics = {"resumed_iteration": float(checkpoint.iteration)}
