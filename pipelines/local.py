@@ -255,6 +255,14 @@ def _copy(source: Path, target: Path) -> Path:
     return target
 
 
+def _size(n: float) -> str:
+    """Bytes a person reads: "0 B", "912 kB", "1.4 MB", "16.4 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def cli_command() -> str:
     """How to call this environment's ``trace-rl`` from the current folder: by name when it is
     the one on PATH, else by its path (``.venv/bin/trace-rl`` after ``make run``)."""
@@ -290,10 +298,11 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     say(f"\npipeline finished in {result.seconds:.0f} s; its artifacts: {result.run_dir}")
     say(f"log: {result.log} (every step's output)")
     for metrics, path in zip(result.rollout, result.trees, strict=True):
+        moved = f", S3 {_size(metrics['s3_bytes'])}" if "s3_bytes" in metrics else ""
         say(
             f"  iteration {int(metrics['iteration'])}: prompt effective ratio "
             f"{metrics['prompt_effective_ratio']:.2f}, mixed groups {metrics['mixed_groups']:.0f}, "
-            f"{metrics['tokens']:,.0f} tokens → {path}"
+            f"{metrics['tokens']:,.0f} tokens{moved} → {path}"
         )
     for label, report in (("start", result.start_eval), ("final", result.final_eval)):
         pass1, mean_k = report["pass1"], report["mean_k"]

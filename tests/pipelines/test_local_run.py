@@ -145,6 +145,9 @@ def test_pipeline_runs_through_kfp_local(
         assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
         outputs.append(done.stdout)
     assert "trace" in outputs[1] and "iteration 3" in outputs[1]
+    # Each iteration's line says what it moved through S3: nothing on iteration 1.
+    (first,) = [line for line in printed if line.startswith("  iteration 1:")]
+    assert ", S3 0 B → " in first, first
     assert result.curves is not None and result.curves.read_bytes().startswith(b"\x89PNG")
     assert f"plot: {result.curves} " in "\n".join(printed)
     # The accuracy change, paired task by task, with its interval (8 tasks: a wide one).
