@@ -33,8 +33,8 @@ RANK = {
 }
 SIBLINGS_ALLOWED = {
     ("envs", "store"): "dataset files on S3 are read through the artifact store (envs.source)",
-    ("bench", "train"): "the GPU check times the update on Ray Train (train.ray_update); the "
-    "handoff bench runs iterations on resident trainers (train.trainer_group)",
+    ("bench", "train"): "the handoff bench runs iterations on resident trainers "
+    "(train.trainer_group)",
 }
 """Imports between layers of the same rank, each with its reason; any other is refused."""
 

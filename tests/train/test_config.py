@@ -120,7 +120,7 @@ def test_a_real_models_update_is_not_left_on_the_ray_heads_cpu(tmp_path: Path) -
     Tokenizer(models.BPE()).save(str(real / "tokenizer.json"))
     assert is_builtin_tiny(tiny) and not is_builtin_tiny(real)
     check_update_place("127.0.0.1:6379", 0, tiny)  # seconds anywhere
-    check_update_place("127.0.0.1:6379", 2, real)  # on Ray Train workers
+    check_update_place("127.0.0.1:6379", 2, real)  # on trainer actors
     check_update_place(None, 0, real)  # no cluster: here is where it runs
     with pytest.raises(ValueError, match=r"train_workers is 0 .*--train-workers N"):
         check_update_place("127.0.0.1:6379", 0, real)

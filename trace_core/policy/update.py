@@ -67,7 +67,7 @@ from trace_core.policy.peak import measure_peak, release_freed_memory
 from trace_core.policy.update_config import UpdateConfig
 
 _Wrapped = torch.nn.parallel.DistributedDataParallel
-"""A scorer under data-parallel training (``train.ray_update``)."""
+"""A scorer under data-parallel training (``train.trainer_group``)."""
 
 UPSTREAM = (
     "torch.autocast",
@@ -164,7 +164,7 @@ class TokenScorer(torch.nn.Module):
     Prompt and observation positions never reach the head at all.
 
     On CUDA the forward runs under bf16 autocast over the fp32 (master) weights; logits are
-    upcast to fp32 before the softmax. A module, so that DDP can wrap it (``train.ray_update``).
+    upcast to fp32 before the softmax. A module, so that DDP can wrap it (``train.trainer_group``).
     No KV cache is built: every pass scores whole sequences.
     """
 

@@ -78,7 +78,7 @@ class EngineConfig:
     new weights into them (vLLM in place) instead of starting engines again; the final
     evaluation stops them, and an actor left without a call for this many seconds (a run that
     failed) stops itself. Set it above the longest update (the gap between two rollouts).
-    While kept, the actors hold their GPUs: the update's Ray Train workers need GPUs of their
+    While kept, the actors hold their GPUs: the run's trainer actors need GPUs of their
     own. 0: every step starts and stops its own engines."""
     driver: str = "async"
     """Ray engine pools: how ``grow_trees`` drives the workers. async: each worker's turns

@@ -65,11 +65,11 @@ class TrainConfig:
     predictor: str = "hashed"
     """Featurizer of the shared success predictor: hashed (token n-grams) or embedding."""
     train_workers: int = 0
-    """Ray Train workers for the policy update (0: in this process)."""
+    """Trainer actors holding the policy and its optimizer state (0: in this process)."""
     train_gpus: bool = False
-    """Each Ray Train worker takes one GPU (DDP over NCCL): train_workers = GPUs used."""
+    """Each trainer actor takes one GPU (NCCL between them): train_workers = GPUs used."""
     train_fsdp: bool = False
-    """Shard the policy, its gradients and AdamW's moments across the Ray Train workers (FSDP)
+    """Shard the policy, its gradients and AdamW's moments across the trainer actors (FSDP)
     instead of replicating them (DDP): for policies whose replicas do not fit."""
     checkpoint_every: int = 5
     """Write the policy, its optimizer state and master weights every this many iterations and
@@ -101,7 +101,7 @@ class TrainConfig:
         if self.train_workers < 0:
             raise ValueError(f"train_workers must be >= 0, got {self.train_workers}")
         if self.train_gpus and not self.train_workers:
-            raise ValueError("train_gpus needs train_workers >= 1 (one Ray Train worker per GPU)")
+            raise ValueError("train_gpus needs train_workers >= 1 (one trainer actor per GPU)")
         if self.train_fsdp and not self.train_workers:
             raise ValueError("train_fsdp needs train_workers >= 1 (the ranks it shards across)")
         for name in ("eval_tasks", "eval_k", "max_tokens"):

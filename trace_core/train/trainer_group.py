@@ -246,8 +246,6 @@ class TrainerRank:
 
     def _local(self, location: str | None, name: str, folder: bool = True) -> str | None:
         """A local copy of an input (the path itself, or its download into scratch)."""
-        from trace_core.train.ray_update import local_copy
-
         if location is None:
             return None
         return local_copy(location, Path(self._scratch.name), name, folder)
@@ -378,6 +376,23 @@ class TrainerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def local_copy(location: str, scratch: Path, name: str, folder: bool) -> str:
+    """A local copy of an input: the path itself, or its download into ``scratch``."""
+    if not is_remote(location):
+        return location
+    from trace_core.store.artifacts import open_store
+    from trace_core.store.sync import download_folder
+
+    target = scratch / name
+    if folder:
+        download_folder(location, target)
+        return str(target)
+    parent, _, key = location.rstrip("/").rpartition("/")
+    target.mkdir(parents=True, exist_ok=True)
+    open_store(parent).get_file(key, target / key)
+    return str(target / key)
 
 
 def release_trainers(name: str, workers: int) -> int:

@@ -1,5 +1,5 @@
-"""The policy update on Ray Train (real in-process Ray, gloo DDP on CPU) against the in-process
-update it must reproduce."""
+"""The update on the trainer actors (real in-process Ray, gloo DDP or FSDP on CPU) against the
+in-process update it must reproduce, with the inputs and the checkpoint local or on S3."""
 
 from __future__ import annotations
 
@@ -20,12 +20,26 @@ from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.update import make_optimizer, update_policy
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.flat import rollout_flat
-from trace_core.store.artifacts import open_store
+from trace_core.rollout.ray_pool import ray_session
 from trace_core.store.schema import read_trees, write_trees
 from trace_core.store.sync import download_folder, upload_folder
-from trace_core.train.ray_update import update_on_ray
+from trace_core.train.start_state import StartState
+from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]  # Ray in this process
+
+
+def update_on_trainers(  # type: ignore[no-untyped-def]
+    start: StartState, trees: str, out: str, seed: int, workers: int, fsdp: bool = False
+):
+    """One update on a trainer group of ``workers`` actors (the trees are read here and put in
+    Ray's object store, as a session step does), then its checkpoint at ``out``
+    (``out/policy``, ``out/optimizer.safetensors``); the update's stats."""
+    with ray_session(None), TrainerGroup(TrainerSpec(CONFIG, workers, fsdp=fsdp), start) as group:
+        stats = group.update(read_trees(trees), seed)
+        group.save(out)
+    return stats
+
 
 SMALL = TinyPolicyConfig(
     hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
@@ -67,24 +81,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
     )
 
 
-def test_two_ray_train_workers_reproduce_the_in_process_update(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_trainers_reproduce_the_in_process_update(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     policy, trees, expected = setup
-    stats = update_on_ray(policy, trees, tmp_path / "out", CONFIG, seed=7, workers=2)
-    check_update(stats, policy, tmp_path / "out", expected)
+    out = tmp_path / "out"
+    stats = update_on_trainers(StartState(str(policy)), str(trees), str(out), seed=7, workers=2)
+    check_update(stats, policy, out, expected)
 
 
-@pytest.mark.cluster  # the session's S3 server
-def test_ray_train_workers_read_and_write_s3(setup, s3_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Every location an s3:// URI, as in a Ray job on a cluster whose pods share no disk:
-    the worker downloads its inputs, rank 0 uploads the result, and one worker's update is
-    the in-process one."""
+def test_a_trainer_reads_its_start_from_s3_and_writes_its_checkpoint_there(  # type: ignore[no-untyped-def]
+    setup, s3_env, tmp_path: Path
+) -> None:
+    """Every location an s3:// URI, as on a cluster whose pods share no disk: the trainer
+    downloads its start, rank 0 uploads the checkpoint, and one trainer's update is the
+    in-process one."""
     policy, trees, expected = setup
-    root = f"s3://trace/ray-update/{uuid.uuid4().hex[:8]}"
+    root = f"s3://trace/trainer-update/{uuid.uuid4().hex[:8]}"
     upload_folder(policy, f"{root}/policy")
-    open_store(f"{root}/trees").put_file("trees.parquet", trees)
-    stats = update_on_ray(
-        f"{root}/policy", f"{root}/trees/trees.parquet", f"{root}/out", CONFIG, seed=7, workers=1
-    )
+    stats = update_on_trainers(StartState(f"{root}/policy"), str(trees), f"{root}/out", 7, 1)
     download_folder(f"{root}/out", tmp_path / "out")
     check_update(stats, policy, tmp_path / "out", expected)
 
@@ -120,18 +133,16 @@ def resumed(setup, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     )
 
 
-@pytest.mark.cluster  # Ray in this process (gloo)
-def test_fsdp_over_two_workers_gives_the_in_process_update_and_optimizer(  # type: ignore[no-untyped-def]
+def test_fsdp_over_two_trainers_gives_the_in_process_update_and_optimizer(  # type: ignore[no-untyped-def]
     setup, resumed, tmp_path: Path
 ) -> None:
-    """fsdp=True: the policy and AdamW's moments sharded over two workers, the optimizer state
-    read from and written to the single-process file; the update is the in-process one."""
+    """fsdp=True: the policy and AdamW's moments sharded over two trainers, the optimizer
+    state read from and written to the single-process file; the update is the in-process one."""
     _, trees, _ = setup
     policy, optimizer, expected, expected_optimizer = resumed
     out = tmp_path / "out"
-    stats = update_on_ray(
-        policy, trees, out, CONFIG, seed=8, workers=2, optimizer_path=optimizer, fsdp=True
-    )
+    start = StartState(str(policy), optimizer=str(optimizer))
+    stats = update_on_trainers(start, str(trees), str(out), seed=8, workers=2, fsdp=True)
     check_update(stats, policy, out, expected)
     got, want = load_file(str(out / "optimizer.safetensors")), load_file(str(expected_optimizer))
     assert got.keys() == want.keys()
@@ -143,7 +154,7 @@ def check_update(  # type: ignore[no-untyped-def]
     stats, policy: Path, out: Path, expected: dict[str, torch.Tensor]
 ) -> None:
     assert stats.steps == 3 and stats.paths == 40  # 40 paths in minibatches of 16
-    got = load_file(str(out / "model.safetensors"))
+    got = load_file(str(out / "policy" / "model.safetensors"))
     before = load_file(str(policy / "model.safetensors"))
     for name, value in got.items():
         key = name if name in expected else f"model.{name}"
