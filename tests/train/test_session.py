@@ -36,7 +36,7 @@ from trace_core.train.steps.session import (
 from trace_core.train.steps.start import load_step, prep_step
 from trace_core.train.trainer_group import TRAINER_NAMESPACE
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.long]
 
 SETTINGS = {
     "group": 2,

@@ -6,10 +6,10 @@ real command line (``BIN/trace-rl step STEP --config-json C --iteration I --inpu
     prep ─► warmstart ─► open-session ─► iterate 1 (its checkpoint registered) ─► close-session
          ─► report ─► prep again (now: load after iteration 1) ─► load (the registered checkpoint)
 
-once on local folders and once with every folder (and the checkpoint store) an s3:// prefix on
-the session's SeaweedFS server (tests/conftest.py). Without a Ray cluster every session step
-starts Ray in its own process. A tiny run: M=4 roots, N=2 continuations, 1 iteration, 20 SFT
-steps.
+with every folder (and the checkpoint store) an s3:// prefix on the session's SeaweedFS server
+(tests/conftest.py); the local pipeline's test runs the same steps on local folders. Without
+a Ray cluster every session step starts Ray in its own process. A tiny run: M=4 roots, N=2
+continuations, 1 iteration, 20 SFT steps.
 """
 
 from __future__ import annotations
@@ -333,15 +333,8 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert [r["iteration"] for r in log_lines(loaded)] == [0, 1]  # the log travels with it
 
 
-def test_steps_chained_on_local_folders(tmp_path: Path) -> None:
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    folders = Folders(str(tmp_path / "staging"), tmp_path)
-    chain(folders, str(tmp_path / "store"), cwd)
-    assert not any(cwd.iterdir()), "a step wrote into its working directory"
-
-
 @pytest.mark.cluster
+@pytest.mark.long  # every session step starts Ray in its own process
 def test_steps_chained_on_s3_folders(
     s3_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
