@@ -97,6 +97,8 @@ class LocalResult:
     """Everything the steps and KFP's runner printed."""
     curves: Path | None = None
     """Held-out accuracy (start, final) and each iteration's effective ratio, against tokens."""
+    store: str = ""
+    """The run's store (its registry); an ``s3://`` one: each iteration's S3 bytes are shown."""
 
 
 def run_local(
@@ -206,7 +208,7 @@ def _collect(run: LocalRun, run_dir: Path, seconds: float, log: Path) -> LocalRe
     curves = plot_curves(run.params.strategy, start_eval, final_eval, metrics, mine / "curves.png")
     return LocalResult(
         run_dir, links, trees_dir, html, summary, start_eval, final_eval, metrics, seconds, log,
-        curves,
+        curves, str(run.parameters()["store_uri"]),
     )  # fmt: skip
 
 
@@ -298,7 +300,8 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     say(f"\npipeline finished in {result.seconds:.0f} s; its artifacts: {result.run_dir}")
     say(f"log: {result.log} (every step's output)")
     for metrics, path in zip(result.rollout, result.trees, strict=True):
-        moved = f", S3 {_size(metrics['s3_bytes'])}" if "s3_bytes" in metrics else ""
+        remote = "s3_bytes" in metrics and result.store.startswith("s3://")
+        moved = f", S3 {_size(metrics['s3_bytes'])}" if remote else ""
         say(
             f"  iteration {int(metrics['iteration'])}: prompt effective ratio "
             f"{metrics['prompt_effective_ratio']:.2f}, mixed groups {metrics['mixed_groups']:.0f}, "
