@@ -88,13 +88,19 @@ def loopback_head(num_cpus: int | None = None) -> Iterator[str]:
             time.sleep(0.5)
         yield address
     finally:
-        head.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=40)  # it drains for up to 30 s
-        for pid in session_pids(head.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while session_pids(head.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_head(head, temp_dir)
+
+
+def stop_head(head: subprocess.Popen[bytes], temp_dir: str | Path) -> None:
+    """Stop a ``ray start --head --block`` started in a session of its own: SIGTERM (it drains
+    for up to 30 s), then SIGKILL whatever of its session still runs, then its temp folder."""
+    head.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        head.wait(timeout=40)
+    for pid in session_pids(head.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while session_pids(head.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)  # a killed process takes a moment to go
+    shutil.rmtree(temp_dir, ignore_errors=True)

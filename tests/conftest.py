@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from pipelines.ray_head import session_pids, stop_head
 
 if TYPE_CHECKING:
     from trace_core.store.server import SeaweedServer
@@ -124,18 +124,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (the head and everything it started; not zombies)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if os.getsid(int(entry)) == sid and state != "Z":
-                    pids.append(int(entry))
-    return pids
-
-
 @contextlib.contextmanager
 def ray_head(
     dashboard: bool = False, env: Mapping[str, str] | None = None, num_gpus: int = 0
@@ -192,17 +180,8 @@ def ray_head(
             time.sleep(0.5)
         yield info
     finally:
-        head.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=40)  # it drains for up to 30 s
-        for pid in session_pids(head.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while session_pids(head.pid) and time.monotonic() < deadline:
-            time.sleep(0.5)  # a killed process takes a moment to go
+        stop_head(head, temp_dir)
         assert session_pids(head.pid) == [], "processes of the Ray head were left running"
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _ready(head: RayHead, env: Mapping[str, str]) -> bool:

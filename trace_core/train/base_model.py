@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
+def not_weights(key: str) -> bool:
+    """Whether a checkpoint's file is not a weights file (config, tokenizer, log)."""
+    return not key.endswith(WEIGHT_SUFFIXES)
+
+
 def local_path(source: str | Path) -> Path | None:
     """``source`` as a local path, or None for a remote URI."""
     text = str(source)
@@ -57,5 +62,5 @@ def source_tokenizer(source: str | Path, what: str = "--init") -> PreTrainedToke
     from trace_core.store.sync import download_folder
 
     with tempfile.TemporaryDirectory(prefix="tokenizer-") as folder:
-        download_folder(str(source), folder, keep=lambda key: not key.endswith(WEIGHT_SUFFIXES))
+        download_folder(str(source), folder, keep=not_weights)
         return load_tokenizer(folder, f"{what} {source}")

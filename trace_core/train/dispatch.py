@@ -14,12 +14,11 @@ import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from trace_core.store.uri import is_remote
-from trace_core.train.base_model import WEIGHT_SUFFIXES
 from trace_core.train.contract import (
     CONFIG_FILE,
     EVAL_FILE,
@@ -82,10 +81,8 @@ def _staged(
     step: str,
     inputs: Mapping[str, str],
     outputs: Mapping[str, str],
-    light: Collection[str] = (),
 ) -> Iterator[tuple[dict[str, Path], dict[str, Path]]]:
-    """Local folders for a step's folders. s3:// inputs are downloaded into a scratch folder
-    (those named in ``light`` without their weight files).
+    """Local folders for a step's folders. s3:// inputs are downloaded into a scratch folder.
     Outputs are written to fresh folders and published once the step has succeeded: uploaded
     (s3://), or renamed into place (a local folder). A step that fails leaves no output
     behind, and never writes into a folder or prefix that already holds something."""
@@ -102,8 +99,7 @@ def _staged(
         for name, uri in inputs.items():
             local[name] = Path(scratch, "in", name) if is_remote(uri) else Path(uri)
             if is_remote(uri):
-                keep = _not_weights if name in light else None
-                download_folder(uri, local[name], keep=keep)
+                download_folder(uri, local[name])
             elif not local[name].is_dir():
                 raise FileNotFoundError(f"step {step}: input {name}={uri}: no such folder")
         out, fresh = {}, []
@@ -129,10 +125,6 @@ def _staged(
         finally:
             for folder in fresh:  # gone once published; a failed step's half output
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _not_weights(key: str) -> bool:
-    return not key.endswith(WEIGHT_SUFFIXES)
 
 
 def _holds_files(uri: str) -> bool:

@@ -140,6 +140,7 @@ def open_session_step(
     from trace_core.policy.value import ValuePredictor
     from trace_core.store.sync import download_folder
     from trace_core.store.uri import is_remote
+    from trace_core.train.base_model import not_weights
 
     _check_session(config)
     optimizer = master = None
@@ -158,7 +159,7 @@ def open_session_step(
     with tempfile.TemporaryDirectory(prefix="trace-session-") as scratch:
         light = Path(scratch, "tokenizer")
         if is_remote(start.policy):
-            download_folder(start.policy, light, keep=_not_weights)
+            download_folder(start.policy, light, keep=not_weights)
         else:
             light = Path(start.policy)
         tokenizer = load_tokenizer(light)
@@ -500,9 +501,3 @@ def _record_metrics(record: IterationRecord) -> dict[str, float]:
     if record.eval:
         metrics |= eval_metrics({**record.eval, "iteration": record.iteration})
     return metrics
-
-
-def _not_weights(key: str) -> bool:
-    from trace_core.train.base_model import WEIGHT_SUFFIXES
-
-    return not key.endswith(WEIGHT_SUFFIXES)
