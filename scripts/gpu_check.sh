@@ -26,7 +26,9 @@ if ! command -v "$python" >/dev/null 2>&1; then
 fi
 
 # Every import the stages need, tried before any work: one line naming what is missing (exit 2).
-exec "$python" - "$@" <<'PY'
+# The program is given by -c, not on standard input: the sync stage's processes are spawned, and
+# a spawned process re-reads its parent's main program from its file unless it came from -c.
+exec "$python" -c "$(cat <<'PY'
 import importlib
 import sys
 
@@ -51,3 +53,4 @@ from trace_core.bench.gpu_check import main
 
 sys.exit(main(sys.argv[1:]))
 PY
+)" "$@"

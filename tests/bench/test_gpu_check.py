@@ -120,3 +120,20 @@ def test_the_gpu_run_is_refused_without_a_gpu(tmp_path: Path) -> None:
     [line] = run.stderr.splitlines()
     assert line.startswith("gpu-check: torch ") and "sees no GPU" in line and "--smoke" in line
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow  # imports torch in a subprocess
+def test_stages_run_in_the_order_asked_and_a_wrong_name_is_refused(tmp_path: Path) -> None:
+    run = run_script("--smoke", "--json", "s.json", "--stages", "sync,environment", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    body = json.loads((tmp_path / "s.json").read_text())
+    assert [s["name"] for s in body["stages"]] == ["sync", "environment"]
+    sync = body["stages"][0]
+    # On a CPU both members are CPU processes: the session's backend is gloo, and the engine
+    # then decodes what the trainer's weights decode (tokens and logprobs).
+    assert sync["session_backend"] == "gloo" and sync["gloo"]["tokens_match"] is True
+    assert sync["gloo"]["tokens_changed"] is True and sync["gloo"]["weights_gb"] > 0
+    run = run_script("--smoke", "--stages", "sync,nope", cwd=tmp_path)
+    assert (
+        run.returncode == 2 and "--stages: no stage nope; the stages are environment" in run.stderr
+    )

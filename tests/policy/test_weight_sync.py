@@ -15,7 +15,16 @@ import trace_sync_worker as sync_worker  # registered by tests/conftest.py
 
 from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.torch_engine import TorchEngine
-from trace_core.policy.weight_sync import open_store, send_weights, sync_group, weight_plan
+from trace_core.policy.weight_sync import (
+    IpcGroup,
+    choose_backend,
+    device_id,
+    open_store,
+    send_weights,
+    staging_device,
+    sync_group,
+    weight_plan,
+)
 
 WORKER = Path(__file__).with_name("sync_worker.py")
 
@@ -61,3 +70,21 @@ def test_a_sink_refuses_weights_of_another_shape() -> None:
         engine.weight_sink().begin(weight_plan(other, torch.float32).names[:-1])
     with pytest.raises(ValueError, match=r"cannot sync weights in torch\.int8"):
         weight_plan(other, torch.int8)
+
+
+def test_the_backend_follows_where_the_members_are() -> None:
+    assert device_id("cpu") is None
+    assert choose_backend([None, None, None]) == "gloo"
+    assert choose_backend(["GPU-a", "GPU-b", "GPU-c"]) == "nccl"  # a GPU each
+    assert choose_backend(["GPU-a", "GPU-a"]) == "cuda-ipc"  # NCCL refuses a shared device
+    assert choose_backend(["GPU-a", "GPU-a", "GPU-b"]) == "gloo"  # neither fits every member
+    assert choose_backend(["GPU-a", None]) == "gloo"  # an engine on a CPU
+    assert staging_device("gloo", "cuda") == "cpu"
+    assert staging_device("nccl", "cuda") == staging_device("cuda-ipc", "cuda") == "cuda"
+
+
+def test_a_sync_group_names_the_backends_it_has() -> None:
+    with pytest.raises(ValueError, match="gloo, nccl, cuda-ipc, got 'mpi'"):
+        sync_group("127.0.0.1", 1, 0, 1, "mpi")
+    with pytest.raises(ValueError, match="contiguous CUDA tensors only"):
+        IpcGroup(control=None, rank=0).broadcast(torch.zeros(4), 0)

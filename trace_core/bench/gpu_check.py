@@ -27,6 +27,9 @@ its figures):
   ≤ 1 and batching must raise tokens/s.
 - ``reload``: a safetensors file (4 GB; 64 MB in the smoke run) dropped from the page cache and
   loaded into device memory: GB/s, ≥ 0.5 (on CPU safetensors maps the file: skip).
+- ``sync``: the resident session's weight sync between a trainer process and a TorchEngine
+  process on the same device at Qwen3-1.7B's shape (``bench.gpu_sync``): seconds and GB/s per
+  backend, ≥ 1 GB/s over gloo, and the engine then decodes what the trainer's weights decode.
 
 On CPU (``--smoke``) a stage that needs CUDA for its threshold reports ``skip`` with its
 figures. The JSON is rewritten after every stage, so a run cut short keeps what it measured.
@@ -51,7 +54,15 @@ import numpy as np
 import torch
 from transformers import Qwen3ForCausalLM
 
-from trace_core.bench.gpu_shapes import QWEN3_06B, QWEN3_8B, TINY, Shape, synthetic_trees
+from trace_core.bench.gpu_shapes import (
+    QWEN3_06B,
+    QWEN3_8B,
+    QWEN3_17B,
+    TINY,
+    Shape,
+    synthetic_trees,
+)
+from trace_core.bench.gpu_sync import stage_sync
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.memory import GIB, estimate_update
 from trace_core.policy.model import (
@@ -99,14 +110,16 @@ class Plan:
     decode_tokens: int
     reload_bytes: int
     matmul: int
+    sync_shape: Shape
+    sync_rounds: int
 
 
 GPU_PLAN = Plan(
     "cuda", QWEN3_8B, (2, 4), 8, (512, 512), QWEN3_06B, 256, 64, 256, (1, 64, 256), 128,
-    4 * 10**9, 8192,
+    4 * 10**9, 8192, QWEN3_17B, 3,
 )  # fmt: skip
 SMOKE_PLAN = Plan(
-    "cpu", TINY, (1, 2), 4, (16, 16), TINY, 8, 8, 16, (1, 4, 8), 8, 64 * 2**20, 256
+    "cpu", TINY, (1, 2), 4, (16, 16), TINY, 8, 8, 16, (1, 4, 8), 8, 64 * 2**20, 256, TINY, 2
 )  # fmt: skip
 
 
@@ -474,14 +487,20 @@ STAGES: tuple[tuple[str, Callable[[Plan, Stage], None]], ...] = (
     ("parity", stage_parity),
     ("decode", stage_decode),
     ("reload", stage_reload),
+    ("sync", stage_sync),
 )
 
 
 # -- running --------------------------------------------------------------------------------------
-def run(plan: Plan, output: Path, say: Callable[[str], None] = print) -> list[Stage]:
-    """Every stage in turn; the JSON is rewritten after each."""
+def run(
+    plan: Plan, output: Path, names: list[str] | None = None, say: Callable[[str], None] = print
+) -> list[Stage]:
+    """The stages ``names`` (default: every one) in that order; the JSON is rewritten after
+    each."""
+    bodies = dict(STAGES)
     stages: list[Stage] = []
-    for name, body in STAGES:
+    for name in names or list(bodies):
+        body = bodies[name]
         stage = Stage(name)
         start = time.perf_counter()
         try:
@@ -536,7 +555,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="every stage on CPU, tiny shapes")
     parser.add_argument("--json", type=Path, default=Path("build/gpu-check.json"))
+    parser.add_argument(
+        "--stages", default="", help="comma-separated stage names to run (default: every one)"
+    )
     args = parser.parse_args(argv)
+    names = [name for name, _ in STAGES]
+    chosen = [n.strip() for n in args.stages.split(",") if n.strip()] or names
+    if unknown := [n for n in chosen if n not in names]:
+        parser.error(f"--stages: no stage {', '.join(unknown)}; the stages are {', '.join(names)}")
     if not args.smoke and not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(
@@ -548,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = SMOKE_PLAN if args.smoke else GPU_PLAN
     if args.smoke:
         torch.set_num_threads(min(2, torch.get_num_threads()))
-    stages = run(plan, args.json, say=lambda line: print(line, flush=True))
+    stages = run(plan, args.json, chosen, say=lambda line: print(line, flush=True))
     failed = [s.name for s in stages if s.status == "fail"]
     print(
         f"wrote {args.json}; " + (f"FAILED: {', '.join(failed)}" if failed else "no stage failed")

@@ -55,6 +55,7 @@ class Shape:
 
 
 QWEN3_8B = Shape(36, 4096, 32, 8, 128, 12288, 151_936, tied=False)
+QWEN3_17B = Shape(28, 2048, 16, 8, 128, 6144, 151_936, tied=True)
 QWEN3_06B = Shape(28, 1024, 16, 8, 128, 3072, 151_936, tied=True)
 TINY = Shape(2, 64, 4, 2, 16, 128, 512, tied=True)
 

@@ -5,15 +5,16 @@
     send_weights(model, plan, group)                              # trainer rank 0 (FSDP: all)
     for bucket in receive_weights(plan, group): sink.take(bucket)  # every engine
 
-The sync group is its own process group, built from a ``TCPStore`` that trainer rank 0 hosts
-(``torch.distributed.ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on GPUs), so it lives
-beside the trainers' default group (DDP/FSDP) instead of replacing it: rank 0 of the sync group
-is trainer rank 0 and ranks 1.. are the engines. No file, object store or Ray object is on the
-way. A bucket is one flat buffer of the serving dtype, at most ``bucket_bytes`` (one tensor
-larger than that is a bucket of its own): the sender casts the fp32 master weights into it and
-the receivers reuse one buffer for every bucket, so neither side holds a second copy of the
-model. Under FSDP every trainer rank walks the same parameters (each ``full_tensor`` is a
-collective of the trainer group) and only rank 0 broadcasts.
+The sync group is its own process group, built from a ``TCPStore`` that trainer rank 0 hosts,
+so it lives beside the trainers' default group (DDP/FSDP) instead of replacing it: rank 0 of the
+sync group is trainer rank 0 and ranks 1.. are the engines. No file, object store or Ray object
+is on the way. Its backend follows where the members are (``choose_backend``): NCCL between GPUs
+of their own, CUDA IPC between processes sharing one GPU (``IpcGroup``: NCCL refuses two ranks on
+one device), gloo through host memory on CPUs. A bucket is one flat buffer of the serving dtype,
+at most ``bucket_bytes`` (one tensor larger than that is a bucket of its own): the sender casts
+the fp32 master weights into it and the receivers reuse one buffer for every bucket, so neither
+side holds a second copy of the model. Under FSDP every trainer rank walks the same parameters
+(each ``full_tensor`` is a collective of the trainer group) and only rank 0 broadcasts.
 
 An engine takes the buckets through a ``WeightSink`` (``begin`` with every name, ``take`` per
 bucket, ``end``): ``TorchEngine`` refolds each decoder layer as soon as its tensors are in, the
@@ -37,6 +38,8 @@ UPSTREAM = (
     "torch.distributed.TCPStore",
     "torch.distributed.PrefixStore",
     "torch.distributed.ProcessGroupGloo",
+    "torch.multiprocessing.reductions.reduce_tensor",
+    "torch.multiprocessing.reductions.rebuild_cuda_tensor",
 )
 """What this module calls in torch (``policy.upstream``); ``ProcessGroupNCCL`` on GPUs."""
 
@@ -117,6 +120,36 @@ def weight_plan(
     return WeightPlan(tuple(buckets))
 
 
+BACKENDS = ("gloo", "nccl", "cuda-ipc")
+
+
+def device_id(device: torch.device | str) -> str | None:
+    """Which GPU ``device`` is, as its UUID (the same in every process that sees that GPU,
+    whatever its index there), or None for a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def choose_backend(devices: Sequence[str | None]) -> str:
+    """The sync's backend for members on ``devices`` (``device_id`` of each, the source first):
+    NCCL when each is a GPU of its own, CUDA IPC when all share one GPU (NCCL refuses two ranks
+    on one device), gloo through host memory otherwise (CPUs, or a mix)."""
+    if devices and all(d is not None for d in devices):
+        if len(set(devices)) == len(devices):
+            return "nccl"
+        if len(set(devices)) == 1:
+            return "cuda-ipc"
+    return "gloo"
+
+
+def staging_device(backend: str, device: torch.device | str) -> torch.device | str:
+    """Where a member's sync buffers live: on its GPU for NCCL and CUDA IPC, host memory for
+    gloo."""
+    return device if backend in ("nccl", "cuda-ipc") else "cpu"
+
+
 def sync_group(
     host: str,
     port: int,
@@ -128,6 +161,8 @@ def sync_group(
 ) -> Any:
     """The sync group's process group for ``rank`` of ``size``; every member calls it at once.
     Rank 0 hosts the store (``open_store``, passed as ``store``); the others connect to it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = torch.distributed.TCPStore(host, port, size, False, timeout)
@@ -136,9 +171,8 @@ def sync_group(
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
-    if backend != "gloo":
-        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-    return torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+    gloo = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+    return IpcGroup(gloo, rank) if backend == "cuda-ipc" else gloo
 
 
 def open_store(host: str, size: int, timeout_s: float = 600.0) -> torch.distributed.TCPStore:
@@ -258,6 +292,101 @@ class FileSink:
         index = {"metadata": {}, "weight_map": self._index}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         self.done(self.folder)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class IpcGroup:
+    """A broadcast between processes on one GPU. The source copies each buffer into one CUDA
+    allocation that every member has opened (CUDA IPC; torch's own handle, sent once as JSON
+    over the control group, not pickled); the control group (gloo, a few bytes a bucket) says
+    when it is full and when every member has read it. Device-to-device copies only: nothing
+    passes through host memory. Only ``broadcast`` of contiguous CUDA tensors is offered."""
+
+    def __init__(self, control: Any, rank: int) -> None:
+        self.control, self.rank = control, rank
+        self._shared: torch.Tensor | None = None  # bytes; the source's own, or opened
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> _Done:
+        if tensor.device.type != "cuda" or not tensor.is_contiguous():
+            raise ValueError("a CUDA IPC sync broadcasts contiguous CUDA tensors only")
+        flat = tensor.view(-1).view(torch.uint8)
+        header = torch.zeros(2, dtype=torch.int64)
+        if self.rank == root:
+            fresh = self._shared is None or self._shared.numel() < flat.numel()
+            if fresh:
+                self._shared = torch.empty(flat.numel(), dtype=torch.uint8, device=tensor.device)
+            assert self._shared is not None
+            self._shared[: flat.numel()].copy_(flat)
+            torch.cuda.current_stream(tensor.device).synchronize()
+            header[0], header[1] = flat.numel(), int(fresh)
+        self.control.broadcast(header, root).wait()  # the buffer is full
+        if header[1]:
+            self._exchange(root, tensor.device)
+        if self.rank != root:
+            assert self._shared is not None
+            flat.copy_(self._shared[: int(header[0])])
+            torch.cuda.current_stream(tensor.device).synchronize()
+        self.control.allreduce(torch.zeros(1)).wait()  # every member read it: it may be refilled
+        return _Done()
+
+    def _exchange(self, root: int, device: torch.device) -> None:
+        """The source's allocation, opened by every other member (the source sends its handle)."""
+        if self.rank == root:
+            assert self._shared is not None
+            body = json.dumps(share_cuda(self._shared)).encode()
+            size = torch.tensor([len(body)], dtype=torch.int64)
+            self.control.broadcast(size, root).wait()
+            self.control.broadcast(
+                torch.frombuffer(bytearray(body), dtype=torch.uint8), root
+            ).wait()
+            return
+        size = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(size, root).wait()
+        received = torch.zeros(int(size[0]), dtype=torch.uint8)
+        self.control.broadcast(received, root).wait()
+        self._shared = open_cuda(json.loads(bytes(received.numpy()).decode()))
+
+
+def share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
+    """What another process on the same GPU needs to open ``buffer`` (a 1-D uint8 CUDA tensor):
+    torch's IPC handle, as plain JSON values."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    (_, _, _, offset, _, _, index, handle, size, storage_offset, _, counter, counter_offset,
+     event, event_sync) = args  # fmt: skip
+    return {
+        "gpu": device_id(torch.device("cuda", index)), "numel": buffer.numel(), "offset": offset,
+        "handle": handle.hex(), "storage_bytes": size, "storage_offset": storage_offset,
+        "counter": counter.hex(), "counter_offset": counter_offset,
+        "event": event.hex() if event else None, "event_sync": bool(event_sync),
+    }  # fmt: skip
+
+
+def open_cuda(shared: Mapping[str, Any]) -> torch.Tensor:
+    """The buffer ``share_cuda`` described, opened in this process on the GPU of that UUID."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    index = next(
+        (i for i in range(torch.cuda.device_count()) if device_id(f"cuda:{i}") == shared["gpu"]),
+        None,
+    )
+    if index is None:
+        raise RuntimeError(
+            f"the sync's source is on GPU {shared['gpu']}, which this process does not see: "
+            "CUDA IPC needs both on one GPU"
+        )
+    event = bytes.fromhex(shared["event"]) if shared["event"] else None
+    return rebuild_cuda_tensor(  # type: ignore[no-any-return]
+        torch.Tensor, (shared["numel"],), (1,), shared["offset"], torch.UntypedStorage,
+        torch.uint8, index, bytes.fromhex(shared["handle"]), shared["storage_bytes"],
+        shared["storage_offset"], False, bytes.fromhex(shared["counter"]),
+        shared["counter_offset"], event, shared["event_sync"],
+    )  # fmt: skip
 
 
 def _views(buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:

@@ -257,10 +257,17 @@ class EngineWorker:
 
     def join_sync(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
         """Join the sync group (trainer rank 0 is its rank 0); every member joins at once."""
-        from trace_core.policy.weight_sync import sync_group
+        from trace_core.policy.weight_sync import staging_device, sync_group
 
         self._sync = sync_group(host, port, rank, size, backend)
-        self._sync_device = self.spec.device if backend == "nccl" else "cpu"
+        self._sync_device = staging_device(backend, self.spec.device)
+
+    def sync_device(self) -> str | None:
+        """The GPU this engine's weights are on (its UUID) for ``choose_backend``; None on a
+        CPU, and for vLLM, whose weights go through a node-local file (host memory)."""
+        from trace_core.policy.weight_sync import device_id
+
+        return None if self.spec.engine == "vllm" else device_id(self.spec.device)
 
     def receive(self, plan: WeightPlan, label: str) -> float:
         """Take the weights trainer rank 0 broadcasts into the running engine; it then serves

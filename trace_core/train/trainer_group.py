@@ -187,14 +187,20 @@ class TrainerRank:
         self._sync = sync_group(host, port, 0, size, backend, store=self._store)
         self._backend = backend
 
+    def sync_device(self) -> str | None:
+        """The GPU this rank's weights are on (its UUID), None on a CPU (``choose_backend``)."""
+        from trace_core.policy.weight_sync import device_id
+
+        return device_id(self.device)
+
     def send(self, plan: WeightPlan) -> float:
         """This rank's part of a sync: rank 0 broadcasts, FSDP ranks gather with it."""
-        from trace_core.policy.weight_sync import send_weights
+        from trace_core.policy.weight_sync import send_weights, staging_device
 
         if self.rank != 0 and not self.spec.fsdp:
             return 0.0
         start = time.perf_counter()
-        device = self.device if getattr(self, "_backend", "gloo") == "nccl" else "cpu"
+        device = staging_device(getattr(self, "_backend", "gloo"), self.device)
         send_weights(self.model, plan, self._sync if self.rank == 0 else None, device)
         return time.perf_counter() - start
 
@@ -333,9 +339,11 @@ class TrainerGroup:
         plan = self.plan
         members = [*pids, os.getpid() if local is not None else 0]
         if members != self._members:
+            source = ray.get(self.ranks[0].sync_device.remote())
             self._group = _build_sync(
-                self.ranks[0].open_sync, self.ranks[0].join_sync, engines, local is not None
-            )
+                self.ranks[0].open_sync, self.ranks[0].join_sync, engines, local is not None,
+                source=source,
+            )  # fmt: skip
             self._members = members
         sends = [r.send.remote(plan) for r in self.ranks]
         receives = [e.receive.remote(plan, label) for e in engines]
@@ -416,17 +424,21 @@ class LocalSource:
         self.plan = weight_plan(model, serving, bucket_bytes)
         self._members: list[int] = []
         self._store: Any = None
+        self._backend = "gloo"
         self.sync_seconds = 0.0
 
     def sync(self, engines: Sequence[Any], pids: Sequence[int], label: str) -> float:
-        from trace_core.policy.weight_sync import send_weights
+        from trace_core.policy.weight_sync import device_id, send_weights, staging_device
 
         start = time.perf_counter()
+        device = next(self.model.parameters()).device
         if list(pids) != self._members:
-            self._group = _build_sync(self._open, self._join, engines, False, here=True)
+            self._group = _build_sync(
+                self._open, self._join, engines, False, here=True, source=device_id(device)
+            )
             self._members = list(pids)
         receives = [e.receive.remote(self.plan, label) for e in engines]
-        send_weights(self.model, self.plan, self._group)
+        send_weights(self.model, self.plan, self._group, staging_device(self._backend, device))
         ray.get(receives)
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
@@ -442,19 +454,28 @@ class LocalSource:
     def _join(self, host: str, port: int, size: int, backend: str) -> Any:
         from trace_core.policy.weight_sync import sync_group
 
+        self._backend = backend
         return sync_group(host, port, 0, size, backend, store=self._store)
 
 
 def _build_sync(
-    open_sync: Any, join_sync: Any, engines: Sequence[Any], local: bool, here: bool = False
+    open_sync: Any,
+    join_sync: Any,
+    engines: Sequence[Any],
+    local: bool,
+    here: bool = False,
+    source: str | None = None,
 ) -> Any:
     """A new sync group: rank 0 is the source (``open_sync``/``join_sync``: an actor's remote
-    methods, or with ``here`` this process's), ranks 1.. the engine actors and, with
-    ``local``, this process last. Every member joins at once; returns this process's group."""
-    from trace_core.policy.weight_sync import sync_group
+    methods, or with ``here`` this process's; ``source``: its GPU's UUID, None on a CPU), ranks
+    1.. the engine actors and, with ``local``, this process last. Its backend follows where
+    they all are (``choose_backend``: NCCL, CUDA IPC or gloo). Every member joins at once;
+    returns this process's group."""
+    from trace_core.policy.weight_sync import choose_backend, sync_group
 
     size = 1 + len(engines) + int(local)
-    backend = "gloo"  # NCCL once the engines' side runs it too (GPU engines)
+    devices = [source, *ray.get([e.sync_device.remote() for e in engines])]
+    backend = choose_backend(devices + [None] * int(local))  # this process receives on CPU
     if here:
         host, port = open_sync(size)
     else:
