@@ -134,7 +134,7 @@ bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocati
 	$(BIN)/trace-rl bench parse --json $(OUT)/parse.json
 
 # On the GPU machine; needs no venv: python3 with a CUDA torch, transformers and safetensors.
-gpu-check: ## On a GPU: fp32 master, update memory, parity, decode, reload (pass/fail, build/)
+gpu-check: ## On a GPU: fp32 master, update memory, parity, decode, reload, weight sync (pass/fail, build/)
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh --json $(OUT)/gpu-check.json
 
 lock: setup ## Rewrite requirements/constraints.txt from the installed environment

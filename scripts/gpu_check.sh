@@ -2,10 +2,11 @@
 # GPU check: what must hold for the policy on a GPU, stage by stage with pass/fail thresholds
 # (trace_core/bench/gpu_check.py lists them): the environment and a bf16 matmul, fp32 master
 # weights, the update at Qwen3-8B's layer shape against the memory estimate, π_old recompute,
-# engine/trainer parity in bf16, decode against the HBM roofline, reload bandwidth.
+# engine/trainer parity in bf16, decode against the HBM roofline, reload bandwidth, and the
+# weight sync between a trainer process and an engine process sharing the GPU.
 #
-# On the GPU machine, from the repository root (under 8 minutes on one H200):
-#     bash scripts/gpu_check.sh [--json build/gpu-check.json]
+# On the GPU machine, from the repository root (391 s on one H200, docs/gpu/README.md):
+#     bash scripts/gpu_check.sh [--json build/gpu-check.json] [--stages sync,update]
 # Every stage on CPU at tiny shapes (CUDA-only thresholds report skip), as make test runs it:
 #     bash scripts/gpu_check.sh --smoke --json build/gpu-check-smoke.json
 # It needs Python >= 3.11 with torch, transformers, tokenizers, safetensors and numpy: no Ray, no

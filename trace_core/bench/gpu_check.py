@@ -2,7 +2,7 @@
 pass/fail threshold. It needs torch, transformers, safetensors, numpy and pyarrow only: no Ray,
 no vLLM, no network, no pretrained weights (models are randomly initialised at real shapes).
 
-    bash scripts/gpu_check.sh --json build/gpu-check.json     # on a GPU machine (< 8 min, H200)
+    bash scripts/gpu_check.sh --json build/gpu-check.json     # on a GPU machine (391 s, H200)
     bash scripts/gpu_check.sh --smoke --json F                 # every stage on CPU at tiny shapes
 
 Stages (the JSON has one entry each: ``name``, ``status`` pass/fail/skip, ``threshold``, and

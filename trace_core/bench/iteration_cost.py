@@ -24,9 +24,9 @@ utilisation. Around them:
   engines by an NCCL broadcast from trainer rank 0 at ``NCCL_BYTES_S``, loaded in place.
 
 The s3 design pays two KFP step pods on the critical path (rollout, update), the resident one
-one (the iteration step). Every rate below is an
-assumption or a public figure, named where it is defined and cited in docs/scaling.md; none
-is measured here. What is computed: bytes from parameter counts, and rollout seconds from the
+one (the iteration step). Every rate below is an assumption, a public figure or (the reload)
+the GPU check's measurement on one H200, named where it is defined and cited in
+docs/scaling.md. What is computed: bytes from parameter counts, and rollout seconds from the
 simulation.
 """
 
@@ -47,8 +47,9 @@ S3_POD_BYTES_S = 1.0e9
 """Assumption: one pod's S3 stream (GET or PUT) on a 10-25 GbE node, MinIO/SeaweedFS."""
 S3_CLUSTER_BYTES_S = 10.0e9
 """Assumption: the S3 service's aggregate throughput, shared by the pods reading at once."""
-RELOAD_BYTES_S = 2.0e9
-"""Assumption: vLLM loading safetensors from the node's disk into GPU memory."""
+RELOAD_BYTES_S = 1.41e9
+"""Measured on one H200 (docs/gpu, the GPU check's reload stage): safetensors read from local
+disk, out of the page cache, into GPU memory."""
 RELOAD_FIXED_S = 5.0
 """Assumption: vLLM's fixed cost of an in-place reload (cache reset, sync)."""
 STEP_POD_S = 15.0
