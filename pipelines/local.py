@@ -302,6 +302,8 @@ def print_result(result: LocalResult, say: Callable[[str], None] = print) -> Non
     for metrics, path in zip(result.rollout, result.trees, strict=True):
         remote = "s3_bytes" in metrics and result.store.startswith("s3://")
         moved = f", S3 {_size(metrics['s3_bytes'])}" if remote else ""
+        if remote and metrics.get("checkpoint_bytes"):  # the checkpoints this step committed
+            moved += f" and checkpoints {_size(metrics['checkpoint_bytes'])}"
         say(
             f"  iteration {int(metrics['iteration'])}: prompt effective ratio "
             f"{metrics['prompt_effective_ratio']:.2f}, mixed groups {metrics['mixed_groups']:.0f}, "

@@ -162,8 +162,11 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
         trees = read_trees(run / task / "trees" / "trees.parquet")
         assert sum(t.units for t in trees) == 6 * (1 + 2 / 2)
         assert {t.info.iteration for t in trees} == {i}
-    moved = [read_metrics(run / task / "trees")["s3_bytes"] for task in ("iterate", "iterate-2")]
-    assert moved[0] == 0 and moved[1] > 0, moved  # iteration 2 is the checkpoint (the last)
+    moved, saved = (
+        [read_metrics(run / task / "trees")[key] for task in ("iterate", "iterate-2")]
+        for key in ("s3_bytes", "checkpoint_bytes")
+    )
+    assert moved == [0, 0] and saved[0] == 0 and saved[1] > 0, (moved, saved)  # the last: 2
     # The job wrote the trees to S3 (staging/<job id>/out/trees); the artifact has its bytes.
     store = open_store(f"s3://{BUCKET}/ray-test/staging")
     (key,) = [o.key for o in store.list_objects() if o.key.endswith("out/trees/trees.parquet")

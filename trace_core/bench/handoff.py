@@ -273,7 +273,7 @@ def _traffic(engines: list[Any], trainers: Any) -> tuple[int, int]:
     refs = [e.traffic.remote() for e in engines]
     if trainers is not None:
         refs += [r.traffic.remote() for r in trainers.ranks]
-    for r, w in ray.get(refs):
+    for r, w, _ in ray.get(refs):
         read, written = read + r, written + w
     return read, written
 

@@ -308,11 +308,12 @@ class EngineWorker:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
-    def traffic(self) -> tuple[int, int]:
-        """Bytes this process read and wrote through object storage (``S3Store``)."""
+    def traffic(self) -> tuple[int, int, int]:
+        """Bytes this process read, wrote, and of those moved for checkpoints, through object
+        storage (``S3Store``)."""
         from trace_core.store.artifacts import TRAFFIC
 
-        return TRAFFIC.snapshot()
+        return TRAFFIC.counts()
 
     @ray.method(concurrency_group="control")
     def placement(self) -> object:

@@ -30,6 +30,7 @@ credential fail at once with an error naming the URI.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -176,21 +177,41 @@ def _check_key(key: str) -> str:
 
 
 class Traffic:
-    """Bytes this process moved to and from object storage (``S3Store``), for the benchmarks."""
+    """Bytes this process moved to and from object storage (``S3Store``), for the benchmarks
+    and the steps' metrics. What a thread moves inside ``checkpoint()`` also counts, apart, as
+    checkpoint bytes (a checkpoint uploaded in the background is then told from the rest)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.read = 0
         self.written = 0
+        self.checkpoint_bytes = 0
 
     def add(self, read: int = 0, written: int = 0) -> None:
         with self._lock:
             self.read += read
             self.written += written
+            if getattr(self._local, "checkpoint", False):
+                self.checkpoint_bytes += read + written
 
     def snapshot(self) -> tuple[int, int]:
         with self._lock:
             return self.read, self.written
+
+    def counts(self) -> tuple[int, int, int]:
+        """Bytes read, written, and of those, moved inside ``checkpoint()``."""
+        with self._lock:
+            return self.read, self.written, self.checkpoint_bytes
+
+    @contextlib.contextmanager
+    def checkpoint(self) -> Iterator[None]:
+        """This thread's transfers inside count as checkpoint bytes too."""
+        self._local.checkpoint = True
+        try:
+            yield
+        finally:
+            self._local.checkpoint = False
 
 
 TRAFFIC = Traffic()

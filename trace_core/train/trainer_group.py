@@ -26,12 +26,15 @@ straight to an ``s3://`` prefix; under FSDP every rank gathers and rank 0 writes
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import json
 import os
 import socket
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,23 @@ class TrainerSpec:
     """Size of one weight-sync broadcast."""
 
 
+WRITTEN = "written.json"
+"""Beside a checkpoint's files, written after them by trainer rank 0: relative path → [size,
+sha256] of each (``read_written``)."""
+
+
+def read_written(folder: str) -> dict[str, tuple[int, str]] | None:
+    """The files trainer rank 0 wrote into ``folder`` (a path or URI) with their sizes and
+    hashes, once it wrote them all; None before (or if it never finished)."""
+    from trace_core.store.artifacts import open_store
+
+    store = open_store(folder)
+    if not store.exists(WRITTEN):
+        return None
+    body = json.loads(store.get_bytes(WRITTEN))
+    return {str(k): (int(v[0]), str(v[1])) for k, v in body.items()}
+
+
 @ray.remote
 class TrainerRank:
     """One training device's rank (see the module docstring)."""
@@ -75,17 +95,20 @@ class TrainerRank:
         self._scratch = tempfile.TemporaryDirectory(prefix=f"trace-trainer-{rank}-")
         self._sync: Any = None
         self._store: Any = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._saving: Future[dict[str, tuple[int, str]]] | None = None
         threads = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(max(1, threads))
 
     def pid(self) -> int:
         return os.getpid()
 
-    def traffic(self) -> tuple[int, int]:
-        """Bytes this process read and wrote through object storage (``S3Store``)."""
+    def traffic(self) -> tuple[int, int, int]:
+        """Bytes this process read, wrote, and of those moved for checkpoints, through object
+        storage (``S3Store``)."""
         from trace_core.store.artifacts import TRAFFIC
 
-        return TRAFFIC.snapshot()
+        return TRAFFIC.counts()
 
     def endpoint(self) -> tuple[str, int]:
         """This node's address and a free port on it (rank 0's: where the others dial)."""
@@ -152,6 +175,7 @@ class TrainerRank:
     def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
         from trace_core.policy.update import update_policy
 
+        self._wait_saving()  # the checkpoint being written holds these weights
         return update_policy(
             self.scorer,
             self.optimizer,
@@ -206,11 +230,61 @@ class TrainerRank:
 
     # -- checkpoints ------------------------------------------------------------------------
 
+    def save_in_background(self, target: str) -> None:
+        """Start ``save(target)`` in a thread of this actor and return; ``saved`` gives its
+        files. The weights stay as they are until it is done: ``update`` waits for it first."""
+        self._wait_saving()
+        self._saving = self._saver.submit(self._write, target)
+
+    def saved(self) -> dict[str, tuple[int, str]] | None:
+        """The files of the checkpoint started by ``save_in_background`` once it is written
+        (rank 0's; {} on the others), None if none was started; raises what writing it
+        raised."""
+        future, self._saving = self._saving, None
+        return None if future is None else future.result()
+
+    def _wait_saving(self) -> None:
+        """Wait for a checkpoint being written; its files (or error) wait for ``saved``."""
+        if self._saving is None:
+            return
+        error = self._saving.exception()
+        if error is not None:
+            raise RuntimeError(
+                f"the checkpoint written in the background failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def save_status(self) -> str:
+        """The checkpoint started by ``save_in_background``: none, running, done, or failed
+        (with why)."""
+        future = self._saving
+        if future is None:
+            return "none"
+        if not future.done():
+            return "running"
+        error = future.exception()
+        return "done" if error is None else f"failed: {type(error).__name__}: {error}"
+
     def save(self, target: str) -> dict[str, tuple[int, str]]:
         """Write the checkpoint (every rank under FSDP; rank 0 writes) to ``target``: a folder
         (its policy in ``target/policy``, the optimizer state and master weights beside it) or
         an ``s3://`` prefix, uploaded from this actor. Returns rank 0's files (relative path →
-        size, sha256): a registry checkpoint's manifest, without reading the files back."""
+        size, sha256): a registry checkpoint's manifest, without reading the files back. Its
+        transfers count as checkpoint bytes (``Traffic.checkpoint``). One written in the
+        background that failed is dropped (this one is written in its place)."""
+        if self._saving is not None:
+            concurrent.futures.wait([self._saving])
+            if self._saving.exception() is not None:
+                self._saving = None
+        self._wait_saving()
+        return self._write(target)
+
+    def _write(self, target: str) -> dict[str, tuple[int, str]]:
+        from trace_core.store.artifacts import TRAFFIC
+
+        with TRAFFIC.checkpoint():
+            return self._save(target)
+
+    def _save(self, target: str) -> dict[str, tuple[int, str]]:
         import torch
 
         from trace_core.policy.model import load_checkpoint, save_checkpoint, save_master
@@ -241,13 +315,20 @@ class TrainerRank:
             for p in sorted(out.rglob("*"))
             if p.is_file()
         }
+        # Last, what was written (the registry's commit checks the stored files against it):
+        # a step can commit the checkpoint from it should these actors be gone by then.
+        listing = json.dumps({k: list(v) for k, v in files.items()}, indent=1)
         if remote:
+            import shutil
+
+            from trace_core.store.artifacts import open_store
             from trace_core.store.sync import upload_folder
 
             upload_folder(out, target)
-            import shutil
-
             shutil.rmtree(out)
+            open_store(target).put_bytes(WRITTEN, listing.encode())
+        else:
+            (out / WRITTEN).write_text(listing)
         return files
 
     def _local(self, location: str | None, name: str, folder: bool = True) -> str | None:
@@ -359,6 +440,24 @@ class TrainerGroup:
         path → size, sha256)."""
         files: list[dict[str, tuple[int, str]]] = ray.get(
             [r.save.remote(str(target)) for r in self.ranks]
+        )
+        return files[0]
+
+    def save_in_background(self, target: str | Path) -> None:
+        """Start the checkpoint to ``target`` on the trainer actors and return at once (the
+        next rollout runs while they write it); ``saved`` waits for its files. The next update
+        waits for it first."""
+        ray.get([r.save_in_background.remote(str(target)) for r in self.ranks])
+
+    def save_status(self) -> list[str]:
+        """Each rank's ``TrainerRank.save_status``."""
+        return list(ray.get([r.save_status.remote() for r in self.ranks]))
+
+    def saved(self) -> dict[str, tuple[int, str]] | None:
+        """Rank 0's files of the checkpoint started by ``save_in_background``, once written;
+        None when none was started (these actors are not the ones that started it)."""
+        files: list[dict[str, tuple[int, str]] | None] = ray.get(
+            [r.saved.remote() for r in self.ranks]
         )
         return files[0]
 

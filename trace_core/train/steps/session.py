@@ -17,14 +17,17 @@ What travels from step to step is the run's **state** folder (a KFP artifact of 
 A checkpoint (every ``checkpoint_every`` iterations and the last) is written by trainer rank 0
 straight into a reserved folder of the run's registry (``store.registry``); the step adds the
 predictor and the log, and moves ``latest`` once every file is there at the size its writer
-hashed. When the session is gone (the Ray cluster restarted, a trainer actor died), the next
-step rebuilds it from the newest checkpoint if nothing was trained since; otherwise it stops
-with one line naming that checkpoint and how the run resumes from it.
+hashed. On a cluster a checkpoint before the last is written in the background while the next
+iteration rolls out (the trainers' next update waits for it); the next step commits it
+(``RunState.pending``). When the session is gone (the Ray cluster restarted, a trainer actor
+died), the next step rebuilds it from the newest checkpoint if nothing was trained since;
+otherwise it stops with one line naming that checkpoint and how the run resumes from it.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -85,6 +88,11 @@ class RunState:
     """The sync label the engines hold."""
     session: str
     """The actors' name: engines ``<session>-<i>``, trainers ``<session>-trainer-<rank>``."""
+    pending: int | None = None
+    """A checkpoint the trainers are writing in the background (its iteration): the next step
+    commits it once written."""
+    pending_folder: str | None = None
+    """The registry folder reserved for it."""
 
     def to_json(self) -> str:
         return json.dumps({"kind": KIND, **asdict(self)}, indent=2) + "\n"
@@ -201,13 +209,15 @@ def iterate_step(
 ) -> dict[str, float]:
     """Training iteration ``iteration`` on the run's session (``train.phases.run_iteration``):
     its trees and metrics to ``trees_out``, the state after it to ``state_out``. The metrics
-    include ``s3_bytes``: what this step and the session's actors read and wrote through
-    object storage."""
+    include ``s3_bytes``, what this step and the session's actors read and wrote through
+    object storage besides checkpoints, and ``checkpoint_bytes``, the files of the checkpoints
+    this step committed (its own, and one written in the background since the step before)."""
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.policy.value import ValuePredictor
     from trace_core.store.schema import write_trees
     from trace_core.train.draws import draw_iteration
     from trace_core.train.phases import iteration_line, run_iteration
+    from trace_core.train.trainer_group import read_written
 
     _check_session(config)
     state, records = read_state(state_dir)
@@ -221,6 +231,8 @@ def iterate_step(
     registry = _registry(config)
     reserved: dict[int, str] = {}
     written: dict[str, tuple[int, str]] = {}
+    background: list[int] = []
+    adopted: list[int] = []  # bytes of a checkpoint committed as the session starts again
 
     def checkpoint_at(i: int) -> str:
         if i not in reserved:
@@ -235,34 +247,89 @@ def iterate_step(
         train = config.train
         draws = draw_iteration(train.seed, i, len(session.run.train_tasks), train.prompts)
         write_draws(trees_out, i, draws)
-        if save is not None:
-            written.update(session.run.weights.trainers.save(checkpoint_at(i)))
+        if save is None:
+            return
+        trainers = session.run.weights.trainers
+        if i < config.train.iterations and on_cluster(config):  # while the next rollout runs
+            trainers.save_in_background(checkpoint_at(i))
+            background.append(i)
+        else:
+            written.update(trainers.save(checkpoint_at(i)))
 
-    with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
+    def adopt(lost: RunState) -> RunState:
+        assert lost.pending is not None and lost.pending_folder is not None
+        uri = registry.store.uri(lost.pending_folder)
+        files = read_written(uri)
+        if files is None:  # they did not finish it
+            return lost
+        adopted.append(_commit_checkpoint(config, registry, lost.pending_folder, files, records,
+                                          state_dir / "predictor"))  # fmt: skip
+        print(f"the trainers are gone; iteration {lost.pending}'s checkpoint, which they wrote "
+              "in full, is committed and the session starts again from it", flush=True)  # fmt: skip
+        done = replace(lost, pending=None, pending_folder=None)
+        return _checkpointed(done, lost.pending, uri, files)
+
+    with _Session(config, prompts_dir, state, tokenizer, predictor, suite, adopt) as session:
+        state = session.state  # with a checkpoint written in the background committed, if adopted
         before = session.traffic()
+        committed = sum(adopted)
+        pending: dict[str, tuple[int, str]] | None = None
+        if state.pending is not None and state.pending_folder is not None:
+            statuses = session.trainers.save_status()
+            if any(s == "none" or s.startswith("failed") for s in statuses):
+                # Not being written (a failed write, or a retried step): the weights are still
+                # that iteration's, so it is written again, now.
+                why = next(s for s in statuses if s == "none" or s.startswith("failed"))
+                print(f"iteration {state.pending}'s checkpoint was not written in the background "
+                      f"({why}); writing it now", flush=True)  # fmt: skip
+                pending = session.trainers.save(registry.store.uri(state.pending_folder))
         session.run.total_tokens = records[-1].total_tokens if records else 0
         session.run.checkpoint_at = checkpoint_at
         session.run.always_checkpoint = not on_cluster(config)
+        earlier = list(records)  # the log a checkpoint written in the background goes with
         outcome = run_iteration(session.run, iteration, persist, print)
         print(iteration_line(config.train, outcome), flush=True)
         records.append(outcome.record)
         run = session.run
-        new = replace(state, iteration=iteration, serving=run.serving_now)
-        if run.checkpointed == iteration:
-            uri = checkpoint_at(iteration)
-            _commit_checkpoint(config, registry, reserved[iteration], written, records, predictor)
-            new = replace(
-                new,
-                checkpoint=iteration,
-                policy=f"{uri}/policy",
-                optimizer=f"{uri}/{OPTIMIZER}",
-                master=uri if f"{MASTER}" in written else None,
+        new = replace(state, iteration=iteration, serving=run.serving_now, pending=None,
+                      pending_folder=None)  # fmt: skip
+        if state.pending is not None and state.pending_folder is not None:
+            files = pending or session.trainers.saved()  # written while this one rolled out
+            assert files is not None  # save_status said it was being written
+            # The predictor and log as they were after that iteration: this step's input.
+            committed += _commit_checkpoint(config, registry, state.pending_folder, files,
+                                            earlier, state_dir / "predictor")  # fmt: skip
+            new = _checkpointed(new, state.pending, registry.store.uri(state.pending_folder),
+                                files)  # fmt: skip
+        if iteration in background:
+            new = replace(new, pending=iteration, pending_folder=reserved[iteration])
+        elif run.checkpointed == iteration:
+            committed += _commit_checkpoint(
+                config, registry, reserved[iteration], written, records, predictor
             )
+            new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
         write_state(state_out, new, records, predictor, tokenizer)
         moved = session.traffic() - before
-    metrics = {**_record_metrics(outcome.record), "s3_bytes": float(moved)}
+    metrics = {
+        **_record_metrics(outcome.record),
+        "s3_bytes": float(moved),
+        "checkpoint_bytes": float(committed),
+    }
     write_metrics(trees_out, metrics)
     return metrics
+
+
+def _checkpointed(
+    state: RunState, iteration: int, uri: str, files: Mapping[str, tuple[int, str]]
+) -> RunState:
+    """``state`` with iteration ``iteration``'s committed checkpoint at ``uri`` as its newest."""
+    return replace(
+        state,
+        checkpoint=iteration,
+        policy=f"{uri}/policy",
+        optimizer=f"{uri}/{OPTIMIZER}",
+        master=uri if MASTER in files else None,
+    )
 
 
 def close_session(config: PipelineConfig, state_dir: Path) -> int:
@@ -324,9 +391,13 @@ class _Session:
         tokenizer: Any,
         predictor: Any,
         suite: TaskSuite | None,
+        adopt: Callable[[RunState], RunState] | None = None,
     ) -> None:
+        """``adopt``: when the trainers are gone, the state with the checkpoint they were
+        writing in the background committed, if they finished it."""
         self.config, self.prompts_dir, self.state = config, prompts_dir, state
         self.tokenizer, self.predictor, self.suite = tokenizer, predictor, suite
+        self.adopt = adopt
 
     def __enter__(self) -> _Session:
         import contextlib
@@ -358,6 +429,8 @@ class _Session:
             )
             name = f"{state.session}-trainer"
             trainers = TrainerGroup.find(spec, name)
+            if trainers is None and state.pending is not None and self.adopt is not None:
+                state = self.state = self.adopt(state)
             if trainers is None:
                 if state.checkpoint != state.iteration:
                     raise SessionLostError(_lost(config, state))
@@ -385,19 +458,20 @@ class _Session:
         return self
 
     def traffic(self) -> int:
-        """Bytes read plus written through object storage so far, by this process and the
-        session's actors."""
+        """Bytes read plus written through object storage so far by this process and the
+        session's actors, checkpoints' aside (``Traffic.checkpoint``: one written in the
+        background moves between steps; a step reports the checkpoints it commits)."""
         import ray
 
         from trace_core.store.artifacts import TRAFFIC
 
-        counts = [TRAFFIC.snapshot()]
+        counts = [TRAFFIC.counts()]
         counts += ray.get([r.traffic.remote() for r in self.trainers.ranks])
         pool = self.run.session.pool
         if pool is not None:
             engines, _ = pool.sync_members()
             counts += ray.get([e.traffic.remote() for e in engines])
-        return sum(read + wrote for read, wrote in counts)
+        return sum(r + w - c for r, w, c in counts)
 
     def __exit__(self, *exc: object) -> None:
         self._stack.__exit__(*exc)  # type: ignore[arg-type]
@@ -435,28 +509,34 @@ def _commit_checkpoint(
     written: Mapping[str, tuple[int, str]],
     records: Sequence[IterationRecord],
     predictor: Any,
-) -> None:
-    """The predictor and the log beside the trainers' files, then the manifest and ``latest``."""
-    from trace_core.store.artifacts import file_sha256
+) -> int:
+    """The predictor (an object, or a folder it was saved to) and the log beside the trainers'
+    files, then the manifest and ``latest``; its transfers count as checkpoint bytes. Returns
+    the checkpoint's bytes (every file's, as committed)."""
+    from trace_core.store.artifacts import TRAFFIC, file_sha256
     from trace_core.train.steps.start import BASE_MODEL
 
     files = dict(written)
-    with tempfile.TemporaryDirectory(prefix="trace-checkpoint-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="trace-checkpoint-") as scratch, TRAFFIC.checkpoint():
         root = Path(scratch)
-        predictor.save(root / "predictor")
+        if isinstance(predictor, Path):
+            shutil.copytree(predictor, root / "predictor")
+        else:
+            predictor.save(root / "predictor")
         (root / "policy").mkdir()
         _write_log(root / "policy" / LOG, records)  # the log travels with the policy
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             relative = path.relative_to(root).as_posix()
             registry.store.put_file(f"{folder}/{relative}", path)
             files[relative] = (path.stat().st_size, file_sha256(path))
-    registry.commit(
-        _registry_run(config),
-        records[-1].iteration,
-        folder,
-        files,
-        metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
-    )
+        registry.commit(
+            _registry_run(config),
+            records[-1].iteration,
+            folder,
+            files,
+            metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
+        )
+    return sum(size for size, _ in files.values())
 
 
 def _optimizer_files(folder: str) -> tuple[str | None, str | None]:
