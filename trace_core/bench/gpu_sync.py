@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trace_core.bench.gpu_shapes import Shape
-
-if TYPE_CHECKING:
-    from trace_core.bench.gpu_check import Plan, Stage
 
 PROMPT = [5, 17, 99, 4, 250, 31, 7, 12]
 DECODE_TOKENS = 16
@@ -34,7 +31,8 @@ MEMBER_TIMEOUT_S = {"cuda-ipc": 300.0, "gloo": 300.0, "nccl": 90.0}
 """How long the parent waits for a backend's rounds (NCCL refusing a shared device may hang)."""
 
 
-def stage_sync(plan: Plan, stage: Stage) -> None:
+def stage_sync(plan: Any, stage: Any) -> None:
+    """``gpu_check``'s stage (its ``Plan`` and ``Stage``; that module imports this one)."""
     cuda = plan.device == "cuda"
     stage.threshold = (
         "the session's backend for one GPU (cuda-ipc) ≥ 5 GB/s of bf16 weights into the engine; "

@@ -184,9 +184,7 @@ class Traffic:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._local = threading.local()
-        self.read = 0
-        self.written = 0
-        self.checkpoint_bytes = 0
+        self.read = self.written = self.checkpoint_bytes = 0
 
     def add(self, read: int = 0, written: int = 0) -> None:
         with self._lock:
