@@ -8,8 +8,15 @@ as ``--smoke`` in ``bench/test_gpu_check.py``.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
+from trace_test_commands import commands  # registered by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "gpu" / "README.md"
@@ -87,3 +94,19 @@ def test_the_page_shows_what_the_stored_runs_hold() -> None:
                    for f in runs.values())  # fmt: skip
     assert f"CUDA IPC is {gains[0]:.0f}–{gains[-1]:.0f}× faster than gloo" in page
     assert "bash scripts/gpu_check.sh --json build/gpu-check.json" in page
+
+
+@pytest.mark.slow  # imports torch in a subprocess
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_pages_command_runs_as_printed_and_needs_a_gpu(tmp_path: Path) -> None:
+    """The page's one command, exactly as printed, from a copy of the repository's root: on
+    this CPU it stops at once, saying it sees no GPU and how to run the CPU form."""
+    (command,) = commands(PAGE.read_text())
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    (tmp_path / "trace_core").symlink_to(REPO / "trace_core")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "sees no GPU" in done.stderr and "--smoke" in done.stderr
+    assert not (tmp_path / "build").exists()
