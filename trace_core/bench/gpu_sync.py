@@ -33,6 +33,8 @@ MEMBER_TIMEOUT_S = {"cuda-ipc": 300.0, "gloo": 300.0, "nccl": 90.0}
 
 def stage_sync(plan: Any, stage: Any) -> None:
     """``gpu_check``'s stage (its ``Plan`` and ``Stage``; that module imports this one)."""
+    from trace_core.policy.weight_sync import choose_backend, device_id
+
     cuda = plan.device == "cuda"
     stage.threshold = (
         "the session's backend for one GPU (cuda-ipc) ≥ 5 GB/s of bf16 weights into the engine; "
@@ -41,8 +43,6 @@ def stage_sync(plan: Any, stage: Any) -> None:
         "what it sampled before"
     )
     shape: Shape = plan.sync_shape
-    from trace_core.policy.weight_sync import choose_backend, device_id
-
     chosen = choose_backend([device_id(plan.device)] * 2)  # a trainer and an engine on one device
     backends = (chosen, "gloo", "nccl") if cuda else (chosen,)
     stage.figures["session_backend"] = chosen
@@ -112,14 +112,14 @@ def run_pair(shape: Shape, device: str, backend: str, rounds: int) -> dict[str, 
                 process.kill()
                 process.join()
     trainer, engine = got[0], got[1]
-    seconds = sorted(engine["seconds"])[len(engine["seconds"]) // 2]
+    seconds = _median(engine["seconds"])
     return {
         "weights_gb": trainer["nbytes"] / 1e9,
         "buckets": trainer["buckets"],
         "rounds": rounds,
         "seconds": seconds,
         "gb_per_s": trainer["nbytes"] / seconds / 1e9,
-        "send_seconds": sorted(trainer["seconds"])[len(trainer["seconds"]) // 2],
+        "send_seconds": _median(trainer["seconds"]),
         "tokens_match": same_decode(engine["after"], trainer["tokens"], SAME_LOGPROB),
         "tokens_changed": not same_decode(engine["after"], engine["before"], SAME_LOGPROB),
     }
@@ -201,6 +201,10 @@ def same_decode(a: dict[str, list[Any]], b: dict[str, list[Any]], tolerance: flo
         return False
     return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)),
                default=0.0) <= tolerance  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _synchronize(device: str) -> None:

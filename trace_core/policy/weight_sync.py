@@ -325,7 +325,7 @@ class IpcGroup:
             header[0], header[1] = flat.numel(), int(fresh)
         self.control.broadcast(header, root).wait()  # the buffer is full
         if header[1]:
-            self._exchange(root, tensor.device)
+            self._exchange(root)
         if self.rank != root:
             assert self._shared is not None
             flat.copy_(self._shared[: int(header[0])])
@@ -333,7 +333,7 @@ class IpcGroup:
         self.control.allreduce(torch.zeros(1)).wait()  # every member read it: it may be refilled
         return _Done()
 
-    def _exchange(self, root: int, device: torch.device) -> None:
+    def _exchange(self, root: int) -> None:
         """The source's allocation, opened by every other member (the source sends its handle)."""
         if self.rank == root:
             assert self._shared is not None

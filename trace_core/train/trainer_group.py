@@ -26,7 +26,6 @@ straight to an ``s3://`` prefix; under FSDP every rank gathers and rank 0 writes
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -271,11 +270,8 @@ class TrainerRank:
         size, sha256): a registry checkpoint's manifest, without reading the files back. Its
         transfers count as checkpoint bytes (``Traffic.checkpoint``). One written in the
         background that failed is dropped (this one is written in its place)."""
-        if self._saving is not None:
-            concurrent.futures.wait([self._saving])
-            if self._saving.exception() is not None:
-                self._saving = None
-        self._wait_saving()
+        if self._saving is not None and self._saving.exception() is not None:  # waits for it
+            self._saving = None
         return self._write(target)
 
     def _write(self, target: str) -> dict[str, tuple[int, str]]:
