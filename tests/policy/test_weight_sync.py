@@ -17,6 +17,7 @@ from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.weight_sync import (
     IpcGroup,
+    WeightPlan,
     choose_backend,
     device_id,
     open_store,
@@ -70,6 +71,14 @@ def test_a_sink_refuses_weights_of_another_shape() -> None:
         engine.weight_sink().begin(weight_plan(other, torch.float32).names[:-1])
     with pytest.raises(ValueError, match=r"cannot sync weights in torch\.int8"):
         weight_plan(other, torch.int8)
+
+
+def test_a_plan_crosses_into_vllms_workers_as_plain_json() -> None:
+    """vLLM's workers get the plan as JSON values (``policy.vllm_worker.receive_policy``)."""
+    model = create_policy(sync_worker.TOK, sync_worker.CONFIG, seed=1)
+    plan = weight_plan(model, torch.bfloat16, bucket_bytes=2**12)
+    data = json.loads(json.dumps(plan.to_json()))
+    assert WeightPlan.from_json(data) == plan and len(plan.buckets) > 1
 
 
 def test_the_backend_follows_where_the_members_are() -> None:

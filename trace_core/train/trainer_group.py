@@ -562,22 +562,25 @@ def _build_sync(
     source: str | None = None,
 ) -> Any:
     """A new sync group: rank 0 is the source (``open_sync``/``join_sync``: an actor's remote
-    methods, or with ``here`` this process's; ``source``: its GPU's UUID, None on a CPU), ranks
-    1.. the engine actors and, with ``local``, this process last. Its backend follows where
-    they all are (``choose_backend``: NCCL, CUDA IPC or gloo). Every member joins at once;
-    returns this process's group."""
+    methods, or with ``here`` this process's; ``source``: its GPU's UUID, None on a CPU), then
+    the engine actors' processes (one per actor, or each of a vLLM engine's workers) and, with
+    ``local``, this process last. Its backend follows where they all are (``choose_backend``:
+    NCCL, CUDA IPC or gloo). Every member joins at once; returns this process's group."""
     from trace_core.policy.weight_sync import choose_backend, sync_group
 
-    size = 1 + len(engines) + int(local)
-    devices = [source, *ray.get([e.sync_device.remote() for e in engines])]
+    per_engine: list[list[str | None]] = ray.get([e.sync_devices.remote() for e in engines])
+    devices = [source, *(d for members in per_engine for d in members)]
+    size = len(devices) + int(local)
     backend = choose_backend(devices + [None] * int(local))  # this process receives on CPU
     if here:
         host, port = open_sync(size)
     else:
         host, port = ray.get(open_sync.remote(size))
     joins = [] if here else [join_sync.remote(host, port, size, backend)]
-    for r, engine in enumerate(engines, 1):
-        joins.append(engine.join_sync.remote(host, port, r, size, backend))
+    first = 1
+    for engine, members in zip(engines, per_engine, strict=True):
+        joins.append(engine.join_sync.remote(host, port, first, size, backend))
+        first += len(members)
     group = join_sync(host, port, size, backend) if here else None
     if local:
         group = sync_group(host, port, size - 1, size, backend)
