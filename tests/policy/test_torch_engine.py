@@ -13,10 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_core.policy.engine import SamplingParams
+from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
 from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.prefix_cache import PrefixCache
+from trace_core.policy.sampling import request_seed
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 
@@ -120,6 +121,26 @@ def test_seeded_sampling_is_reproducible() -> None:
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+def test_a_prompts_samples_do_not_depend_on_the_rest_of_the_call() -> None:
+    """Each prompt samples from its own seed's keys: alone, among others in any order, or
+    split over decode batches, it gets the same tokens."""
+    prompts = prompts_of([4, 8, 6, 5])
+    params = SamplingParams(n=3, max_tokens=10)
+    seeds = [request_seed(9, i) for i in range(4)]
+
+    def tokens(out: list[list[Completion]]) -> list[list[list[int]]]:
+        return [[c.token_ids.tolist() for c in comps] for comps in out]
+
+    together = tokens(TorchEngine(MODEL).generate(prompts, params, seed=seeds))
+    alone = [tokens(TorchEngine(MODEL).generate([p], params, seed=[s]))[0] for p, s in
+             zip(prompts, seeds, strict=True)]  # fmt: skip
+    reversed_ = tokens(TorchEngine(MODEL).generate(prompts[::-1], params, seed=seeds[::-1]))
+    narrow = tokens(TorchEngine(MODEL, max_batch=2).generate(prompts, params, seed=seeds))
+    assert together == alone == reversed_[::-1] == narrow
+    assert together == tokens(TorchEngine(MODEL).generate(prompts, params, seed=9))  # one int
+    assert len({tuple(t) for comps in together for t in comps}) > 6  # samples differ
 
 
 def next_token_probs(model, prompt: list[int]) -> np.ndarray:

@@ -15,6 +15,7 @@ from trace_core.envs.calc import CalcSuite
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import TinyPolicyConfig, create_policy
+from trace_core.policy.sampling import prompt_seeds
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.grow import GrowConfig, grow_trees
@@ -42,17 +43,20 @@ class ScriptedEngine:
         self.stats = EngineStats()
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         self.calls.append([list(p) for p in prompts])
         out = []
-        for prompt in prompts:
+        for prompt, own in zip(prompts, prompt_seeds(seed, len(prompts)), strict=True):
             task = next(
                 t for head, t in self.by_prompt.items() if tuple(prompt[: len(head)]) == head
             )
             turn = list(prompt).count(self.fmt.end_of_turn_id) - 1  # the prompt holds one
             action = task.reference[min(turn, len(task.reference) - 1)]
-            if action.startswith("answer[") and hash((tuple(prompt), seed)) % 3 == 0:
+            if action.startswith("answer[") and hash((tuple(prompt), own)) % 3 == 0:
                 action = "answer[0]"  # a slip: mixed outcomes
             ids = np.asarray(self.fmt.action_ids(action), dtype=np.int32)
             out.append([Completion(ids, np.zeros(len(ids), np.float32), True)] * params.n)

@@ -40,6 +40,7 @@ from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import (
     load_checkpoint,
 )
+from trace_core.policy.sampling import prompt_seeds, request_seed
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.engine_config import DRIVERS, EngineConfig
 from trace_core.rollout.engines import EngineSession
@@ -47,7 +48,7 @@ from trace_core.rollout.flat import rollout_flat
 from trace_core.rollout.grow import GrowConfig, grow_trees
 from trace_core.rollout.predictor import ConstantPredictor
 from trace_core.rollout.ray_pool import Driver, RayEnginePool, ray_session
-from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
+from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import streams
 
 SUITE = CalcSuite(seed=3, train_size=40, eval_size=10)
@@ -127,12 +128,16 @@ def test_split_work_without_owners_is_within_grahams_bound(work: list[int], work
     assert makespan <= (4 / 3 - 1 / (3 * workers)) * best + 1e-9
 
 
-def test_sub_batch_seeds_depend_on_seed_and_indices_only() -> None:
-    assert sub_batch_seed(5, [0, 2, 3]) == sub_batch_seed(5, (0, 2, 3))
-    assert sub_batch_seed(5, [0, 2, 3]) != sub_batch_seed(5, [0, 2, 4])
-    assert sub_batch_seed(5, [0, 2, 3]) != sub_batch_seed(6, [0, 2, 3])
-    assert sub_batch_seed(None, [1]) is None
-    assert 0 <= sub_batch_seed(2**40, [1]) < 2**31  # type: ignore[operator]
+def test_a_calls_seed_becomes_one_per_prompt() -> None:
+    """A sub-batch carries its prompts' own seeds: a prompt's seed is the same whichever
+    worker serves it and whatever shares its sub-batch."""
+    seeds = prompt_seeds(5, 4)
+    assert seeds == [request_seed(5, i) for i in range(4)] == prompt_seeds(5, 4)
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**63 for s in seeds)
+    assert prompt_seeds([7, 8], 2) == [7, 8]
+    assert len(set(prompt_seeds(None, 3) + prompt_seeds(None, 3))) == 6  # fresh each call
+    with pytest.raises(ValueError, match="seed: 2 seeds for 3 prompts"):
+        prompt_seeds([1, 2], 3)
 
 
 # -- pools on one in-process Ray -----------------------------------------------------------
@@ -225,20 +230,53 @@ def test_two_workers_answer_every_prompt_in_order_as_torch_engine_does(
         assert killed not in pool.worker_pids() and pool.workers == 2
 
 
+def turns_of(trees: Sequence[RolloutTree]) -> list[list[tuple[object, ...]]]:
+    """Each tree's turns in a canonical order: (tokens from the root to the turn's end, its
+    tokens, reward, logprobs). Node ids follow the order turns came back, which depends on
+    timing; what was sampled does not."""
+    out = []
+    for tree in trees:
+        turns = []
+        for node in range(1, len(tree.parent)):
+            path = tree.path(node)[1:]
+            history = tuple(int(t) for n in path for t in tree.gen_tokens[int(n)])
+            reward = None if np.isnan(tree.reward[node]) else float(tree.reward[node])
+            tokens = tuple(tree.gen_tokens[node].tolist())
+            turns.append((history, tokens, reward, tree.logprobs[node]))
+        out.append(sorted(turns, key=lambda t: (t[0], t[1])))
+    return out
+
+
+def assert_same_turns(ours: Sequence[RolloutTree], theirs: Sequence[RolloutTree]) -> None:
+    """The same turns, token for token and reward for reward; logprobs within float rounding
+    (rows of other batch shapes)."""
+    a, b = turns_of(ours), turns_of(theirs)
+    assert [[t[:3] for t in tree] for tree in a] == [[t[:3] for t in tree] for tree in b]
+    for x, y in zip(a, b, strict=True):
+        for s, t in zip(x, y, strict=True):
+            np.testing.assert_allclose(s[3], t[3], atol=1e-4)
+
+
 @pytest.mark.cluster  # Ray (ray_cluster)
-def test_one_worker_with_a_fixed_seed_grows_the_same_trees_twice(
+def test_a_seed_grows_the_same_trees_on_any_number_of_workers_with_either_driver(
     ray_cluster: None, checkpoint: Path, fmt: TurnFormat
 ) -> None:
-    with RayEnginePool(checkpoint, workers=1) as pool:
-        first = grow(pool, fmt)
-        pool.update_weights(checkpoint)  # same weights, empty cache: the state of a new pool
-        second = grow(pool, fmt)
-        # The pool counts every token its workers generated, and every one is in a tree.
-        assert pool.stats.generated_tokens == sum(t.generated_tokens for t in [*first, *second])
-    check_planned(first)
-    assert len(first) == len(second) > 1
-    assert all(a.equals(b) for a, b in zip(first, second, strict=True))
-    assert sum(t.generated_tokens for t in first) > 0
+    """Every turn samples with its own seed (``rollout.turn.turn_seed``) and every engine
+    samples each request from its own key, so which turns meet in an engine call (timing,
+    worker count, driver) does not change the trees: on the tiny policy in float32 they come
+    out identical, token for token, to one in-process engine's."""
+    local = grow_trees(
+        TorchEngine(load_checkpoint(checkpoint)[0]), fmt, SUITE.make_env, SUITE.tasks("train"),
+        ConstantPredictor(), GROW,
+    )  # fmt: skip
+    check_planned(local)
+    assert sum(t.generated_tokens for t in local) > 0
+    for workers, driver in [(1, "async"), (2, "async"), (2, "lock-step")]:
+        with RayEnginePool(checkpoint, workers=workers, driver=driver) as pool:
+            trees = grow(pool, fmt)
+            # The pool counts every token its workers generated, and every one is in a tree.
+            assert pool.stats.generated_tokens == sum(t.generated_tokens for t in trees)
+        assert_same_turns(trees, local)
 
 
 class KillingPool(RayEnginePool):
@@ -441,12 +479,12 @@ def test_a_stream_answers_every_turn_with_its_tag_as_torch_engine_does(
     reference = TorchEngine(load_checkpoint(checkpoint)[0])
     with RayEnginePool(checkpoint, workers=2) as pool:
         assert streams(pool)
-        stream = pool.stream(GREEDY, seed=1)
+        stream = pool.stream(GREEDY)
         with pytest.raises(RuntimeError, match="nothing in flight"):
             stream.next()
-        with pytest.raises(ValueError, match="3 prompts but 2 tags"):
-            stream.submit(prompts[:3], [0, 1])
-        stream.submit(prompts, list(range(len(prompts))))
+        with pytest.raises(ValueError, match="3 prompts, 2 tags and 3 seeds"):
+            stream.submit(prompts[:3], [0, 1], [1, 2, 3])
+        stream.submit(prompts, list(range(len(prompts))), list(range(len(prompts))))
         assert stream.pending == len(prompts)
         answered: dict[int, list[Completion]] = {}
         extended = False
@@ -458,7 +496,7 @@ def test_a_stream_answers_every_turn_with_its_tag_as_torch_engine_does(
                     extended = True
                     longer = prompts[tag] + completions[0].token_ids.tolist() + [7]
                     prompts.append(longer)
-                    stream.submit([longer], [len(prompts) - 1])
+                    stream.submit([longer], [len(prompts) - 1], [0])
         assert sorted(answered) == list(range(len(prompts)))
         assert_same_greedy_answers(
             [answered[tag] for tag in range(len(prompts))],

@@ -27,6 +27,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.policy.sampling import request_seed
 from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
 
 pytestmark = pytest.mark.slow
@@ -188,8 +189,13 @@ def test_seeded_sampling_is_reproducible(setup) -> None:
     a = ids(engine.generate(prompts, params, seed=123))
     assert a == ids(engine.generate(prompts, params, seed=123))
     assert a != ids(engine.generate(prompts, params, seed=124))
-    # The seed of request i*n+j does not depend on the rest of the batch.
+    # The seed of request i*n+j does not depend on the rest of the batch: prompt i is seeded
+    # request_seed(123, i), and with that seed alone, or among others in any order, it draws
+    # the same samples.
     assert a[:1] == ids(engine.generate(prompts[:1], params, seed=123))
+    seeds = [request_seed(123, i) for i in range(len(prompts))]
+    assert a[2:3] == ids(engine.generate(prompts[2:3], params, seed=seeds[2:3]))
+    assert a[::-1] == ids(engine.generate(prompts[::-1], params, seed=seeds[::-1]))
     # Equal prompts in one batch get different seeds, so different samples.
     twin = ids(engine.generate([prompts[2], prompts[2]], SamplingParams(max_tokens=12), seed=5))
     assert twin[0] != twin[1]

@@ -102,7 +102,10 @@ class _TimedEngine:
         self.calls: list[CallTiming] = []
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         before = self.engine.stats.prefill_tokens
         start = time.perf_counter()

@@ -80,7 +80,9 @@ class Engine(Protocol):
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """``params.n`` completions for every prompt, in prompt order."""
+        """``params.n`` completions for every prompt, in prompt order. ``seed``: one per
+        prompt (what a rollout passes: each request's own, ``rollout.turn.turn_seed``), or one
+        for the call (prompt ``i`` then gets ``sampling.request_seed(seed, i)``), or None."""
         ...

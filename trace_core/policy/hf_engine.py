@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
+from trace_core.policy.sampling import prompt_seeds, request_seed
 
 
 class HFGenerateEngine:
@@ -33,8 +34,11 @@ class HFGenerateEngine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
+        """``seed``: one for the call, or one per prompt; either way HF's ``generate`` draws
+        the whole batch from one generator (seeded from them all), so unlike the other engines
+        a prompt's samples depend on the rest of the call."""
         check_prompts(prompts)
         if not prompts:
             return []
@@ -67,6 +71,8 @@ class HFGenerateEngine:
             with torch.inference_mode(), torch.random.fork_rng(devices=_rng_devices(device)):
                 # fork_rng restores the global state afterwards, so an unseeded call still
                 # needs a fresh seed or every such call would sample the same tokens.
+                if seed is not None and not isinstance(seed, int):
+                    seed = request_seed(*prompt_seeds(seed, len(prompts)))
                 torch.manual_seed(seed if seed is not None else secrets.randbits(62))
                 out = self._generate(
                     input_ids=ids.to(device),

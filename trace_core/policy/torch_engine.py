@@ -22,9 +22,9 @@ its observation tokens.
 2. *Decode.* The ``n`` samples of each prompt become rows of a dense per-call KV buffer
    (column = position, see ``decoder``), filled from the pool by one gather: a prompt is
    prefilled once however many samples it has. Each step runs one token per row through
-   ``decoder.decode_step``, samples from the logits with a ``torch.Generator`` seeded from
-   ``seed``, and checks the stop tokens (only when there are any). A step does no per-row
-   Python work and builds no index tensors: each row's write position, KV destination and
+   ``decoder.decode_step``, samples from the logits (each row with its own keyed uniforms,
+   ``sampling.KeyedDraws``), and checks the stop tokens (only when there are any). A step does
+   no per-row Python work and builds no index tensors: each row's write position, KV destination and
    additive attention mask are kept across steps and advanced in place. Rows of different
    lengths share the batch: each writes at its own position and attends to its own columns
    only. The token sampled last is run too, so its KV exists for the next turn.
@@ -36,9 +36,12 @@ fresh memory for each call cost about a decode step's time.
 
 **Sampling.** Temperature, then top-p, then one uniform draw per row (``sampling``); temperature
 0 is greedy. Logprobs are ``log_softmax`` of the raw logits (temperature 1, no top-p) at the
-sampled token, as the ``Completion`` contract says. The same call with the same seed on an
-engine in the same state gives the same tokens; KV from the cache and KV computed afresh
-agree to float rounding only, so a sample sitting on a tie could still flip.
+sampled token, as the ``Completion`` contract says. Each sample draws from its own key
+(``sampling.request_keys``: the request's seed and the sample's index), so its tokens do not
+depend on the other prompts of the call, their order or how the call was split; an int
+``seed`` seeds prompt ``i`` with ``request_seed(seed, i)``. KV from the cache and KV computed
+afresh, and rows of batches of other sizes, agree to float rounding only, so a sample sitting
+on a tie could still flip.
 
 **Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
 2-core CPU, quiet): ≈2.1× HF ``generate`` with one torch thread (≈0.12 s against ≈0.26 s;
@@ -87,7 +90,7 @@ from trace_core.policy.decoder import (
 )
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
-from trace_core.policy.sampling import sample
+from trace_core.policy.sampling import KeyedDraws, prompt_seeds, request_keys, sample
 
 # Token slots of one prefill pass. Its activations, ~4 KB per token (the MLP's gate and up
 # halves are the widest), then stay in a core's 2 MB L2 between the elementwise kernels;
@@ -122,6 +125,7 @@ class _Batch:
     out_tok: torch.Tensor  # (B, max_tokens)
     out_lp: torch.Tensor  # (B, max_tokens)
     done: torch.Tensor  # (B,) sampled a stop token
+    keys: torch.Tensor  # (B,) int64: each row's sampling key
     live: list[int]  # batch row -> index among the call's rows
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -130,6 +134,7 @@ class _Batch:
         self.kv = KVCache(self.kv.kv[:, :, rows])
         self.mask = self.mask.view(-1, kv_heads, 1, length)[rows].flatten(0, 1)
         self.tok, self.at, self.done = self.tok[rows], self.at[rows], self.done[rows]
+        self.keys = self.keys[rows]
         self.dest = decoder.kv_rows(self.at, len(self.at), kv_heads, length).flatten()  # renumbered
         self.out_tok, self.out_lp = self.out_tok[rows], self.out_lp[rows]
         self.live = [i for i, k in zip(self.live, rows.tolist(), strict=True) if k]
@@ -178,21 +183,22 @@ class TorchEngine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
+        """``seed``: one per prompt, or one for the call (prompt ``i`` then gets
+        ``request_seed(seed, i)``), or None for fresh randomness."""
         prompt_list = [tuple(int(t) for t in p) for p in prompts]
         self._check(prompt_list, params)
         if not prompt_list:
             return []
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        keys = request_keys(prompt_seeds(seed, len(prompt_list)), params.n)
 
         out: list[Completion] = []
+        n, first = params.n, 0
         for chunk in self._chunks(prompt_list):
-            out += self._generate_chunk(chunk, params, generator)
+            chunk_keys = keys[first * n : (first + len(chunk)) * n]
+            out += self._generate_chunk(chunk, params, chunk_keys)
+            first += len(chunk)
         if self._scratch.numel() * self._scratch.element_size() > _SCRATCH_KEEP_BYTES:
             self._scratch = torch.zeros(0)
         self.stats.calls += 1
@@ -200,15 +206,13 @@ class TorchEngine:
         self.stats.generated_tokens += sum(len(c.token_ids) for c in out)
         self.stats.extra["cache_used_tokens"] = float(self.cache.used)
         self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
-        n = params.n
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_list))]
 
     def _chunks(self, prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
         """Split a call so that each part's prompts fit in half the cache pool at once.
 
         A part's prompts stay locked in the cache while it decodes; half the pool leaves room
-        for the generated tokens. Parts run one after another with one generator, so a seed
-        still decides the whole call.
+        for the generated tokens. Parts run one after another; every sample keeps its key.
         """
         budget = max(1, self.cache.capacity // 2)
         chunks: list[list[tuple[int, ...]]] = [[]]
@@ -225,7 +229,7 @@ class TorchEngine:
         self,
         prompt_list: list[tuple[int, ...]],
         params: SamplingParams,
-        generator: torch.Generator,
+        keys: list[int],
     ) -> list[Completion]:
         distinct = list(dict.fromkeys(prompt_list))  # identical prompts share one prefill
         index = {p: u for u, p in enumerate(distinct)}
@@ -236,7 +240,8 @@ class TorchEngine:
             try:
                 for lo in range(0, len(rows), self.max_batch):
                     batch = rows[lo : lo + self.max_batch]
-                    out += self._decode(batch, distinct, contexts, first_logits, params, generator)
+                    batch_keys = torch.tensor(keys[lo : lo + self.max_batch], device=self.device)
+                    out += self._decode(batch, distinct, contexts, first_logits, params, batch_keys)
             finally:
                 for p in distinct:
                     self.cache.release(p)
@@ -399,9 +404,10 @@ class TorchEngine:
         contexts: list[torch.Tensor],
         first_logits: torch.Tensor,
         params: SamplingParams,
-        generator: torch.Generator,
+        keys: torch.Tensor,
     ) -> list[Completion]:
-        """Sample one completion per row (each row names its distinct prompt)."""
+        """Sample one completion per row (each row names its distinct prompt and has its
+        sampling key)."""
         w, dev, max_new = self.weights, self.device, params.max_tokens
         kv_heads = w.spec.num_kv_heads
         prompts = [distinct[u] for u in rows]
@@ -414,7 +420,8 @@ class TorchEngine:
         cols = torch.arange(P + max_new, device=dev)
         mask = torch.zeros((B, P + max_new), dtype=w.dtype, device=dev)
         mask = mask.masked_fill_(cols >= at[:, None], float("-inf"))
-        tok, lp = self._sample(first_logits[torch.tensor(rows, device=dev)], params, generator)
+        first = first_logits[torch.tensor(rows, device=dev)]
+        tok, lp = self._sample(first, params, KeyedDraws(keys, 0))
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
         batch = _Batch(
             kv=kv,
@@ -425,6 +432,7 @@ class TorchEngine:
             out_tok=torch.zeros((B, max_new), dtype=torch.long, device=dev),
             out_lp=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
             done=torch.isin(tok, stops),
+            keys=keys,
             live=list(range(B)),
         )
         batch.out_tok[:, 0], batch.out_lp[:, 0] = tok, lp
@@ -452,7 +460,8 @@ class TorchEngine:
                 hidden = hidden[~batch.done]
                 batch.keep(~batch.done)
                 longest = max(lens[i] for i in batch.live)
-            tok, lp = self._sample(decoder.lm_logits(w, hidden), params, generator)
+            draws = KeyedDraws(batch.keys, t + 1)
+            tok, lp = self._sample(decoder.lm_logits(w, hidden), params, draws)
             batch.tok = tok
             batch.out_tok[:, t + 1], batch.out_lp[:, t + 1] = tok, lp
             if len(stops):
@@ -462,10 +471,10 @@ class TorchEngine:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+        logits: torch.Tensor, params: SamplingParams, draws: KeyedDraws
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (B,) and their log-probabilities at temperature 1 (B,)."""
-        picked = sample(logits, params.temperature, params.top_p, generator)
+        picked = sample(logits, params.temperature, params.top_p, draws)
         return picked.tokens, picked.logprobs
 
     def _retire(

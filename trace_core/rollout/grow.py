@@ -30,8 +30,9 @@ from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo, recur
 from trace_core.envs.base import Env, Task, replay
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
+from trace_core.policy.sampling import request_seed
 from trace_core.rollout.predictor import Predictor
-from trace_core.rollout.turn import Episode, play_turn, streams
+from trace_core.rollout.turn import Episode, play_turn, streams, turn_seed
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class _Prompt:
     live_roots: int
     expanded: bool = False  # stage 2 has run
     histories: dict[int, list[int]] = field(default_factory=dict)  # node -> history after it
+    origins: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """node -> (its episode's key, the turn): which turn of which episode made it. Node ids
+    follow the order turns come back (timing); origins do not."""
 
 
 def grow_trees(
@@ -98,10 +102,10 @@ def grow_trees(
         builder = TreeBuilder(info, prompt_tokens=prompt_ids[i], prompt_text=task.prompt)
         builder.set_predicted_v(ROOT, float(scores[i]))
         prompts[int(i)] = _Prompt(task, builder, int(root_plan.counts[i]))
-        for _ in range(int(root_plan.counts[i])):
+        for r in range(int(root_plan.counts[i])):
             env = make_env()
             env.reset(task)
-            live.append(Episode(int(i), env, ROOT, list(prompt_ids[i])))
+            live.append(Episode(int(i), env, ROOT, list(prompt_ids[i]), key=(0, r)))
     spent = 0.0
 
     def advance(episode: Episode, out: Completion) -> list[Episode]:
@@ -110,29 +114,35 @@ def grow_trees(
         state = prompts[episode.owner]
         if episode.node == ROOT or episode.branch:
             spent += 1.0 if episode.root_rollout else 0.5
-        if not play_turn(episode, out, fmt, state.builder).done:
+        step = play_turn(episode, out, fmt, state.builder)
+        state.origins[episode.node] = (*episode.key, episode.turns)
+        if not step.done:
             state.histories[episode.node] = list(episode.history)
             return [episode]
         if episode.root_rollout:
             state.live_roots -= 1
             if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
                 state.expanded = True
-                return _expand(episode.owner, state, root_plan, predictor, make_env, rng)
+                # Its own generator: what a prompt expands does not depend on when it ran.
+                own = np.random.default_rng(request_seed(config.seed, episode.owner))
+                return _expand(episode.owner, state, root_plan, predictor, make_env, own)
         return []
 
+    def seeds(episodes: list[Episode]) -> list[int]:
+        return [turn_seed(config.seed, e) for e in episodes]
+
     if streams(engine) and live:
-        stream = engine.stream(turn, seed=int(rng.integers(0, 2**31 - 1)))
-        stream.submit([e.history for e in live], live)
+        stream = engine.stream(turn)
+        stream.submit([e.history for e in live], live, seeds(live))
         while stream.pending:
             freed = [n for episode, out in stream.next() for n in advance(episode, out[0])]
             if freed:
-                stream.submit([e.history for e in freed], freed)
+                stream.submit([e.history for e in freed], freed, seeds(freed))
             if progress:
                 progress(spent)
         live = []
     while live:  # lock-step: one call per turn-step
-        seed = int(rng.integers(0, 2**31 - 1))
-        outputs = engine.generate([e.history for e in live], turn, seed=seed)
+        outputs = engine.generate([e.history for e in live], turn, seed=seeds(live))
         live = [n for e, out in zip(live, outputs, strict=True) for n in advance(e, out[0])]
         if progress:
             progress(spent)
@@ -158,15 +168,16 @@ def _expand(
         return []
     tree = state.builder.build()
     prefixes = [int(p) for p in np.flatnonzero(~tree.leaf_mask) if p != ROOT]
+    prefixes.sort(key=lambda p: state.origins[p])  # the same order whatever the timing
     if not prefixes:
         extra = int(root_plan.continuations[prompt]) // 2
         state.live_roots += extra
         prompt_ids = list(tree.obs_tokens[ROOT])
         episodes = []
-        for _ in range(extra):
+        for r in range(extra):
             env = make_env()
             env.reset(state.task)
-            episodes.append(Episode(prompt, env, ROOT, list(prompt_ids)))
+            episodes.append(Episode(prompt, env, ROOT, list(prompt_ids), key=(2, r)))
         return episodes
     # Before stage 2 every prefix lies on exactly one root rollout, so the mean reward of the
     # leaves below it (its recursive target) is that rollout's reward.
@@ -178,9 +189,9 @@ def _expand(
     episodes = []
     for node, k in zip(prefixes, counts, strict=True):
         path_actions = [tree.text[int(n)] for n in tree.path(node)[1:]]
-        for _ in range(int(k)):
+        for c in range(int(k)):
             env = make_env()
             replay(env, state.task, path_actions)
-            history = list(state.histories[node])
-            episodes.append(Episode(prompt, env, node, history, branch=True, root_rollout=False))
+            history, key = list(state.histories[node]), (1, *state.origins[node], c)
+            episodes.append(Episode(prompt, env, node, history, True, False, key))
     return episodes

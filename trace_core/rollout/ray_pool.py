@@ -78,6 +78,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
+from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
@@ -87,7 +88,7 @@ from trace_core.rollout.ray_worker import (
     SubBatchResult,
     WorkerSpec,
 )
-from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work, sub_batch_seed
+from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import Episode
 
 Driver = Literal["async", "lock-step"]
@@ -305,8 +306,10 @@ class RayEnginePool:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
-        seed: int | None = None,
+        seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
+        """``seed``: one per prompt, or one for the call (``sampling.prompt_seeds``); each
+        prompt is sampled with its own, so routing does not change what it samples."""
         prompt_list = [[int(t) for t in p] for p in prompts]
         if not self._live:
             raise RuntimeError("the engine pool is closed or every worker has died")
@@ -314,7 +317,7 @@ class RayEnginePool:
             return []
         start = time.perf_counter()
         self._calls += 1
-        plan = self._route(prompt_list, params, seed)
+        plan = self._route(prompt_list, params, prompt_seeds(seed, len(prompt_list)))
         pending = {self._submit(sub, prompt_list, params): sub for sub in plan}
         self._submitted(self._calls, plan)
         out: list[list[Completion] | None] = [None] * len(prompt_list)
@@ -344,11 +347,11 @@ class RayEnginePool:
         assert all(row is not None for row in out)
         return out  # type: ignore[return-value]
 
-    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream[Episode]:
+    def stream(self, params: SamplingParams) -> TurnStream[Episode]:
         """Turns answered per worker as each is done: the async driver (``rollout.ray_stream``)."""
         if not self._live:
             raise RuntimeError("the engine pool is closed or every worker has died")
-        return TurnStream(self, params, seed)
+        return TurnStream(self, params)
 
     def _record(self, worker: int, prompts: Sequence[list[int]], result: SubBatchResult) -> None:
         """A sub-batch's answers: who now holds their prefixes, and the counters."""
@@ -370,11 +373,11 @@ class RayEnginePool:
             self._length_share = 0.5 * self._length_share + 0.5 * share
 
     def _route(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
     ) -> list[SubBatch]:
         by_worker, work = self._assign(prompts, params)
         return [
-            SubBatch(w, tuple(sorted(ix)), sub_batch_seed(seed, sorted(ix)), work[w])
+            SubBatch(w, tuple(sorted(ix)), tuple(seeds[i] for i in sorted(ix)), work[w])
             for w, ix in sorted(by_worker.items())
         ]
 
@@ -412,7 +415,9 @@ class RayEnginePool:
         self, sub: SubBatch, prompts: list[list[int]], params: SamplingParams
     ) -> ray.ObjectRef[SubBatchResult]:
         batch = [prompts[i] for i in sub.indices]
-        return self._actors[sub.worker].generate.remote(batch, params, sub.seed, self.checkpoint)
+        return self._actors[sub.worker].generate.remote(
+            batch, params, list(sub.seeds), self.checkpoint
+        )
 
     def _submitted(self, call: int, plan: Sequence[SubBatch]) -> None:
         """Called once a call's sub-batches are in flight (a seam for fault-injection tests)."""
@@ -434,7 +439,7 @@ class RayEnginePool:
         target = min(candidates, key=lambda w: (load[w], w))
         extra = self.stats.extra
         extra["resubmitted_sub_batches"] = extra.get("resubmitted_sub_batches", 0.0) + 1
-        return SubBatch(target, sub.indices, sub.seed, sub.work)
+        return SubBatch(target, sub.indices, sub.seeds, sub.work)
 
     # -- weights and lifetime ----------------------------------------------------------------
 

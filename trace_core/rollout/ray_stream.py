@@ -4,12 +4,12 @@ The async driver of ``rollout.grow``. A lock-step call waits for its slowest sub
 then every worker waits while the driver steps the envs of all completions. A stream keeps
 one queue per worker instead::
 
-    stream = pool.stream(SamplingParams(max_tokens=48), seed=0)
-    stream.submit(histories, episodes)            # tags come back with their completions
+    stream = pool.stream(SamplingParams(max_tokens=48))
+    stream.submit(histories, episodes, seeds)     # tags come back with their completions
     while stream.pending:
         for episode, completion in stream.next():  # one worker's sub-batch
             ...                                    # step its env; its next turn:
-        stream.submit(next_histories, next_episodes)
+        stream.submit(next_histories, next_episodes, next_seeds)
 
 ``submit`` routes turns as a call's prompts are routed (``RayEnginePool._assign``: a prompt
 stays on the worker that holds its longest prefix while that worker is under its fair share,
@@ -19,9 +19,10 @@ returns, starts what has queued for that worker meanwhile: the worker decodes wh
 caller steps envs. A worker runs one sub-batch at a time, so turns submitted while it runs
 wait for its next (one engine call each, not one per turn).
 
-Seeds: every sub-batch draws its seed from one generator seeded by ``seed``, in the order
-sub-batches start. With one worker that order is fixed, so a seed reproduces a run; with more,
-which turns meet in a sub-batch depends on timing. Faults: a sub-batch whose actor died is
+Seeds: every turn carries its own (``rollout.turn.turn_seed``), and the engines sample each
+request from its own (``sampling.KeyedDraws``, vLLM's per-request seed), so which turns meet
+in a sub-batch, which depends on timing and on the number of workers, does not change what
+they sample (up to float rounding in batched kernels). Faults: a sub-batch whose actor died is
 started again, same turns and seed, on the least-loaded live worker
 (``RayEnginePool._reroute``); turns queued for a worker gone for good are routed again.
 """
@@ -31,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
@@ -77,10 +77,10 @@ class Pool(Protocol):
 class TurnStream(Generic[Tag]):
     """Turns in flight on a pool (see the module docstring); ``params.n`` samples per turn."""
 
-    def __init__(self, pool: Pool, params: SamplingParams, seed: int | None) -> None:
+    def __init__(self, pool: Pool, params: SamplingParams) -> None:
         self._pool, self._params = pool, params
-        self._seeds = None if seed is None else np.random.default_rng(seed)
         self._prompts: dict[int, list[int]] = {}  # turn id -> prompt
+        self._seeds: dict[int, int] = {}  # turn id -> its seed
         self._tags: dict[int, Tag] = {}
         self._work: dict[int, float] = {}  # turn id -> its routing work
         self._ids = 0
@@ -93,14 +93,18 @@ class TurnStream(Generic[Tag]):
         """Turns submitted and not answered yet."""
         return len(self._tags)
 
-    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Tag]) -> None:
-        """Queue one turn per prompt; ``next`` hands back its tag with its completions."""
-        if len(prompts) != len(tags):
-            raise ValueError(f"{len(prompts)} prompts but {len(tags)} tags")
+    def submit(
+        self, prompts: Sequence[Sequence[int]], tags: Sequence[Tag], seeds: Sequence[int]
+    ) -> None:
+        """Queue one turn per prompt, each with its seed; ``next`` hands back its tag with its
+        completions."""
+        if not len(prompts) == len(tags) == len(seeds):
+            raise ValueError(f"{len(prompts)} prompts, {len(tags)} tags and {len(seeds)} seeds")
         ids = list(range(self._ids, self._ids + len(prompts)))
         self._ids += len(prompts)
-        for i, prompt, tag in zip(ids, prompts, tags, strict=True):
+        for i, prompt, tag, seed in zip(ids, prompts, tags, seeds, strict=True):
             self._prompts[i], self._tags[i] = [int(t) for t in prompt], tag
+            self._seeds[i] = int(seed)
         self._queue(ids)
         self._start_idle()
 
@@ -133,7 +137,7 @@ class TurnStream(Generic[Tag]):
         if self._queues.get(worker):
             self._start(worker)  # before the caller steps the envs of this sub-batch
         for i in sub.indices:
-            del self._work[i]
+            del self._work[i], self._seeds[i]
         return [
             (self._tags.pop(i), completions)
             for i, completions in zip(sub.indices, result.completions, strict=True)
@@ -162,8 +166,8 @@ class TurnStream(Generic[Tag]):
     def _start(self, worker: int) -> None:
         ids = tuple(self._queues[worker])
         self._queues[worker] = []
-        seed = None if self._seeds is None else int(self._seeds.integers(0, 2**31 - 1))
-        sub = SubBatch(worker, ids, seed, sum(self._work[i] for i in ids))
+        seeds = tuple(self._seeds[i] for i in ids)
+        sub = SubBatch(worker, ids, seeds, sum(self._work[i] for i in ids))
         self._running[self._send(sub)] = sub
         self._pool._calls += 1
         self._pool._submitted(self._pool._calls, [sub])
@@ -172,7 +176,8 @@ class TurnStream(Generic[Tag]):
         pool = self._pool
         batch = [self._prompts[i] for i in sub.indices]
         actor = pool._actors[sub.worker]
-        return actor.generate.remote(batch, self._params, sub.seed, pool.checkpoint)  # type: ignore[no-any-return]
+        seeds = list(sub.seeds)
+        return actor.generate.remote(batch, self._params, seeds, pool.checkpoint)  # type: ignore[no-any-return]
 
     def _forget_dead(self) -> None:
         """Workers gone for good: their queued turns are routed again among the live ones."""

@@ -224,9 +224,10 @@ class EngineWorker:
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        seed: int | None,
+        seeds: list[int],
         checkpoint: str,
     ) -> SubBatchResult:
+        """``params.n`` completions per prompt, each prompt sampled with its seed."""
         with self._call():
             if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
                 if checkpoint.startswith(SYNCED):
@@ -239,7 +240,7 @@ class EngineWorker:
             stats = self.engine.stats
             before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
             start = time.perf_counter()
-            completions = self.engine.generate(prompts, params, seed)
+            completions = self.engine.generate(prompts, params, seeds)
             seconds = time.perf_counter() - start
         return SubBatchResult(
             completions,

@@ -1,6 +1,6 @@
 """How a Ray engine pool routes prompts (``rollout.ray_pool``): which worker served a prompt's
 longest known prefix (``PrefixOwners``), how a call's work is split across workers
-(``split_work``), and each sub-batch's seed. Pure functions and data, no Ray: the routing rules
+(``split_work``). Pure functions and data, no Ray: the routing rules
 are the module docstring of ``rollout.ray_pool``.
 """
 
@@ -91,20 +91,12 @@ class PrefixOwners:
 
 @dataclass(frozen=True)
 class SubBatch:
-    """Prompts ``indices`` of a call, sent to ``worker`` with ``seed``."""
+    """Prompts ``indices`` of a call, sent to ``worker`` with their own ``seeds``."""
 
     worker: int
     indices: tuple[int, ...]
-    seed: int | None
+    seeds: tuple[int, ...]
     work: float
-
-
-def sub_batch_seed(seed: int | None, indices: Sequence[int]) -> int | None:
-    """A 31-bit seed from the call's seed and the prompt positions (None stays None)."""
-    if seed is None:
-        return None
-    state = np.random.SeedSequence([seed, *indices]).generate_state(1, dtype=np.uint32)
-    return int(state[0] >> 1)
 
 
 def split_work(

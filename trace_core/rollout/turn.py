@@ -16,6 +16,7 @@ from trace_core.algo.tree import TreeBuilder
 from trace_core.envs.base import Env, Step
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.format import TurnFormat
+from trace_core.policy.sampling import request_seed
 
 
 @dataclass
@@ -30,6 +31,16 @@ class Episode:
     branch: bool = False
     """Its next turn starts a continuation from a prefix."""
     root_rollout: bool = True
+    key: tuple[int, ...] = ()
+    """Which episode of its owner it is (its turns' seeds come from it, ``turn_seed``)."""
+    turns: int = 0
+    """Turns played so far."""
+
+
+def turn_seed(seed: int, episode: Episode) -> int:
+    """The seed of ``episode``'s next turn: a function of the rollout's seed, the episode and
+    how many turns it has played, never of which turns share an engine call or when it ran."""
+    return request_seed(seed, episode.owner, *episode.key, episode.turns)
 
 
 class TurnStream(Protocol):
@@ -38,7 +49,9 @@ class TurnStream(Protocol):
     @property
     def pending(self) -> int: ...
 
-    def submit(self, prompts: Sequence[Sequence[int]], tags: Sequence[Episode]) -> None: ...
+    def submit(
+        self, prompts: Sequence[Sequence[int]], tags: Sequence[Episode], seeds: Sequence[int]
+    ) -> None: ...
 
     def next(self) -> list[tuple[Episode, list[Completion]]]: ...
 
@@ -49,7 +62,7 @@ class StreamingEngine(Protocol):
 
     driver: str
 
-    def stream(self, params: SamplingParams, seed: int | None = None) -> TurnStream: ...
+    def stream(self, params: SamplingParams) -> TurnStream: ...
 
 
 def streams(engine: object) -> TypeGuard[StreamingEngine]:
@@ -76,6 +89,7 @@ def play_turn(
         truncated=not completion.finished,
     )
     episode.branch = False
+    episode.turns += 1
     if step.done:
         builder.set_reward(episode.node, step.reward)
     else:
