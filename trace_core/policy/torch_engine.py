@@ -19,20 +19,22 @@ its observation tokens.
    is gathered from the pool, the new tokens run at their positions, and their KV is written
    back to fresh slots. A prompt must produce logits for its last token, so a prompt that is
    already fully cached reruns just that token.
-2. *Decode.* The ``n`` samples of each prompt become rows of a dense per-call KV buffer
-   (column = position, see ``decoder``), filled from the pool by one gather: a prompt is
-   prefilled once however many samples it has. Each step runs one token per row through
-   ``decoder.decode_step``, samples from the logits (each row with its own keyed uniforms,
-   ``sampling.KeyedDraws``), and checks the stop tokens (only when there are any). A step does
-   no per-row Python work and builds no index tensors: each row's write position, KV destination and
-   additive attention mask are kept across steps and advanced in place. Rows of different
-   lengths share the batch: each writes at its own position and attends to its own columns
-   only. The token sampled last is run too, so its KV exists for the next turn.
-3. *Retire.* Finished rows are inserted into the tree (their generated KV copied to the
-   pool) and, once a quarter of the batch has finished, dropped from it.
+2. *Decode.* Every sample is a request of the engine's continuous batch
+   (``policy.continuous``): rows of a dense KV buffer (column = position), filled from the pool
+   by one gather when they join, so a prompt is prefilled once however many samples it has.
+   Each step runs one token per row through ``decoder.decode_step``, samples from the logits
+   (each row with its own keyed uniforms, ``sampling.KeyedDraws``), and checks the stop
+   tokens. Each row's write position, KV destination and additive attention mask are kept
+   across steps and advanced in place. Rows of different lengths share the batch: each writes
+   at its own position and attends to its own columns only. The token sampled last is run
+   too, so its KV exists for the next turn.
+3. *Retire and admit.* A finished row is answered at once and its sequence inserted into the
+   tree (its generated KV copied to the pool); waiting requests join at the next step boundary
+   while rows are free (``max_batch``), and the buffer is laid out again when rows join or a
+   quarter has finished.
 
-The prefill and decode buffers live in storage kept across calls (see ``_kv_buffer``): zeroing
-fresh memory for each call cost about a decode step's time.
+The prefill buffers live in storage kept across calls (see ``_kv_buffer``): zeroing fresh
+memory for each call cost about a decode step's time.
 
 **Sampling.** Temperature, then top-p, then one uniform draw per row (``sampling``); temperature
 0 is greedy. Logprobs are ``log_softmax`` of the raw logits (temperature 1, no top-p) at the
@@ -65,8 +67,7 @@ cache slots come from the engine settings (``EngineConfig.max_rows``, ``cache_to
 
 Not validated yet: CUDA and bfloat16 (bfloat16 is the default on CUDA; written device-agnostic,
 exercised on CPU in float32 only), and a single prompt longer than the pool (refused with an
-error). A call whose prompts do not
-fit together is split into parts that do.
+error). Requests join the batch in groups whose prompts fit in half the pool.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from trace_core.policy import decoder
+from trace_core.policy.continuous import ContinuousBatch, Request
 from trace_core.policy.decoder import (
     DecoderWeights,
     KVCache,
@@ -90,7 +92,7 @@ from trace_core.policy.decoder import (
 )
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
-from trace_core.policy.sampling import KeyedDraws, prompt_seeds, request_keys, sample
+from trace_core.policy.sampling import prompt_seeds, request_keys
 
 # Token slots of one prefill pass. Its activations, ~4 KB per token (the MLP's gate and up
 # halves are the widest), then stay in a core's 2 MB L2 between the elementwise kernels;
@@ -111,33 +113,6 @@ class _Row:
     tokens: tuple[int, ...]
     fills: Node | None  # the node these tokens' KV goes to; None: a rerun for logits only
     logits_for: int | None  # the distinct prompt whose first-token logits this row yields
-
-
-@dataclass
-class _Batch:
-    """The live rows of a decode: their KV buffer and mask, last tokens and outputs so far."""
-
-    kv: KVCache  # (L, 2, B, Hkv, T, D), T = P + max_tokens
-    mask: torch.Tensor  # (B·Hkv, 1, T) additive attention mask (see decoder.decode_step)
-    tok: torch.Tensor  # (B,) the token each row feeds next
-    at: torch.Tensor  # (B,) the position it goes to
-    dest: torch.Tensor  # (2·B·Hkv,) its key's and value's rows in a layer (decoder.kv_rows)
-    out_tok: torch.Tensor  # (B, max_tokens)
-    out_lp: torch.Tensor  # (B, max_tokens)
-    done: torch.Tensor  # (B,) sampled a stop token
-    keys: torch.Tensor  # (B,) int64: each row's sampling key
-    live: list[int]  # batch row -> index among the call's rows
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only the rows where ``rows`` (B,) is True."""
-        kv_heads, length = self.kv.kv.shape[3], self.kv.length
-        self.kv = KVCache(self.kv.kv[:, :, rows])
-        self.mask = self.mask.view(-1, kv_heads, 1, length)[rows].flatten(0, 1)
-        self.tok, self.at, self.done = self.tok[rows], self.at[rows], self.done[rows]
-        self.keys = self.keys[rows]
-        self.dest = decoder.kv_rows(self.at, len(self.at), kv_heads, length).flatten()  # renumbered
-        self.out_tok, self.out_lp = self.out_tok[rows], self.out_lp[rows]
-        self.live = [i for i, k in zip(self.live, rows.tolist(), strict=True) if k]
 
 
 class TorchEngine:
@@ -186,67 +161,31 @@ class TorchEngine:
         seed: int | Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """``seed``: one per prompt, or one for the call (prompt ``i`` then gets
-        ``request_seed(seed, i)``), or None for fresh randomness."""
+        ``request_seed(seed, i)``), or None for fresh randomness. Every sample is a request of
+        the engine's continuous batch (``policy.continuous``)."""
         prompt_list = [tuple(int(t) for t in p) for p in prompts]
         self._check(prompt_list, params)
         if not prompt_list:
             return []
-        keys = request_keys(prompt_seeds(seed, len(prompt_list)), params.n)
-
-        out: list[Completion] = []
-        n, first = params.n, 0
-        for chunk in self._chunks(prompt_list):
-            chunk_keys = keys[first * n : (first + len(chunk)) * n]
-            out += self._generate_chunk(chunk, params, chunk_keys)
-            first += len(chunk)
+        n = params.n
+        keys = request_keys(prompt_seeds(seed, len(prompt_list)), n)
+        batch = ContinuousBatch(self)
+        one = replace(params, n=1)
+        for r, key in enumerate(keys):
+            batch.add(Request(prompt_list[r // n], one, key), r)
+        out: list[Completion | None] = [None] * len(keys)
+        while batch.pending:
+            for r, completion in batch.step():
+                out[r] = completion
         if self._scratch.numel() * self._scratch.element_size() > _SCRATCH_KEEP_BYTES:
             self._scratch = torch.zeros(0)
         self.stats.calls += 1
         self.stats.prompt_tokens += sum(len(p) for p in prompt_list)
-        self.stats.generated_tokens += sum(len(c.token_ids) for c in out)
         self.stats.extra["cache_used_tokens"] = float(self.cache.used)
         self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
-        return [out[i * n : (i + 1) * n] for i in range(len(prompt_list))]
-
-    def _chunks(self, prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """Split a call so that each part's prompts fit in half the cache pool at once.
-
-        A part's prompts stay locked in the cache while it decodes; half the pool leaves room
-        for the generated tokens. Parts run one after another; every sample keeps its key.
-        """
-        budget = max(1, self.cache.capacity // 2)
-        chunks: list[list[tuple[int, ...]]] = [[]]
-        used = 0
-        for p in prompts:
-            if chunks[-1] and used + len(p) > budget:
-                chunks.append([])
-                used = 0
-            chunks[-1].append(p)
-            used += len(p)
-        return chunks
-
-    def _generate_chunk(
-        self,
-        prompt_list: list[tuple[int, ...]],
-        params: SamplingParams,
-        keys: list[int],
-    ) -> list[Completion]:
-        distinct = list(dict.fromkeys(prompt_list))  # identical prompts share one prefill
-        index = {p: u for u, p in enumerate(distinct)}
-        rows = [index[p] for p in prompt_list for _ in range(params.n)]
-        out: list[Completion] = []
-        with torch.inference_mode():
-            first_logits, contexts = self._prefill(distinct)
-            try:
-                for lo in range(0, len(rows), self.max_batch):
-                    batch = rows[lo : lo + self.max_batch]
-                    batch_keys = torch.tensor(keys[lo : lo + self.max_batch], device=self.device)
-                    out += self._decode(batch, distinct, contexts, first_logits, params, batch_keys)
-            finally:
-                for p in distinct:
-                    self.cache.release(p)
-
-        return out
+        done = [c for c in out if c is not None]
+        assert len(done) == len(out)
+        return [done[i * n : (i + 1) * n] for i in range(len(prompt_list))]
 
     def _check(self, prompts: list[tuple[int, ...]], params: SamplingParams) -> None:
         spec = self.weights.spec
@@ -395,114 +334,7 @@ class TorchEngine:
         picked = kv.kv.view(L, 2, R * Hkv * T, D).index_select(2, index_t)
         self.cache.kv.index_copy_(2, slots, picked.view(L, 2, -1, Hkv, D))  # (L, 2, N, Hkv, D)
 
-    # -- decode ------------------------------------------------------------------------------
-
-    def _decode(
-        self,
-        rows: list[int],
-        distinct: list[tuple[int, ...]],
-        contexts: list[torch.Tensor],
-        first_logits: torch.Tensor,
-        params: SamplingParams,
-        keys: torch.Tensor,
-    ) -> list[Completion]:
-        """Sample one completion per row (each row names its distinct prompt and has its
-        sampling key)."""
-        w, dev, max_new = self.weights, self.device, params.max_tokens
-        kv_heads = w.spec.num_kv_heads
-        prompts = [distinct[u] for u in rows]
-        lens = [len(p) for p in prompts]
-        B, P = len(rows), max(lens)
-        kv = self._kv_buffer(B, P + max_new)
-        self._gather_context([contexts[u] for u in rows], P, kv)  # samples share prompt KV
-        at = torch.tensor(lens, device=dev)
-        # A row sees its prompt's columns; each step unmasks the column it writes.
-        cols = torch.arange(P + max_new, device=dev)
-        mask = torch.zeros((B, P + max_new), dtype=w.dtype, device=dev)
-        mask = mask.masked_fill_(cols >= at[:, None], float("-inf"))
-        first = first_logits[torch.tensor(rows, device=dev)]
-        tok, lp = self._sample(first, params, KeyedDraws(keys, 0))
-        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
-        batch = _Batch(
-            kv=kv,
-            mask=mask.repeat_interleave(kv_heads, dim=0).unsqueeze(1),
-            tok=tok,
-            at=at,
-            dest=decoder.kv_rows(at, B, kv_heads, P + max_new).flatten(),
-            out_tok=torch.zeros((B, max_new), dtype=torch.long, device=dev),
-            out_lp=torch.zeros((B, max_new), dtype=torch.float32, device=dev),
-            done=torch.isin(tok, stops),
-            keys=keys,
-            live=list(range(B)),
-        )
-        batch.out_tok[:, 0], batch.out_lp[:, 0] = tok, lp
-        longest = P  # longest prompt among live rows: attention spans longest + t + 1 columns
-        results: list[Completion | None] = [None] * B
-
-        for t in range(max_new):
-            rope = F.embedding(batch.at, w.rope)  # (B, 2·D)
-            hidden = decoder.decode_step(
-                w, batch.tok, batch.dest, rope, batch.kv, batch.mask, longest + t + 1
-            )  # (B, C)
-            batch.at += 1
-            batch.dest += 1
-            # The token sampled last now has its KV too: a row that is done is complete.
-            if t == max_new - 1:
-                n_done = len(batch.live)
-            else:
-                n_done = int(batch.done.sum()) if len(stops) else 0
-            if n_done == len(batch.live):
-                everyone = torch.ones_like(batch.done)
-                self._retire(batch, everyone, t, prompts, params, results)
-                break
-            if 4 * n_done >= len(batch.live):  # drop the finished quarter: it costs a copy
-                self._retire(batch, batch.done, t, prompts, params, results)
-                hidden = hidden[~batch.done]
-                batch.keep(~batch.done)
-                longest = max(lens[i] for i in batch.live)
-            draws = KeyedDraws(batch.keys, t + 1)
-            tok, lp = self._sample(decoder.lm_logits(w, hidden), params, draws)
-            batch.tok = tok
-            batch.out_tok[:, t + 1], batch.out_lp[:, t + 1] = tok, lp
-            if len(stops):
-                batch.done |= torch.isin(tok, stops)
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
-
-    @staticmethod
-    def _sample(
-        logits: torch.Tensor, params: SamplingParams, draws: KeyedDraws
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens (B,) and their log-probabilities at temperature 1 (B,)."""
-        picked = sample(logits, params.temperature, params.top_p, draws)
-        return picked.tokens, picked.logprobs
-
-    def _retire(
-        self,
-        batch: _Batch,
-        which: torch.Tensor,
-        t: int,
-        prompts: list[tuple[int, ...]],
-        params: SamplingParams,
-        results: list[Completion | None],
-    ) -> None:
-        """Turn the rows in ``which`` (B,) into completions after step ``t``, and cache them."""
-        sel = which.nonzero().squeeze(1)
-        toks = batch.out_tok[sel, : t + 1].cpu().numpy()
-        lps = batch.out_lp[sel, : t + 1].cpu().numpy()
-        is_stop = np.isin(toks, np.asarray(params.stop_token_ids, dtype=toks.dtype))
-        finished = np.asarray(is_stop.any(axis=1))
-        length = np.where(finished, is_stop.argmax(axis=1) + 1, t + 1)  # up to the first stop
-        seqs = []
-        for j, b in enumerate(sel.tolist()):
-            n, row = int(length[j]), batch.live[b]
-            results[row] = Completion(
-                token_ids=toks[j, :n].astype(np.int32),
-                logprobs=lps[j, :n].astype(np.float32),
-                finished=bool(finished[j]),
-            )
-            seqs.append((b, prompts[row] + tuple(toks[j, :n].tolist())))
-        self._cache_generated(seqs, batch.kv)
+    # -- decode (``policy.continuous``) --------------------------------------------------------
 
     def _cache_generated(self, seqs: list[tuple[int, tuple[int, ...]]], kv: KVCache) -> None:
         """Insert (batch row, prompt + completion) into the tree, copying the new KV to the pool.
