@@ -204,11 +204,13 @@ def test_one_worker_hits_every_reusable_token(stream: TurnStream) -> None:
     )
 
 
-def test_a_global_barrier_is_never_faster_with_an_async_driver(stream: TurnStream) -> None:
-    """With an async driver the barrier leaves workers idle while the slowest prompt's roots
-    finish. (Lock-step already waits for the slowest turn of every call, so there the
-    barrier costs little and may even batch stage 2 better: no assertion.)"""
-    for w in (2, 8, 64):
+def test_a_global_barrier_costs_an_async_driver_on_wide_pools(stream: TurnStream) -> None:
+    """With an async driver and as many workers as prompts or more, the barrier leaves
+    workers idle while the slowest prompt's roots finish. With fewer workers it can batch
+    stage 2 better instead (on this 16-prompt workload: 0.4% faster at 4 workers, 3.8% at 8),
+    as it may under lock-step, which already waits for the slowest turn of every call: no
+    assertion there."""
+    for w in (16, 64):
         local = simulate(stream, BY_NAME["trace-async"], w, CPU).makespan_s
         assert simulate(stream, BY_NAME["trace-async-barrier"], w, CPU).makespan_s >= local
 

@@ -138,6 +138,14 @@ def greedy_answers(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
 def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
     head: Any, tmp_path: Path
 ) -> None:
+    """The same vLLM actor takes a second policy from its checkpoint, then the first again by
+    a trainer actor's broadcast (its vLLM worker joins the sync group and loads the buckets in
+    place), answering each time as that policy does; killed mid-rollout, it still gives every
+    tree once."""
+    from trace_core.policy.update_config import UpdateConfig
+    from trace_core.train.start_state import StartState
+    from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
+
     first = save_sharpened_policy(tmp_path / "first", 0, SUITE.vocabulary())
     second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())
     gen = torch.Generator().manual_seed(0)
@@ -154,38 +162,24 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
         assert pool.stats.extra["reloads"] == 1
 
+        with TrainerGroup(
+            TrainerSpec(UpdateConfig(), bucket_bytes=2**16), StartState(str(first))
+        ) as trainers:
+            engines, members = pool.sync_members()
+            pool.synced("sync:test:1", trainers.sync(engines, members, "sync:test:1"))
+        assert pool.worker_pids() == pids  # the same actor and engine
+        reference = TorchEngine(load_checkpoint(first)[0])
+        assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
+
         # The worker killed in the rollout's third call: Ray restarts it (it boots on the first
         # checkpoint and reloads the second before it answers) and reruns its sub-batch.
+        pool.update_weights(second)
         pool.at_call = pool.stats.calls + 3
         fmt = TurnFormat(load_checkpoint(second)[1])
         pool_tasks = SUITE.tasks("train")
         trees = grow_trees(pool, fmt, SUITE.make_env, pool_tasks, ConstantPredictor(), GROW)
         assert pool.killed[0] not in pool.worker_pids() and pool.workers == 1
     check_trees_are_the_planned_ones(trees, len(pool_tasks), BUDGET, GROW.seed)
-
-
-@pytest.mark.usefixtures("client_env")
-def test_a_vllm_actor_takes_the_trainers_weights_by_broadcast(head: Any, tmp_path: Path) -> None:
-    """A trainer actor holding one policy broadcasts it into a vLLM actor serving another:
-    vLLM's worker process joins the sync group and loads the buckets in place, and the actor
-    then answers as the trainer's policy does."""
-    from trace_core.policy.update_config import UpdateConfig
-    from trace_core.train.start_state import StartState
-    from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
-
-    first = save_sharpened_policy(tmp_path / "first", 0, SUITE.vocabulary())
-    second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 9)]
-    with RayEnginePool(first, workers=1, address=head.address, **VLLM) as pool:
-        with TrainerGroup(
-            TrainerSpec(UpdateConfig(), bucket_bytes=2**16), StartState(str(second))
-        ) as trainers:
-            engines, pids = pool.sync_members()
-            pool.synced("sync:test:1", trainers.sync(engines, pids, "sync:test:1"))
-        assert pool.worker_pids() == pids  # the same actor and engine
-        reference = TorchEngine(load_checkpoint(second)[0])
-        assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
 
 
 @pytest.mark.usefixtures("client_env")

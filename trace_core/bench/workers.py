@@ -12,9 +12,14 @@ of each counts, and the machine's load average is recorded (the machine may be s
     from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
     print(run_workers_bench(WorkersBenchConfig(Path("build/policy/calc"))).ratio)
 
-Each pool is timed with both drivers of ``grow_trees`` (``EngineConfig.driver``): lock-step
-(labels ``torch ray×2``) and async (``torch ray×2 async``); ``ratios()`` has async over
-lock-step at every worker count, the before and after of the async driver.
+Each pool is timed with every driver of ``grow_trees`` (``EngineConfig.driver``): lock-step
+(labels ``torch ray×2``), async (``torch ray×2 async``) and continuous (``torch ray×2
+continuous``: each turn joins its engine's running batch); ``ratios()`` has async over
+lock-step and continuous over async at every worker count.
+
+``rows_in_flight`` is the mean number of rows an engine decodes per step (TorchEngine's
+decode steps, all workers together): what batching buys on a GPU, where a step costs about
+the same at 32 rows as at 256.
 
 ``busy_share`` is the engines' busy time over (wall time × workers); the rest is what the
 schedule leaves idle. Lock-step, ``grow_trees`` makes one engine call per turn-step and waits
@@ -97,6 +102,10 @@ class WorkersBenchConfig:
             raise ValueError(f"engines must be among torch, hf, vllm; got {self.engines}")
         if not self.drivers or set(self.drivers) - set(DRIVERS):
             raise ValueError(f"drivers must be among {', '.join(DRIVERS)}; got {self.drivers}")
+        if "continuous" in self.drivers and set(self.engines) != {"torch"}:
+            raise ValueError(
+                f"drivers: continuous runs torch engines only, and engines are {self.engines}"
+            )
 
 
 class SlowTool:
@@ -118,7 +127,7 @@ class SlowTool:
 class WorkersRun:
     engine: str
     """``in-process``, or ``KIND ray×W`` (``torch ray×2``, ``vllm ray×1``) driven lock-step,
-    ``KIND ray×W async`` driven by the async driver."""
+    ``KIND ray×W async`` and ``KIND ray×W continuous`` driven by those drivers."""
     workers: int
     """0 for the in-process engine."""
     seconds: float
@@ -135,6 +144,8 @@ class WorkersRun:
     affinity_moved: int
     """Prompts routed away from the worker that held their prefix."""
     units: float
+    rows_in_flight: float = 0.0
+    """Mean rows per decode step of an engine (0 where the engine does not count them)."""
 
 
 @dataclass(frozen=True)
@@ -149,11 +160,11 @@ class WorkersBenchResult:
     def ratio(self) -> float:
         """Tokens/s of the most workers over the fewest, of the first engine kind and driver."""
         ray_runs = [r for r in self.runs if r.workers]
-        driver = ray_runs[0].engine.endswith(" async")
+        driver = _driver(ray_runs[0].engine)
         first = [
             r
             for r in ray_runs
-            if r.engine.startswith(self.kinds[0]) and r.engine.endswith(" async") == driver
+            if r.engine.startswith(self.kinds[0]) and _driver(r.engine) == driver
         ]
         return first[-1].tokens_per_s / first[0].tokens_per_s
 
@@ -166,7 +177,8 @@ class WorkersBenchResult:
         worker count: ``vllm ray×2 / torch ray×2``."""
         speed = {r.engine: r.tokens_per_s for r in self.runs if r.workers}
         counts = sorted({r.workers for r in self.runs if r.workers})
-        drivers = [d for d in ("", " async") if any(e.endswith(f"×{counts[0]}{d}") for e in speed)]
+        suffixes = ("", " async", " continuous")
+        drivers = [d for d in suffixes if any(e.endswith(f"×{counts[0]}{d}") for e in speed)]
         out = {}
         for d in drivers:
             for kind in self.kinds:
@@ -177,11 +189,12 @@ class WorkersBenchResult:
                 for w in counts:
                     base = f"{self.kinds[0]} ray×{w}{d}"
                     out[f"{kind} ray×{w}{d} / {base}"] = speed[f"{kind} ray×{w}{d}"] / speed[base]
-        if len(drivers) == 2:  # the async driver over lock-step, same pool
-            for kind in self.kinds:
-                for w in counts:
-                    lock = f"{kind} ray×{w}"
-                    out[f"{lock} async / {lock}"] = speed[f"{lock} async"] / speed[lock]
+        for later, earlier in (" async", ""), (" continuous", " async"):  # same pool
+            if later in drivers and earlier in drivers:
+                for kind in self.kinds:
+                    for w in counts:
+                        new, old = f"{kind} ray×{w}{later}", f"{kind} ray×{w}{earlier}"
+                        out[f"{new} / {old}"] = speed[new] / speed[old]
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -196,6 +209,12 @@ class WorkersBenchResult:
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _driver(label: str) -> str:
+    """The driver a run's label names (``torch ray×2 async`` -> async)."""
+    last = label.split()[-1]
+    return last if last in ("async", "continuous") else "lock-step"
 
 
 def run_workers_bench(
@@ -237,6 +256,9 @@ def run_workers_bench(
         moved = extra.get("affinity_moved", 0.0) - before[2].get("affinity_moved", 0.0)
         key = "imbalance_idle_seconds"
         imbalance = extra.get(key, 0.0) - before[2].get(key, 0.0)
+        kind = "engine" if workers else "decode"  # a pool's counters, or the engine's own
+        steps = extra.get(f"{kind}_steps", 0.0) - before[2].get(f"{kind}_steps", 0.0)
+        rows = extra.get(f"{kind}_row_steps", 0.0) - before[2].get(f"{kind}_row_steps", 0.0)
         metrics = measure(trees)
         return WorkersRun(
             engine=label,
@@ -250,6 +272,7 @@ def run_workers_bench(
             prefill_tokens=engine.stats.prefill_tokens - before[1],
             affinity_moved=int(moved),
             units=metrics.units,
+            rows_in_flight=rows / steps if steps else 0.0,
         )
 
     load_before = os.getloadavg()[0]
@@ -279,7 +302,7 @@ def run_workers_bench(
                     )
                 )
                 for driver in config.drivers:
-                    label = f"{kind} ray×{w}" + (" async" if driver == "async" else "")
+                    label = f"{kind} ray×{w}" + ("" if driver == "lock-step" else f" {driver}")
                     reset = functools.partial(ready, ray_pool, driver)
                     engines.append((ray_pool, reset, label, w))
         for engine, reset, label, _ in engines:

@@ -50,7 +50,10 @@ def bench_workers(
         float, typer.Option(help="vLLM: KV cache per engine in GiB (0: vLLM's default).")
     ] = 0.0,
     drivers: Annotated[
-        str, typer.Option(help="Drivers of each pool, comma-separated: lock-step, async.")
+        str,
+        typer.Option(
+            help="Drivers of each pool, comma-separated: lock-step, async, continuous (torch)."
+        ),
     ] = "lock-step,async",
     env_seconds: Annotated[
         float, typer.Option(help="Every env step also waits this long (a tool's latency).")
@@ -59,7 +62,7 @@ def bench_workers(
 ) -> None:
     """Rollout tokens/s with 1 and 2 Ray engine workers (one torch thread each), per engine kind
     and driver, and the ratios (2 workers over 1; each kind over the first; async over
-    lock-step)."""
+    lock-step; continuous over async)."""
     from trace_core.bench.workers import WorkersBenchConfig, run_workers_bench
 
     try:
@@ -84,7 +87,9 @@ def bench_workers(
     table = Table(
         title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts{tool}"
     )
-    heads = ("engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved")
+    heads = (
+        "engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved", "rows",
+    )  # fmt: skip
     for head in heads:
         table.add_column(head, justify="right")
     for r in result.runs:
@@ -97,6 +102,7 @@ def bench_workers(
             f"{r.busy_share:.2f}",
             f"{r.imbalance_share:.2f}",
             f"{r.affinity_moved}",
+            f"{r.rows_in_flight:.1f}",
         )
     console.print(table)
     for name, ratio in result.ratios().items():

@@ -181,6 +181,9 @@ class TorchEngine:
             self._scratch = torch.zeros(0)
         self.stats.calls += 1
         self.stats.prompt_tokens += sum(len(p) for p in prompt_list)
+        extra = self.stats.extra
+        extra["decode_steps"] = extra.get("decode_steps", 0.0) + batch.steps
+        extra["decode_row_steps"] = extra.get("decode_row_steps", 0.0) + batch.row_steps
         self.stats.extra["cache_used_tokens"] = float(self.cache.used)
         self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
         done = [c for c in out if c is not None]

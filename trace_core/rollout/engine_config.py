@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 ENGINES = ("torch", "hf", "vllm")
 DEVICES = ("auto", "cpu", "cuda")
-DRIVERS = ("async", "lock-step")
+DRIVERS = ("async", "lock-step", "continuous")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -84,7 +84,9 @@ class EngineConfig:
     """Ray engine pools: how ``grow_trees`` drives the workers. async: each worker's turns
     come back as soon as it is done, and the turns they free go out at once, so one worker
     decodes while the driver steps the envs of another's; lock-step: one engine call per
-    turn-step, every worker waiting for the slowest (one worker: the same schedule)."""
+    turn-step, every worker waiting for the slowest (one worker: the same schedule);
+    continuous (TorchEngine actors): each turn joins its engine's running batch at the next
+    step and comes back the step it finishes (``rollout.ray_continuous``)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -80,6 +80,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
+from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
     KEPT_NAMESPACE,
@@ -91,7 +92,7 @@ from trace_core.rollout.ray_worker import (
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import Episode
 
-Driver = Literal["async", "lock-step"]
+Driver = Literal["async", "lock-step", "continuous"]
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 """Object store of an in-process Ray (Ray's default is 30% of RAM); prompts and completions
@@ -347,10 +348,14 @@ class RayEnginePool:
         assert all(row is not None for row in out)
         return out  # type: ignore[return-value]
 
-    def stream(self, params: SamplingParams) -> TurnStream[Episode]:
-        """Turns answered per worker as each is done: the async driver (``rollout.ray_stream``)."""
+    def stream(self, params: SamplingParams) -> TurnStream[Episode] | ContinuousStream[Episode]:
+        """Turns answered as they are done: per worker sub-batch (the async driver,
+        ``rollout.ray_stream``), or per turn from the engines' running batches (the
+        continuous driver, ``rollout.ray_continuous``)."""
         if not self._live:
             raise RuntimeError("the engine pool is closed or every worker has died")
+        if self.driver == "continuous":
+            return ContinuousStream(self, params)
         return TurnStream(self, params)
 
     def _record(self, worker: int, prompts: Sequence[list[int]], result: SubBatchResult) -> None:
@@ -364,6 +369,8 @@ class RayEnginePool:
         self.stats.generated_tokens += result.generated_tokens
         extra = self.stats.extra
         extra["worker_seconds"] = extra.get("worker_seconds", 0.0) + result.seconds
+        extra["engine_steps"] = extra.get("engine_steps", 0.0) + result.steps
+        extra["engine_row_steps"] = extra.get("engine_row_steps", 0.0) + result.row_steps
         extra[f"cache_used_tokens_w{worker}"] = result.cache_used_tokens
 
     def _learn_lengths(self, done: Sequence[Completion], params: SamplingParams) -> None:

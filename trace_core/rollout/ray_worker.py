@@ -49,6 +49,10 @@ class SubBatchResult:
     seconds: float
     """Time inside the engine (the worker was busy)."""
     cache_used_tokens: float
+    steps: int = 0
+    """TorchEngine: decode steps run."""
+    row_steps: int = 0
+    """TorchEngine: rows in flight summed over those steps."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,11 @@ def cpu_kv_cache_bytes(spec: WorkerSpec, available: int, node_cpus: float) -> in
     return min(CPU_KV_MAX, int(available * CPU_KV_SHARE / sharers))
 
 
-@ray.remote(concurrency_groups={"control": 1})  # type: ignore[call-overload]
+@ray.remote(concurrency_groups={"control": 1, "collect": 1})  # type: ignore[call-overload]
 class EngineWorker:
     """One policy replica. ``generate`` runs one at a time; ``where`` answers while it runs.
+    The continuous driver (``rollout.ray_continuous``) ``submit``s turns into the engine's
+    running batch instead and ``collect``s each as it finishes (``rollout.batch_loop``).
 
     The checkpoint may be an ``s3://`` URI: each node downloads it once (``rollout.weights``).
     New weights go into the running engine (``load``): vLLM reloads them in place, the torch
@@ -128,6 +134,7 @@ class EngineWorker:
         self.started_by = started_by
         self._lock = threading.Lock()
         self._busy, self._last_call = 0, time.monotonic()
+        self._loop: Any = None  # a BatchLoop once the continuous driver submits
         self.load(checkpoint)
         if idle_exit_s > 0:
             threading.Thread(target=self._exit_when_idle, args=(idle_exit_s,), daemon=True).start()
@@ -229,16 +236,12 @@ class EngineWorker:
     ) -> SubBatchResult:
         """``params.n`` completions per prompt, each prompt sampled with its seed."""
         with self._call():
-            if checkpoint != self.checkpoint:  # restarted with the constructor's older weights
-                if checkpoint.startswith(SYNCED):
-                    raise StaleWeightsError(
-                        f"engine worker (pid {os.getpid()}) holds {self.checkpoint}, the pool "
-                        f"serves {checkpoint}: it was restarted since the last weight sync"
-                    )
-                self._load(checkpoint)
+            if checkpoint != self.checkpoint:
+                self._catch_up(checkpoint)
             assert self.engine is not None
             stats = self.engine.stats
             before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
+            steps = (stats.extra.get("decode_steps", 0), stats.extra.get("decode_row_steps", 0))
             start = time.perf_counter()
             completions = self.engine.generate(prompts, params, seeds)
             seconds = time.perf_counter() - start
@@ -249,7 +252,54 @@ class EngineWorker:
             stats.generated_tokens - before[2],
             seconds,
             stats.extra.get("cache_used_tokens", 0.0),
+            int(stats.extra.get("decode_steps", 0) - steps[0]),
+            int(stats.extra.get("decode_row_steps", 0) - steps[1]),
         )
+
+    # -- continuous batching (``rollout.ray_continuous``) --------------------------------------
+
+    def submit(
+        self, turns: list[tuple[int, list[int], int]], params: SamplingParams, checkpoint: str
+    ) -> int:
+        """Queue turns (id, prompt, seed) in the engine's running batch; returns at once,
+        with this process's pid (a restarted actor has lost what an earlier one held)."""
+        from trace_core.policy.torch_engine import TorchEngine
+        from trace_core.rollout.batch_loop import BatchLoop
+
+        with self._call():
+            if checkpoint != self.checkpoint:
+                self._catch_up(checkpoint)
+            if not isinstance(self.engine, TorchEngine):
+                raise ValueError(
+                    f"the continuous driver runs TorchEngine actors; this one runs "
+                    f"{type(self.engine).__name__} (use driver async)"
+                )
+            if self._loop is None or self._loop.engine is not self.engine:
+                self._loop = BatchLoop(self.engine)
+            self._loop.submit(turns, params)
+            return os.getpid()
+
+    @ray.method(concurrency_group="collect")
+    def collect(self, wait_s: float) -> tuple[int, Any]:
+        """This process's pid and the turns answered since the last call
+        (``BatchLoop.collect``; None before any ``submit``); waits up to ``wait_s`` for the
+        first."""
+        with self._call():
+            loop = self._loop
+            if loop is None:
+                time.sleep(min(wait_s, 0.05))  # a submit on its way: the caller asks again
+                return os.getpid(), None
+            return os.getpid(), loop.collect(wait_s)
+
+    def _catch_up(self, checkpoint: str) -> None:
+        """Serve ``checkpoint``, which the pool serves and this actor does not (it was
+        restarted with the constructor's older weights)."""
+        if checkpoint.startswith(SYNCED):
+            raise StaleWeightsError(
+                f"engine worker (pid {os.getpid()}) holds {self.checkpoint}, the pool "
+                f"serves {checkpoint}: it was restarted since the last weight sync"
+            )
+        self._load(checkpoint)
 
     # -- weight sync from the trainers (``train.trainer_group``) ------------------------------
 

@@ -66,8 +66,9 @@ class StreamingEngine(Protocol):
 
 
 def streams(engine: object) -> TypeGuard[StreamingEngine]:
-    """Whether the async driver drives ``engine``: a streaming engine set to ``async``."""
-    return isinstance(engine, StreamingEngine) and engine.driver == "async"
+    """Whether a stream drives ``engine``: a streaming engine set to ``async`` or
+    ``continuous``."""
+    return isinstance(engine, StreamingEngine) and engine.driver in ("async", "continuous")
 
 
 def play_turn(
