@@ -19,7 +19,9 @@ def test_trace_iterations_raise_held_out_mean_at_k(tmp_path: Path) -> None:
     pools of 512 prompts, mean@4 on the first 90 eval tasks before and after.
 
     Measured from this warm start with RL seeds 0–3 (``train(TrainConfig(init=<warm start>,
-    seed=s, ...))``), mean@4 start → after 8 iterations:
+    seed=s, ...))``), mean@4 start → after 8 iterations, before each request drew from a seed
+    of its own (the engines then drew a call's samples from one generator; the same seeds now
+    draw other samples, and these four have not been measured again):
         seed 0: 0.436 → 0.550 (+0.114)    seed 1: 0.336 → 0.472 (+0.136)
         seed 2: 0.375 → 0.492 (+0.117)    seed 3: 0.372 → 0.467 (+0.094)
     mean gain +0.115, spread 0.094–0.136 (sd ≈ 0.017). The asserted margin, +0.05, is under
