@@ -501,6 +501,8 @@ def test_the_driver_setting_is_checked() -> None:
     refused = "driver must be one of async, lock-step, continuous; got 'eager'"
     with pytest.raises(ValueError, match=refused):
         EngineConfig(driver="eager")
+    with pytest.raises(ValueError, match="driver continuous runs torch engines; engine 'vllm'"):
+        EngineConfig("vllm", workers=2, driver="continuous")
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)

@@ -93,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         if self.driver not in DRIVERS:
             raise ValueError(f"driver must be one of {', '.join(DRIVERS)}; got {self.driver!r}")
+        if self.driver == "continuous" and self.engine != "torch":
+            raise ValueError(
+                f"driver continuous runs torch engines; engine {self.engine!r} runs async"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.workers < 0:
