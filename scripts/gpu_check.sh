@@ -2,8 +2,9 @@
 # GPU check: what must hold for the policy on a GPU, stage by stage with pass/fail thresholds
 # (trace_core/bench/gpu_check.py lists them): the environment and a bf16 matmul, fp32 master
 # weights, the update at Qwen3-8B's layer shape against the memory estimate, π_old recompute,
-# engine/trainer parity in bf16, decode against the HBM roofline, reload bandwidth, and the
-# weight sync between a trainer process and an engine process sharing the GPU.
+# engine/trainer parity in bf16, decode against the HBM roofline, continuous batching against
+# sub-batches, reload bandwidth, and the weight sync between a trainer process and an engine
+# process sharing the GPU.
 #
 # On the GPU machine, from the repository root (391 s on one H200, docs/gpu/README.md):
 #     bash scripts/gpu_check.sh [--json build/gpu-check.json] [--stages sync,update]

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "gpu" / "README.md"
 FULL = REPO / "docs" / "gpu" / "2026-12-04-h200.json"
 SYNC = REPO / "docs" / "gpu" / "2026-12-04-h200-sync.json"
+CONTINUOUS = REPO / "docs" / "gpu" / "2026-12-04-h200-continuous.json"
 
 
 def stages(path: Path) -> dict[str, dict[str, Any]]:
@@ -83,6 +84,38 @@ def render_sync(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def render_continuous(found: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The continuous-batching section's table and figures."""
+    stage, decode = found["continuous"], found["decode"]
+    lines = [
+        "| run | sub-batches tokens/s | continuous tokens/s | continuous ÷ sub-batches |",
+        "|---|--:|--:|--:|",
+    ]
+    for i, run in enumerate(stage["repeats"], start=1):
+        sub, cont = run["sub_batches"], run["continuous"]
+        lines.append(
+            f"| {i} | {sub['tokens_per_s']:,.0f} | {cont['tokens_per_s']:,.0f} "
+            f"| {run['speedup']:.2f}× |"
+        )
+    low, high = stage["speedup_range"]
+    lines.append(f"| median | | | **{stage['speedup']:.2f}×** (range {low:.2f}–{high:.2f}) |")
+    last, line = stage["repeats"][-1], stage["step_ms"]
+    return {
+        "CONTINUOUS_TABLE": "\n".join(lines),
+        "STEP_LINE": f"{line['a_ms']:.1f} ms {'+' if line['b_ms_per_row'] >= 0 else '−'} "
+        f"{abs(line['b_ms_per_row']):.3f} ms per row",
+        "STEPS_SUB": f"{last['sub_batches']['decode_steps']:,}",
+        "STEPS_CONT": f"{last['continuous']['decode_steps']:,}",
+        "ROWS_CONT": f"{last['continuous']['rows_per_step_while_waiting']:.1f}",
+        "ROWS_SUB": f"{last['sub_batches']['rows_per_step_while_waiting']:.1f}",
+        "SAME_SHARE": f"{stage['same_tokens_share']:.1%}",
+        "AGREE": f"{stage['tokens_before_first_difference']:.1%}",
+        "DECODE_LINE": ", ".join(
+            f"batch {b} {decode[f'batch_{b}']['tokens_per_s']:,.0f} tokens/s" for b in (1, 64, 256)
+        ),
+    }
+
+
 def test_the_page_shows_what_the_stored_runs_hold() -> None:
     page = PAGE.read_text()
     full = stages(FULL)
@@ -94,6 +127,11 @@ def test_the_page_shows_what_the_stored_runs_hold() -> None:
                    for f in runs.values())  # fmt: skip
     assert f"CUDA IPC is {gains[0]:.0f}–{gains[-1]:.0f}× faster than gloo" in page
     assert "bash scripts/gpu_check.sh --json build/gpu-check.json" in page
+    continuous = stages(CONTINUOUS)
+    assert all(s["status"] == "pass" for s in continuous.values())
+    flat = " ".join(page.split())  # the page's lines wrap anywhere
+    for name, text in render_continuous(continuous).items():
+        assert " ".join(text.split()) in flat, (name, text)
 
 
 @pytest.mark.slow  # imports torch in a subprocess

@@ -25,6 +25,10 @@ its figures):
 - ``decode``: TorchEngine decode tokens/s at batch 1, 64 and 256 against the HBM roofline
   (weights and KV bytes read per step over the bandwidth, ``HBM_TBPS``); the ratio must stay
   ≤ 1 and batching must raise tokens/s.
+- ``continuous``: one workload of 4 × 256 requests of varied length on one TorchEngine
+  (``bench.gpu_continuous``), fed in sub-batches of 256 and then continuously: the same
+  tokens (≥ 90% of requests), and on a GPU continuous ≥ 1.25× the sub-batches' tokens/s; the
+  decode step's milliseconds against its rows.
 - ``reload``: a safetensors file (4 GB; 64 MB in the smoke run) dropped from the page cache and
   loaded into device memory: GB/s, ≥ 0.5 (on CPU safetensors maps the file: skip).
 - ``sync``: the resident session's weight sync between a trainer process and a TorchEngine
@@ -52,14 +56,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Qwen3ForCausalLM
 
+from trace_core.bench.gpu_continuous import stage_continuous
 from trace_core.bench.gpu_shapes import (
     QWEN3_06B,
     QWEN3_8B,
     QWEN3_17B,
     TINY,
     Shape,
+    peaked,
     synthetic_trees,
 )
 from trace_core.bench.gpu_sync import stage_sync
@@ -395,14 +400,6 @@ def stage_parity(plan: Plan, stage: Stage) -> None:
         stage.fail(f"mean {mean:.2e}, p99 {p99:.2e} in fp32")
 
 
-def peaked(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-    """Next-token distributions far from uniform, as a trained model's are: the output layer
-    scaled up (random weights give logits of std ≈ 0.6 over 152k tokens: nearly flat)."""
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
-
-
 def stage_decode(plan: Plan, stage: Stage) -> None:
     stage.threshold = "tokens/s ≤ the HBM roofline at every batch; batch 256 faster than 1 (GPU)"
     shape = plan.parity_shape
@@ -486,6 +483,7 @@ STAGES: tuple[tuple[str, Callable[[Plan, Stage], None]], ...] = (
     ("old_recompute", stage_old_recompute),
     ("parity", stage_parity),
     ("decode", stage_decode),
+    ("continuous", stage_continuous),
     ("reload", stage_reload),
     ("sync", stage_sync),
 )
@@ -517,7 +515,9 @@ def run(
 
 def stage_line(stage: Stage) -> str:
     shown = ", ".join(
-        f"{k} {format_value(v)}" for k, v in stage.figures.items() if not isinstance(v, dict)
+        f"{k} {format_value(v)}"
+        for k, v in stage.figures.items()
+        if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))
     )
     why = f" ({stage.reason})" if stage.reason else ""
     return f"{stage.status.upper():4} {stage.name}{why}: {shown}"
@@ -526,6 +526,8 @@ def stage_line(stage: Stage) -> str:
 def format_value(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
     return str(value)
 
 

@@ -13,7 +13,8 @@ with ``key`` (``sampling.KeyedDraws``: its tokens do not depend on what else is 
 **A step.** Every row runs one token through ``decoder.decode_step``; the rows whose last
 sampled token is now in the KV (a stop token, or their ``max_tokens``) are answered and their
 sequences go into the prefix cache; every other row samples its next token. Then, at the step
-boundary, waiting requests are admitted while rows are free (``max_batch``): their distinct
+boundary, waiting requests are admitted while rows are free (``max_batch``; once an eighth of
+them are, ``ADMIT_EVERY``): their distinct
 prompts are prefilled through the prefix cache in one go (``TorchEngine._prefill``: only
 tokens no node holds run), each samples its first token, and they join the batch. The batch's
 KV buffer (row = request, column = position) is laid out again only when rows join or once a
@@ -77,6 +78,12 @@ def _sampling(params: SamplingParams) -> tuple[float, float, tuple[int, ...]]:
     return params.temperature, params.top_p, tuple(params.stop_token_ids)
 
 
+ADMIT_EVERY = 8
+"""A running batch admits once 1/ADMIT_EVERY of its rows are free (or none run): each
+admission lays the KV out again, a copy of the batch's KV that one row a step would repeat
+every step. So while requests wait, at least 7/8 of ``max_batch`` rows run."""
+
+
 class ContinuousBatch:
     """The running batch of ``engine`` (see the module docstring); ``tag``: any value, handed
     back with the request's completion."""
@@ -112,7 +119,8 @@ class ContinuousBatch:
                 if not self._rows:
                     return []
             done = self._decode()
-            admitted = self._admissions()
+            free = self.engine.max_batch - self.running
+            admitted = self._admissions() if free >= self.engine.max_batch // ADMIT_EVERY else []
             if admitted or 4 * self._finished.count(True) >= max(len(self._rows), 1):
                 self._relayout(admitted)
         return done
@@ -165,7 +173,7 @@ class ContinuousBatch:
         state: list[torch.Tensor] = []  # tok, at, steps, done, keys, limits
         if old:
             index = torch.tensor(keep, device=dev)
-            span = min(self._length, length)
+            span = min(self._span, length)  # the columns written so far
             kv.kv[:, :, :old, :, :span] = self._kv.kv[:, :, index, :, :span]
             mask[:old, :span] = self._mask.view(-1, heads, self._length)[index, 0, :span]
             w = min(self._out_tok.shape[1], width)
