@@ -215,6 +215,22 @@ def test_a_global_barrier_costs_an_async_driver_on_wide_pools(stream: TurnStream
         assert simulate(stream, BY_NAME["trace-async-barrier"], w, CPU).makespan_s >= local
 
 
+def test_the_continuous_driver_sends_each_turn_alone_into_the_running_batches(
+    stream: TurnStream,
+) -> None:
+    """Every turn is an admission of its own, and a worker holds at most ``max_batch`` rows:
+    with one row a worker, turns run one after another (every decode step of each paid
+    alone), slower than with rows to share the steps."""
+    vllm = replace(CPU, continuous=True)
+    wide = simulate(stream, BY_NAME["trace-continuous"], 2, vllm)
+    assert wide.engine_calls == stream.turns
+    assert wide.generated_tokens == stream.generated_tokens.sum()
+    narrow = simulate(stream, BY_NAME["trace-continuous"], 2, replace(vllm, max_batch=1))
+    assert narrow.makespan_s > wide.makespan_s
+    steps = int(np.maximum(stream.generated_tokens - 1, 0).sum())  # one row a step
+    assert narrow.makespan_s >= steps * vllm.decode_step_s / 2
+
+
 def test_affinity_keeps_more_tokens_in_cache_than_random(stream: TurnStream) -> None:
     for w in (2, 8):
         affinity = simulate(stream, BY_NAME["trace"], w, CPU).cache_hit_tokens

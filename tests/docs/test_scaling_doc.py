@@ -116,6 +116,24 @@ def render_handoff(data: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def render_continuous(data: dict[str, object]) -> str:
+    """The async and continuous drivers of one ``bench scale --json`` result, W by W."""
+    runs: list[dict[str, float]] = data["runs"]  # type: ignore[assignment]
+    by = {(r["variant"], int(r["workers"])): r for r in runs}
+    lines = [
+        "| W | async makespan s | continuous makespan s | gain | utilisation async → continuous |",
+        "|--:|--:|--:|--:|--:|",
+    ]
+    for w in sorted({int(r["workers"]) for r in runs}):
+        a, c = by[("trace-async", w)], by[("trace-continuous", w)]
+        lines.append(
+            f"| {w} | {a['makespan_s']:.3g} | {c['makespan_s']:.3g} "
+            f"| {a['makespan_s'] / c['makespan_s']:.2f}× "
+            f"| {a['utilisation']:.2f} → {c['utilisation']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def stored(name: str) -> dict[str, object]:
     return json.loads((RESULTS / name).read_text())  # type: ignore[no-any-return]
 
@@ -163,6 +181,7 @@ def test_the_validation_and_cost_tables_are_the_stored_results() -> None:
     assert render_iteration_cost(stored("iteration-cost.json")) in page
     for name in ("handoff-tiny.json", "handoff-smollm2.json"):
         assert render_handoff(stored(name)) in page, name
+    assert render_continuous(stored("h100-8b.json")) in page
     measured = stored("workers.json")["runs"]
     validation = stored("cpu.json")["validation"]
     # The measured side of the validation is the stored bench workers run, run for run.

@@ -81,6 +81,29 @@ def test_a_request_is_answered_the_step_it_finishes() -> None:
     assert sorted(rest) == [0, 1, 2] and not batch.pending
 
 
+def test_a_request_joins_rows_that_have_run_past_the_longest_ones_end() -> None:
+    """A long prompt with few tokens sets the batch's width and finishes first, too few rows
+    to lay the batch out again; four short prompts with many tokens run on past that width,
+    and a request added then, wider than the batch, joins them there."""
+    gen = torch.Generator().manual_seed(3)
+    lengths, tokens = (12, 2, 2, 2, 2, 5), (3, 14, 14, 14, 14, 14)
+    prompts = [tuple(torch.randint(6, len(TOK), (n,), generator=gen).tolist()) for n in lengths]
+    keys = request_keys(list(range(6)), 1)
+    todo = [
+        Request(p, SamplingParams(max_tokens=n), k)
+        for p, n, k in zip(prompts, tokens, keys, strict=True)
+    ]
+    batch = ContinuousBatch(TorchEngine(MODEL, max_batch=8))
+    for r in range(5):
+        batch.add(todo[r], r)
+    answers = {tag: c.token_ids.tolist() for _ in range(6) for tag, c in batch.step()}
+    assert list(answers) == [0] and batch.running == 4
+    batch.add(todo[5], 5)
+    answers |= {tag: c.token_ids.tolist() for _ in range(20) for tag, c in batch.step()}
+    assert sorted(answers) == list(range(6))
+    assert all(answers[r] == alone(todo[r]) for r in range(6))
+
+
 def test_rows_stay_full_while_requests_wait() -> None:
     """With more requests waiting than rows, every step runs max_batch rows but the last few
     (while the batch drains)."""

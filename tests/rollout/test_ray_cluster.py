@@ -61,6 +61,7 @@ def test_rollout_with_two_workers_on_a_ray_head(ray_head: tuple[str, Path], tmp_
     ]
     done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "engines: 2 Ray torch workers, continuous driver" in done.stdout  # the default
 
     trees = read_trees(trees_path)
     assert trees and sum(t.units for t in trees) == 32.0

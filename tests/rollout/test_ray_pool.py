@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import signal
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from trace_core.bench.workers import (
     WorkersBenchConfig,
     WorkersBenchResult,
     WorkersRun,
+    percentile,
     run_workers_bench,
 )
 from trace_core.envs.calc import CalcSuite
@@ -361,7 +363,8 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
         assert run.tokens_per_s == pytest.approx(run.generated_tokens / run.seconds)
         # Rows per decode step: at least one, at most the engines' rows (8 roots at most
         # live at once on one engine here, stage 2 adding continuations).
-        assert 1 <= run.rows_in_flight <= 16
+        assert 1 <= run.rows_in_flight <= 16 and 1 <= run.rows_p95 <= 16
+        assert run.idle_share == pytest.approx(1 - run.busy_share)
     # The ratio is ray×2 over ray×1, from those two runs (not the in-process one).
     assert result.ratio == pytest.approx(two.tokens_per_s / one.tokens_per_s)
     result.write_json(tmp_path / "bench.json")
@@ -387,6 +390,12 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     assert [r["rows_in_flight"] for r in data["runs"]] == [r.rows_in_flight for r in result.runs]
 
 
+def test_a_percentile_of_counted_values() -> None:
+    assert percentile(Counter({4: 90, 16: 10}), 0.95) == 16.0  # 10% of steps ran 16 rows
+    assert percentile(Counter({4: 96, 16: 4}), 0.95) == 4.0
+    assert percentile(Counter(), 0.95) == 0.0
+
+
 def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="two or more worker counts"):
         WorkersBenchConfig(tmp_path, workers=(1,))
@@ -394,8 +403,8 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
         WorkersBenchConfig(tmp_path, workers=(2, 2))
     with pytest.raises(ValueError, match="drivers must be among async, lock-step, continuous"):
         WorkersBenchConfig(tmp_path, drivers=("eager",))
-    with pytest.raises(ValueError, match="drivers: continuous runs torch engines only"):
-        WorkersBenchConfig(tmp_path, drivers=("continuous",), engines=("torch", "vllm"))
+    with pytest.raises(ValueError, match="drivers: continuous needs a running batch"):
+        WorkersBenchConfig(tmp_path, drivers=("continuous",), engines=("torch", "hf"))
     with pytest.raises(ValueError, match="env_seconds must be >= 0, got -1"):
         WorkersBenchConfig(tmp_path, env_seconds=-1)
 
@@ -497,12 +506,20 @@ def episodes(tree: RolloutTree) -> list[tuple[tuple[str, ...], float]]:
 
 
 def test_the_driver_setting_is_checked() -> None:
-    assert EngineConfig().driver == "async"
-    refused = "driver must be one of async, lock-step, continuous; got 'eager'"
+    """By default a pool runs the continuous driver, and the async one for HF engines (no
+    running batch to join); a driver is checked by name and against its engine."""
+    assert EngineConfig().driver == "auto"
+    assert EngineConfig(workers=2).pool_driver == "continuous"
+    assert EngineConfig("vllm", workers=2).pool_driver == "continuous"
+    assert EngineConfig("hf", workers=2).pool_driver == "async"
+    assert EngineConfig(workers=2, driver="lock-step").pool_driver == "lock-step"
+    refused = "driver must be one of auto, async, lock-step, continuous; got 'eager'"
     with pytest.raises(ValueError, match=refused):
         EngineConfig(driver="eager")
-    with pytest.raises(ValueError, match="driver continuous runs torch engines; engine 'vllm'"):
-        EngineConfig("vllm", workers=2, driver="continuous")
+    with pytest.raises(ValueError, match="driver continuous needs a running batch: engine hf"):
+        EngineConfig("hf", workers=2, driver="continuous")
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 0"):
+        EngineConfig("vllm", max_num_seqs=-1)
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)

@@ -2,11 +2,12 @@
 setup-vllm``), against a real ``ray start --head`` on 127.0.0.1 that sees a real SeaweedFS S3
 server (tests/conftest.py starts both and stops them by pid):
 
-- ``trace-rl rollout --engine vllm --workers 2`` on the head: every planned tree, the budget
-  exactly, and two engine actors with the resources asked;
+- ``trace-rl rollout --engine vllm --workers 2`` on the head, on the continuous driver (the
+  default): every planned tree, the budget exactly, and two engine actors with the resources
+  asked;
 - a vLLM actor takes new weights in place, from a checkpoint and by the trainers' broadcast
   into its vLLM worker (the same processes, the new policy's greedy answers), and killed
-  mid-rollout it still gives every tree once;
+  mid-rollout on the continuous driver it still gives every tree once;
 - the pipeline's rollout step (KFP's local runner) as a Ray job with ``engine=vllm``: its actor
   reads the policy from S3 into the node's checkpoint cache.
 
@@ -105,6 +106,7 @@ def test_rollout_cli_with_two_vllm_workers_on_a_head(head: Any, tmp_path: Path) 
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=os.environ)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "engines: 2 Ray vllm workers, continuous driver" in done.stdout  # the default
 
     trees = read_trees(trees_path)
     assert sum(t.units for t in trees) == 24.0
@@ -150,7 +152,9 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
     second = save_sharpened_policy(tmp_path / "second", 1, SUITE.vocabulary())
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (int(n),), generator=gen).tolist() for n in range(3, 11)]
-    with KillingPool(first, workers=1, address=head.address, max_restarts=1, **VLLM) as pool:
+    with KillingPool(
+        first, workers=1, address=head.address, max_restarts=1, driver="continuous", **VLLM
+    ) as pool:
         assert all(w["engine"] == "VLLMEngine" for w in pool.placement())
         reference = TorchEngine(load_checkpoint(first)[0])
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
@@ -171,8 +175,9 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
         reference = TorchEngine(load_checkpoint(first)[0])
         assert greedy_answers(pool, prompts) == greedy_answers(reference, prompts)
 
-        # The worker killed in the rollout's third call: Ray restarts it (it boots on the first
-        # checkpoint and reloads the second before it answers) and reruns its sub-batch.
+        # The worker killed at the rollout's third submit: Ray restarts it (it boots on the
+        # first checkpoint and reloads the second before it takes turns), and the turns the
+        # killed process held are submitted again with their seeds.
         pool.update_weights(second)
         pool.at_call = pool.stats.calls + 3
         fmt = TurnFormat(load_checkpoint(second)[1])

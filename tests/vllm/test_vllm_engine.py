@@ -201,6 +201,50 @@ def test_seeded_sampling_is_reproducible(setup) -> None:
     assert twin[0] != twin[1]
 
 
+def test_a_running_batch_answers_each_turn_as_generate_samples_it(setup) -> None:
+    """The continuous driver's side of a vLLM actor (``BatchLoop`` over ``VLLMBatch``): turns
+    submitted while others run join vLLM's running batch and come back one by one, each with
+    the samples ``generate`` draws for its seed; the batch holds other calls off while turns
+    are in flight."""
+    from trace_core.rollout.batch_loop import BatchLoop
+
+    _, engine, prompts, _ = setup
+    seeds = [request_seed(9, i) for i in range(len(prompts))]
+    probe = engine.generate(prompts[:1], SamplingParams(max_tokens=12), seed=seeds[:1])
+    stop = int(probe[0][0].token_ids[3])  # a token a sample draws: it stops early
+    params = SamplingParams(n=2, max_tokens=12, stop_token_ids=(stop,))
+    expected = engine.generate(prompts, params, seed=seeds)
+    loop = BatchLoop(engine)
+    half = len(prompts) // 2
+    with loop._cond:  # the loop's thread cannot step until this block ends
+        loop.submit([(i, prompts[i], seeds[i]) for i in range(half)], params)
+        with pytest.raises(RuntimeError, match=f"{half} turns are in flight"), loop.idle():
+            pass
+    got: dict[int, list[Completion]] = {}
+    steps = row_steps = 0
+    while len(got) < len(prompts):
+        collected = loop.collect(wait_s=60.0)
+        assert collected.ids, "nothing answered in 60 s"
+        got.update(zip(collected.ids, collected.completions, strict=True))
+        steps, row_steps = steps + collected.steps, row_steps + collected.row_steps
+        if half < len(prompts):  # the rest join after the first answers
+            loop.submit([(i, prompts[i], seeds[i]) for i in range(half, len(prompts))], params)
+            half = len(prompts)
+    assert sorted(got) == list(range(len(prompts)))
+    for i, samples in got.items():
+        assert len(samples) == 2
+        for a, b in zip(samples, expected[i], strict=True):
+            check_shape(a, params)
+            assert a.token_ids.tolist() == b.token_ids.tolist(), i
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert any(c.finished for s in got.values() for c in s)
+    assert row_steps / steps > 2  # rows of several turns ran in each vLLM step
+    with loop.idle():  # nothing in flight: other calls may run
+        assert engine.generate(prompts[:1], params, seed=seeds[:1])[0][0].token_ids.tolist() == (
+            expected[0][0].token_ids.tolist()
+        )
+
+
 def test_stats_count_prefix_cache_hits(setup) -> None:
     """A 70-token prompt seen before: vLLM reuses its 2 full 32-token blocks, prefills 6."""
     _, engine, prompts, _ = setup

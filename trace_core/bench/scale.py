@@ -260,7 +260,8 @@ def run_scale_bench(
 
 def validate(stream: TurnStream, cost: CostModel, measured: dict[str, object]) -> list[Validation]:
     """The schedule predicted for every run of a ``bench workers`` result: the Ray runs at
-    their worker counts (``trace-async`` for the async driver's, the baseline for lock-step's),
+    their worker counts (``trace-async`` for the async driver's, ``trace-continuous`` for the
+    continuous driver's, the baseline for lock-step's),
     the in-process engine as one worker with no transport."""
     runs = measured.get("runs")
     if not isinstance(runs, list) or not runs:
@@ -272,7 +273,10 @@ def validate(stream: TurnStream, cost: CostModel, measured: dict[str, object]) -
         if workers and not label.startswith("torch"):
             continue  # the profile is TorchEngine's
         model = cost if workers else replace(cost, transport_s=0.0, route_token_s=0.0)
-        variant = by_name["trace-async" if label.endswith(" async") else BASELINE]
+        driver = label.split()[-1]
+        variant = by_name[
+            {"async": "trace-async", "continuous": "trace-continuous"}.get(driver, BASELINE)
+        ]
         sim = simulate(stream, variant, max(workers, 1), model)
         out.append(
             Validation(

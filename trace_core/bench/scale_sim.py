@@ -29,6 +29,11 @@ one process: its jobs queue) and routes the turns it frees to the workers' queue
 A ``continuous`` (vLLM) worker admits them at once, into the steps of the rows already
 decoding there (approximately: the newcomers pay for the rows in flight, those rows are not
 slowed by the newcomers); a TorchEngine worker runs them in its next call.
+The ``continuous`` driver (``rollout.ray_continuous``) sends every turn on its own: a worker
+admits it at once while fewer than ``max_batch`` rows are in flight there (later ones wait
+in its queue for a row), it shares the steps of the rows in flight as above, and it comes
+back the moment its own last token is out, so the driver steps its env without waiting for
+the rest of a sub-batch. Each turn pays ``call_s`` once (its admission).
 
 **Routing** (per group of identical prompts, heaviest first, as ``rollout.routing``):
 ``affinity`` keeps a group on the worker that holds its longest prefix while that worker
@@ -59,7 +64,7 @@ import numpy.typing as npt
 from trace_core.bench.scale_trace import TurnStream, flat_stream
 
 Routing = Literal["affinity", "least-loaded", "random"]
-Driver = Literal["lock-step", "async"]
+Driver = Literal["lock-step", "async", "continuous"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ VARIANTS = (
     Variant("trace-random", "trace", "local", "random", "lock-step"),
     Variant("trace-async", "trace", "local", "affinity", "async"),
     Variant("trace-async-barrier", "trace", "barrier", "affinity", "async"),
+    Variant("trace-continuous", "trace", "local", "affinity", "continuous"),
 )
 """The compared schedules; ``trace`` is what ``grow_trees`` on a ``RayEnginePool`` does."""
 BASELINE = "trace"
@@ -448,9 +454,12 @@ def _async(
     flight = np.zeros((workers, 2), dtype=np.int64)  # continuous: rows, context decoding
     busy_until = np.zeros(workers)
 
+    per_turn = variant.driver == "continuous"
+    shared = cost.continuous or per_turn  # new rows join the steps of those in flight
+
     def start(w: int, rows_w: list[int], now: float) -> None:
         nonlocal seq, calls
-        share = (int(flight[w, 0]), int(flight[w, 1])) if cost.continuous else (0, 0)
+        share = (int(flight[w, 0]), int(flight[w, 1])) if shared else (0, 0)
         end = now + cost.transport_s + cluster.run(rows_w, w, cost, share)
         busy[w] += max(0.0, end - max(now + cost.transport_s, busy_until[w]))
         busy_until[w] = max(busy_until[w], end)
@@ -470,7 +479,11 @@ def _async(
         for w in range(workers):
             # A TorchEngine call is atomic: the next waits for it. vLLM admits new rows at
             # its next step: they start now and share the steps with the rows in flight.
-            if queues[w] and (cost.continuous or not running[w]):
+            # Per turn: each starts alone while the worker has a free row.
+            if per_turn:
+                while queues[w] and flight[w, 0] < cost.max_batch:
+                    start(w, [queues[w].pop(0)], now)
+            elif queues[w] and (cost.continuous or not running[w]):
                 rows_w, queues[w] = queues[w], []
                 start(w, rows_w, now)
 

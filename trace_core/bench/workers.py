@@ -17,9 +17,10 @@ Each pool is timed with every driver of ``grow_trees`` (``EngineConfig.driver``)
 continuous``: each turn joins its engine's running batch); ``ratios()`` has async over
 lock-step and continuous over async at every worker count.
 
-``rows_in_flight`` is the mean number of rows an engine decodes per step (TorchEngine's
-decode steps, all workers together): what batching buys on a GPU, where a step costs about
-the same at 32 rows as at 256.
+``rows_in_flight`` is the mean number of rows an engine decodes per step (all workers'
+steps together; TorchEngine's decode steps, vLLM's steps on the continuous driver), and
+``rows_p95`` their 95th percentile: what batching buys on a GPU, where a step costs about the
+same at 32 rows as at 256 (``docs/gpu``). ``idle_share`` is 1 - ``busy_share``.
 
 ``busy_share`` is the engines' busy time over (wall time × workers); the rest is what the
 schedule leaves idle. Lock-step, ``grow_trees`` makes one engine call per turn-step and waits
@@ -36,6 +37,7 @@ import functools
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,7 +82,7 @@ class WorkersBenchConfig:
     """vLLM: no torch.compile or CUDA graphs (starts faster, decodes slower on GPU)."""
     kv_cache_gib: float = 0.0
     """vLLM: KV cache per engine in GiB (0: vLLM's default, 4 GiB on CPU)."""
-    drivers: tuple[str, ...] = ("lock-step", "async")
+    drivers: tuple[str, ...] = ("lock-step", "async", "continuous")
     """How ``grow_trees`` drives each pool (``EngineConfig.driver``), each timed."""
     env_seconds: float = 0.0
     """Every env step also waits this long, as a tool with latency does (a search API, a code
@@ -102,9 +104,10 @@ class WorkersBenchConfig:
             raise ValueError(f"engines must be among torch, hf, vllm; got {self.engines}")
         if not self.drivers or set(self.drivers) - set(DRIVERS):
             raise ValueError(f"drivers must be among {', '.join(DRIVERS)}; got {self.drivers}")
-        if "continuous" in self.drivers and set(self.engines) != {"torch"}:
+        if "continuous" in self.drivers and "hf" in self.engines:
             raise ValueError(
-                f"drivers: continuous runs torch engines only, and engines are {self.engines}"
+                "drivers: continuous needs a running batch, which engine hf has not "
+                "(drivers lock-step,async for it)"
             )
 
 
@@ -146,6 +149,10 @@ class WorkersRun:
     units: float
     rows_in_flight: float = 0.0
     """Mean rows per decode step of an engine (0 where the engine does not count them)."""
+    rows_p95: float = 0.0
+    """The 95th percentile of rows per decode step, over every engine's steps."""
+    idle_share: float = 0.0
+    """1 - ``busy_share``: the share of the engines' time the schedule left them idle."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,17 @@ class WorkersBenchResult:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def percentile(counts: Counter[int], q: float) -> float:
+    """The ``q`` quantile of values given as value -> how often (0 for none)."""
+    total = sum(counts.values())
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q * total:
+            return float(value)
+    return 0.0
+
+
 def _driver(label: str) -> str:
     """The driver a run's label names (``torch ray×2 async`` -> async)."""
     last = label.split()[-1]
@@ -248,6 +266,7 @@ def run_workers_bench(
     def timed(engine: Engine, reset: Callable[[], None], label: str, workers: int) -> WorkersRun:
         reset()  # every timed run starts from empty prefix caches (and a pool, its driver)
         before = (engine.stats.calls, engine.stats.prefill_tokens, dict(engine.stats.extra))
+        counts = Counter(getattr(engine, "row_counts", {}))
         start = time.perf_counter()
         trees = grow_trees(engine, fmt, make_env, pool, ConstantPredictor(), grow)
         seconds = time.perf_counter() - start
@@ -260,6 +279,8 @@ def run_workers_bench(
         steps = extra.get(f"{kind}_steps", 0.0) - before[2].get(f"{kind}_steps", 0.0)
         rows = extra.get(f"{kind}_row_steps", 0.0) - before[2].get(f"{kind}_row_steps", 0.0)
         metrics = measure(trees)
+        counts = Counter(getattr(engine, "row_counts", {})) - counts
+        busy_share = busy / (seconds * workers) if workers else 1.0
         return WorkersRun(
             engine=label,
             workers=workers,
@@ -267,12 +288,14 @@ def run_workers_bench(
             generated_tokens=metrics.tokens,
             tokens_per_s=metrics.tokens / seconds,
             engine_calls=engine.stats.calls - before[0],
-            busy_share=busy / (seconds * workers) if workers else 1.0,
+            busy_share=busy_share,
             imbalance_share=imbalance / (seconds * workers) if workers else 0.0,
             prefill_tokens=engine.stats.prefill_tokens - before[1],
             affinity_moved=int(moved),
             units=metrics.units,
             rows_in_flight=rows / steps if steps else 0.0,
+            rows_p95=percentile(counts, 0.95),
+            idle_share=1.0 - busy_share,
         )
 
     load_before = os.getloadavg()[0]

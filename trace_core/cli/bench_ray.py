@@ -51,10 +51,8 @@ def bench_workers(
     ] = 0.0,
     drivers: Annotated[
         str,
-        typer.Option(
-            help="Drivers of each pool, comma-separated: lock-step, async, continuous (torch)."
-        ),
-    ] = "lock-step,async",
+        typer.Option(help="Drivers of each pool, comma-separated: lock-step, async, continuous."),
+    ] = "lock-step,async,continuous",
     env_seconds: Annotated[
         float, typer.Option(help="Every env step also waits this long (a tool's latency).")
     ] = 0.0,
@@ -88,7 +86,8 @@ def bench_workers(
         title=f"trace on calc: M={budget} roots × N={continuations}, {prompts} prompts{tool}"
     )
     heads = (
-        "engine", "tokens/s", "tokens", "seconds", "calls", "busy", "imbalance", "moved", "rows",
+        "engine", "tokens/s", "tokens", "seconds", "calls", "idle", "imbalance", "moved", "rows",
+        "rows p95",
     )  # fmt: skip
     for head in heads:
         table.add_column(head, justify="right")
@@ -99,10 +98,11 @@ def bench_workers(
             f"{r.generated_tokens:,}",
             f"{r.seconds:.2f}",
             f"{r.engine_calls}",
-            f"{r.busy_share:.2f}",
+            f"{r.idle_share:.2f}",
             f"{r.imbalance_share:.2f}",
             f"{r.affinity_moved}",
             f"{r.rows_in_flight:.1f}",
+            f"{r.rows_p95:.0f}",
         )
     console.print(table)
     for name, ratio in result.ratios().items():

@@ -283,7 +283,9 @@ def rollout_command(
     tasks = file_tasks if file_tasks is not None else suite.tasks(split)  # type: ignore[arg-type]
     rng = np.random.default_rng(seed)
     pool = [tasks[i] for i in rng.permutation(len(tasks))[:prompts]]
-    where = f"{config.workers} Ray {config.engine} workers" if config.workers else config.engine
+    where = config.engine
+    if config.workers:
+        where = f"{config.workers} Ray {config.engine} workers, {config.pool_driver} driver"
     with expected_errors(RuntimeError, ConnectionError), progress() as bar:
         job = bar.add_task(f"rollout units ({where})", total=grow.budget.units)
         result = run_rollout(
@@ -303,4 +305,5 @@ def rollout_command(
         f"prompt effective ratio {m.prompt_effective_ratio:.3f}, "
         f"mixed groups per 100 units {m.mixed_per_100_units:.2f}"
     )
+    console.print(f"engines: {where}")
     console.print(f"wrote {output} and {metrics}")

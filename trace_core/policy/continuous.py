@@ -29,7 +29,7 @@ stays locked in the pool while rows decode.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -97,6 +97,7 @@ class ContinuousBatch:
         self._storage = [torch.zeros(0), torch.zeros(0)]  # the KV buffer and the spare
         self.steps = 0  # decode steps run
         self.row_steps = 0  # rows summed over those steps (rows in flight x steps)
+        self.row_counts: Counter[int] = Counter()  # rows in flight -> steps run with them
 
     @property
     def pending(self) -> int:
@@ -173,7 +174,7 @@ class ContinuousBatch:
         state: list[torch.Tensor] = []  # tok, at, steps, done, keys, limits
         if old:
             index = torch.tensor(keep, device=dev)
-            span = min(self._span, length)  # the columns written so far
+            span = min(self._span, self._length, length)  # the columns written so far
             kv.kv[:, :, :old, :, :span] = self._kv.kv[:, :, index, :, :span]
             mask[:old, :span] = self._mask.view(-1, heads, self._length)[index, 0, :span]
             w = min(self._out_tok.shape[1], width)
@@ -249,6 +250,7 @@ class ContinuousBatch:
         self._span += 1
         self.steps += 1
         self.row_steps += self.running
+        self.row_counts[self.running] += 1
         moved = self._live.long()
         self._at += moved
         self._dest.view(2, len(self._rows), -1).add_(moved[None, :, None])

@@ -72,6 +72,7 @@ error). Requests join the batch in groups whose prompts fit in half the pool.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -138,6 +139,8 @@ class TorchEngine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.stats = EngineStats()
+        self.row_counts: Counter[int] = Counter()
+        """Decode steps by their rows in flight, over every call."""
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.config = model.config
         self.cache = PrefixCache(self.weights, cache_tokens)
@@ -184,6 +187,7 @@ class TorchEngine:
         extra = self.stats.extra
         extra["decode_steps"] = extra.get("decode_steps", 0.0) + batch.steps
         extra["decode_row_steps"] = extra.get("decode_row_steps", 0.0) + batch.row_steps
+        self.row_counts.update(batch.row_counts)
         self.stats.extra["cache_used_tokens"] = float(self.cache.used)
         self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
         done = [c for c in out if c is not None]

@@ -65,7 +65,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -227,20 +227,7 @@ class VLLMEngine:
             for p in prompts
             for _ in range(n)
         ]
-        sampling = [
-            vllm.SamplingParams(
-                n=1,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=params.max_tokens,
-                stop_token_ids=list(params.stop_token_ids),
-                ignore_eos=True,
-                logprobs=0,  # the sampled token's own log-prob, nothing more
-                seed=s,
-                detokenize=False,
-            )
-            for s in seeds
-        ]
+        sampling = [vllm_sampling(params, s) for s in seeds]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
@@ -304,26 +291,57 @@ class VLLMEngine:
         self.close()
 
 
+def vllm_sampling(params: SamplingParams, seed: int, **extra: Any) -> vllm.SamplingParams:
+    """One sample of ``params`` as a seeded vLLM request: token ids in and out, the sampled
+    token's own logprob, no EOS of the checkpoint's; ``extra``: more vLLM settings."""
+    import vllm
+
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,
+        logprobs=0,  # the sampled token's own log-prob, nothing more
+        seed=seed,
+        detokenize=False,
+        **extra,
+    )
+
+
 def to_completion(output: vllm.CompletionOutput, stop_token_ids: Sequence[int]) -> Completion:
     """One vLLM ``CompletionOutput`` (asked with ``logprobs=0``) as a ``Completion``."""
-    token_ids = np.asarray(output.token_ids, dtype=np.int32)
+    token_ids = [int(t) for t in output.token_ids]
     if output.logprobs is None or len(output.logprobs) != len(token_ids):
         raise RuntimeError("vLLM returned no per-token logprobs; was logprobs=0 passed?")
     # Each step maps token id -> Logprob; with logprobs=0 it holds just the sampled token.
-    logprobs = np.array(
-        [step[int(t)].logprob for step, t in zip(output.logprobs, token_ids, strict=True)],
-        dtype=np.float32,
-    )
-    match output.finish_reason:
+    logprobs = [step[t].logprob for step, t in zip(output.logprobs, token_ids, strict=True)]
+    return completion_of(token_ids, logprobs, output, stop_token_ids)
+
+
+def completion_of(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    final: vllm.CompletionOutput,
+    stop_token_ids: Sequence[int],
+) -> Completion:
+    """A finished request's tokens and their logprobs as a ``Completion``; ``final``: its last
+    output (why it finished)."""
+    match final.finish_reason:
         case "stop":
             finished = True
             if len(token_ids) == 0 or int(token_ids[-1]) not in stop_token_ids:
                 raise RuntimeError(
                     f"vLLM stopped without a stop token at the end (stop_reason="
-                    f"{output.stop_reason!r}); this vLLM version breaks the engine contract"
+                    f"{final.stop_reason!r}); this vLLM version breaks the engine contract"
                 )
         case "length":
             finished = False
         case reason:
             raise RuntimeError(f"vLLM finished a request with finish_reason={reason!r}")
-    return Completion(token_ids=token_ids, logprobs=logprobs, finished=finished)
+    return Completion(
+        token_ids=np.asarray(token_ids, dtype=np.int32),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
+        finished=finished,
+    )

@@ -1,29 +1,64 @@
-"""``BatchLoop``: an engine actor's continuous batch, stepped by a thread of its own, fed and
+"""``BatchLoop``: an engine actor's running batch, stepped by a thread of its own, fed and
 drained by calls (the actor side of the continuous driver, ``rollout.ray_continuous``).
 
-    loop = BatchLoop(torch_engine)
+    loop = BatchLoop(engine)                               # a TorchEngine or a VLLMEngine
     loop.submit([(turn_id, prompt, seed), ...], params)   # joins the running batch
     got = loop.collect(wait_s=1.0)                         # the turns answered since, at once
 
 ``submit`` returns at once: its turns wait for the next step boundary, where the batch admits
-them while rows are free (``policy.continuous``). The thread steps the batch while anything is
+them while rows are free (a TorchEngine's ``policy.continuous``; vLLM's own scheduler through
+``policy.vllm_batch``). The thread steps the batch while anything is
 pending and sleeps otherwise. ``collect`` blocks until some turn has all its samples (or
 ``wait_s`` passes) and hands back every such turn with the engine's counters since the last
 collect, so the driver handles completions as they arrive. A step that raises stops the loop;
-the next ``collect`` raises it.
+the next ``collect`` raises it. The engine's other calls (a weight load, a whole ``generate``)
+run inside ``idle()``, which holds the batch still and refuses while turns are in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from trace_core.policy.continuous import ContinuousBatch, Request
-from trace_core.policy.engine import Completion, SamplingParams
+from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.sampling import request_keys
 from trace_core.policy.torch_engine import TorchEngine
+from trace_core.policy.vllm_engine import VLLMEngine
+
+
+class RunningBatch(Protocol):
+    """What a loop steps: ``continuous.ContinuousBatch`` or ``vllm_batch.VLLMBatch``."""
+
+    steps: int
+    row_steps: int
+    row_counts: Counter[int]
+
+    @property
+    def pending(self) -> int: ...
+
+    def add(self, request: Request, tag: Hashable | Any = None) -> None: ...
+
+    def step(self) -> list[tuple[Any, Completion]]: ...
+
+
+def running_batch(engine: Engine) -> RunningBatch:
+    """The running batch of ``engine``: a TorchEngine's scheduler, or vLLM's."""
+    if isinstance(engine, TorchEngine):
+        return ContinuousBatch(engine)
+    if isinstance(engine, VLLMEngine):
+        from trace_core.policy.vllm_batch import VLLMBatch  # imports vllm
+
+        return VLLMBatch(engine)
+    raise ValueError(
+        f"the continuous driver runs TorchEngine and vLLM actors; this one runs "
+        f"{type(engine).__name__} (use driver async)"
+    )
 
 
 @dataclass(frozen=True)
@@ -43,14 +78,16 @@ class Collected:
     """Decode steps run."""
     row_steps: int
     """Rows in flight summed over those steps (their mean: ``row_steps / steps``)."""
+    row_counts: dict[int, int]
+    """Those steps by their rows in flight."""
 
 
 class BatchLoop:
-    """A ``TorchEngine``'s ``ContinuousBatch`` behind a lock, stepped by a daemon thread."""
+    """An engine's running batch behind a lock, stepped by a daemon thread."""
 
-    def __init__(self, engine: TorchEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.batch = ContinuousBatch(engine)
+        self.batch = running_batch(engine)
         self._cond = threading.Condition()
         self._done: list[tuple[int, list[Completion]]] = []
         self._partial: dict[int, list[Completion | None]] = {}
@@ -58,6 +95,7 @@ class BatchLoop:
         self._running = False  # a thread steps the batch (set and cleared under the lock)
         self._seconds = 0.0
         self._marks = self._counters()
+        self._counts = Counter(self.batch.row_counts)
 
     def submit(
         self, turns: Sequence[tuple[int, Sequence[int], int]], params: SamplingParams
@@ -89,15 +127,35 @@ class BatchLoop:
             delta = [a - b for a, b in zip(now, self._marks, strict=True)]
             self._marks = now
             seconds, self._seconds = self._seconds, 0.0
+            counts, self._counts = (
+                self.batch.row_counts - self._counts,
+                Counter(self.batch.row_counts),
+            )
         return Collected(
             [t for t, _ in done], [c for _, c in done], *delta[:3], seconds,
-            float(self.engine.cache.used), *delta[3:],
+            self._cache_used(), *delta[3:], dict(counts),
         )  # fmt: skip
 
     @property
     def pending(self) -> int:
         with self._cond:
             return len(self._partial)
+
+    @contextlib.contextmanager
+    def idle(self) -> Iterator[None]:
+        """Hold the batch still while the engine does something else (new weights, a whole
+        ``generate``); refused while turns are in flight: weights change between rollouts."""
+        with self._cond:
+            if self._partial:
+                raise RuntimeError(
+                    f"{len(self._partial)} turns are in flight in this engine's running batch; "
+                    "it takes new weights or other calls once they are answered"
+                )
+            yield
+
+    def _cache_used(self) -> float:
+        cache = getattr(self.engine, "cache", None)  # a TorchEngine's prefix cache
+        return float(cache.used) if cache is not None else 0.0
 
     def _counters(self) -> list[int]:
         stats, batch = self.engine.stats, self.batch

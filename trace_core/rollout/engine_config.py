@@ -80,22 +80,28 @@ class EngineConfig:
     failed) stops itself. Set it above the longest update (the gap between two rollouts).
     While kept, the actors hold their GPUs: the run's trainer actors need GPUs of their
     own. 0: every step starts and stops its own engines."""
-    driver: str = "async"
-    """Ray engine pools: how ``grow_trees`` drives the workers. async: each worker's turns
-    come back as soon as it is done, and the turns they free go out at once, so one worker
-    decodes while the driver steps the envs of another's; lock-step: one engine call per
-    turn-step, every worker waiting for the slowest (one worker: the same schedule);
-    continuous (TorchEngine actors): each turn joins its engine's running batch at the next
-    step and comes back the step it finishes (``rollout.ray_continuous``)."""
+    driver: str = "auto"
+    """Ray engine pools: how ``grow_trees`` drives the workers. continuous: each turn joins its
+    engine's running batch as soon as its env step is done and comes back the step it
+    finishes (``rollout.ray_continuous``; TorchEngine and vLLM actors); async: each worker's
+    sub-batch of turns comes back as soon as it is done, and the turns they free go out at
+    once; lock-step: one engine call per turn-step, every worker waiting for the slowest.
+    auto: continuous, and async for HF engines (``generate`` has no running batch)."""
+    max_num_seqs: int = 0
+    """vLLM: sequences its scheduler runs at once, the rows of its running batch (0: vLLM's
+    default for the device). ``max_rows`` is the torch engine's."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
-        if self.driver not in DRIVERS:
-            raise ValueError(f"driver must be one of {', '.join(DRIVERS)}; got {self.driver!r}")
-        if self.driver == "continuous" and self.engine != "torch":
+        if self.driver not in ("auto", *DRIVERS):
+            allowed = ", ".join(("auto", *DRIVERS))
+            raise ValueError(f"driver must be one of {allowed}; got {self.driver!r}")
+        if self.driver == "continuous" and self.engine == "hf":
+            raise ValueError("driver continuous needs a running batch: engine hf runs async")
+        if self.max_num_seqs < 0:
             raise ValueError(
-                f"driver continuous runs torch engines; engine {self.engine!r} runs async"
+                f"max_num_seqs must be >= 0 (0: vLLM's default), got {self.max_num_seqs}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
@@ -150,9 +156,18 @@ class EngineConfig:
             return self.memory_fraction
         return 0.9 * min(1.0, self.gpus_per_worker or 1.0)
 
+    @property
+    def pool_driver(self) -> str:
+        """The driver of a Ray pool: ``driver``, with auto resolved."""
+        if self.driver != "auto":
+            return self.driver
+        return "async" if self.engine == "hf" else "continuous"
+
     def vllm_kwargs(self) -> dict[str, int | None]:
-        """``max_model_len`` and ``kv_cache_bytes`` as the vLLM engines take them (None: vLLM's)."""
+        """``max_model_len``, ``kv_cache_bytes`` and ``max_num_seqs`` as the vLLM engines take
+        them (None: vLLM's)."""
         return {
             "max_model_len": self.max_model_len or None,
             "kv_cache_bytes": int(self.kv_cache_gib * 2**30) or None,
+            "max_num_seqs": self.max_num_seqs or None,
         }

@@ -63,7 +63,7 @@ def open_engine(
             name=name,
             keep_alive_s=config.keep_alive_s,
             serving=serving,
-            driver=config.driver,  # type: ignore[arg-type]  # checked by EngineConfig
+            driver=config.pool_driver,  # type: ignore[arg-type]  # checked by EngineConfig
             ready_timeout_s=config.ready_timeout_s,
             **config.vllm_kwargs(),
         ) as pool:
@@ -82,7 +82,9 @@ def open_engine(
                 tensor_parallel_size=config.tensor_parallel,
                 max_model_len=vllm["max_model_len"],
                 options=VLLMOptions(
-                    enforce_eager=config.eager, kv_cache_memory_bytes=vllm["kv_cache_bytes"]
+                    enforce_eager=config.eager,
+                    kv_cache_memory_bytes=vllm["kv_cache_bytes"],
+                    max_num_seqs=vllm["max_num_seqs"],
                 ),
             ) as engine:
                 yield engine

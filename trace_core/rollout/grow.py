@@ -8,10 +8,12 @@ non-terminal prefixes are scored, ``RootPlan.expand`` splits the prompt's contin
 over them, and the continuations join the very next engine call — no prompt waits for another.
 
 That is the lock-step driver: one engine call per turn-step, all of it awaited. A Ray pool
-with ``driver="async"`` (``EngineConfig.driver``, the default) streams instead
-(``rollout.ray_stream``): each worker's turns come back the moment it is done, their envs are
-stepped and the turns they free are routed at once, while the other workers decode; turns of
-different prompts are in flight independently.
+streams instead (``EngineConfig.driver``): with ``continuous`` (the default) each turn joins
+its engine's running batch and comes back the step it finishes (``rollout.ray_continuous``);
+with ``async`` each worker's sub-batch comes back the moment it is done
+(``rollout.ray_stream``). Either way the returned turns' envs are stepped and the turns they
+free are routed at once, while the engines decode; turns of different prompts are in flight
+independently.
 
 A continuation restores its env by replaying the prefix's actions (envs are deterministic, see
 ``envs.base``) and continues from the prefix's exact token history, which the engine's prefix

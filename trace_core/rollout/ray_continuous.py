@@ -169,7 +169,7 @@ class ContinuousStream(Generic[Tag]):
         prompts = [self._turns[i][0] for i in got.ids]
         result = SubBatchResult(
             got.completions, got.prompt_tokens, got.prefill_tokens, got.generated_tokens,
-            got.seconds, got.cache_used_tokens, got.steps, got.row_steps,
+            got.seconds, got.cache_used_tokens, got.steps, got.row_steps, got.row_counts,
         )  # fmt: skip
         pool._record(worker, prompts, result)
         pool._learn_lengths([c for cs in got.completions for c in cs], self._params)

@@ -10,9 +10,10 @@ pool from an ``EngineConfig``)::
     with RayEnginePool("build/policy/calc", workers=2) as engine:   # in-process Ray
         trees = grow_trees(engine, fmt, suite.make_env, pool, predictor, config)
 
-``generate`` is one lock-step call; ``stream`` answers each worker's turns as it finishes
-them (``rollout.ray_stream``), which ``grow_trees`` and ``rollout_flat`` use while
-``driver`` is ``"async"`` (the default, ``EngineConfig.driver``).
+``generate`` is one lock-step call; ``stream`` answers turns as they are done: per turn from the
+engines' running batches (``rollout.ray_continuous``, ``driver="continuous"``, what
+``EngineConfig`` picks for TorchEngine and vLLM), or per worker sub-batch
+(``rollout.ray_stream``, ``driver="async"``); ``grow_trees`` and ``rollout_flat`` use it.
 
     RayEnginePool(ckpt, workers=8, address="10.0.0.5:6379", num_gpus_per_worker=1)  # a head
 
@@ -31,11 +32,8 @@ to the worker where they would finish first (longest-processing-time greedy). Id
 prompts (the roots of one task) move together, so their prefill is shared. Routing only
 affects speed: any worker gives a correct answer.
 
-**Seeds.** A sub-batch's seed is drawn from ``SeedSequence([seed, *indices])``: the call's
-seed and the positions of its prompts in the call. With one worker the sub-batch is the
-whole call, so a fixed seed reproduces a run (the engine's own determinism is the limit:
-``TorchEngine`` is bit-exact on CPU for the same call on an engine in the same state).
-With several workers, samples depend on how the call was split.
+**Seeds.** Every prompt of a call samples with a seed of its own (``sampling.prompt_seeds``),
+whatever sub-batch or worker it lands in: samples do not depend on the split.
 
 **Faults.** Actors are created with ``max_restarts`` and ``max_task_retries``: when a
 worker process dies, Ray restarts the actor (which reloads the checkpoint) and reruns the
@@ -69,6 +67,7 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
@@ -149,6 +148,7 @@ class RayEnginePool:
         ready_timeout_s: float = 1800.0,
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
+        max_num_seqs: int | None = None,
         eager: bool = False,
         dtype: str = "auto",
         name: str = "",
@@ -160,7 +160,7 @@ class RayEnginePool:
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
         may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
         long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
-        ``max_model_len``, ``kv_cache_bytes``, ``eager``, ``dtype``: vLLM's (``WorkerSpec``).
+        ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``, ``eager``, ``dtype``: vLLM's.
         ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring).
         ``driver``: how ``grow_trees`` drives the pool (``EngineConfig.driver``): async through
         ``stream``, lock-step through ``generate``. ``serving``: what the run's kept actors hold
@@ -183,6 +183,7 @@ class RayEnginePool:
         self._serving = serving
         self._token = os.urandom(8).hex()
         self.stats = EngineStats()
+        self.row_counts: Counter[int] = Counter()  # engine steps by rows in flight, all workers
         self._owners = PrefixOwners()
         self._length_share = 1.0  # mean generated / max_tokens so far: decode work estimate
         self._calls = 0
@@ -209,6 +210,7 @@ class RayEnginePool:
                 cache_tokens=cache_tokens,
                 max_model_len=max_model_len,
                 kv_cache_bytes=kv_cache_bytes,
+                max_num_seqs=max_num_seqs,
                 eager=eager,
                 dtype=dtype,
                 pool_workers=workers,
@@ -371,6 +373,7 @@ class RayEnginePool:
         extra["worker_seconds"] = extra.get("worker_seconds", 0.0) + result.seconds
         extra["engine_steps"] = extra.get("engine_steps", 0.0) + result.steps
         extra["engine_row_steps"] = extra.get("engine_row_steps", 0.0) + result.row_steps
+        self.row_counts.update(result.row_counts)
         extra[f"cache_used_tokens_w{worker}"] = result.cache_used_tokens
 
     def _learn_lengths(self, done: Sequence[Completion], params: SamplingParams) -> None:

@@ -15,8 +15,9 @@ import contextlib
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
@@ -53,6 +54,8 @@ class SubBatchResult:
     """TorchEngine: decode steps run."""
     row_steps: int = 0
     """TorchEngine: rows in flight summed over those steps."""
+    row_counts: dict[int, int] = field(default_factory=dict)
+    """Those steps by their rows in flight."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class WorkerSpec:
     kv_cache_bytes: int | None = None
     """vLLM: KV-cache size; None: ``memory_fraction`` of the GPU, and on CPU this actor's share
     of its node's free memory (``cpu_kv_cache_bytes``)."""
+    max_num_seqs: int | None = None
+    """vLLM: rows of its running batch; None: vLLM's default."""
     eager: bool = False
     """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
     dtype: str = "auto"
@@ -102,7 +107,8 @@ def cpu_kv_cache_bytes(spec: WorkerSpec, available: int, node_cpus: float) -> in
 class EngineWorker:
     """One policy replica. ``generate`` runs one at a time; ``where`` answers while it runs.
     The continuous driver (``rollout.ray_continuous``) ``submit``s turns into the engine's
-    running batch instead and ``collect``s each as it finishes (``rollout.batch_loop``).
+    running batch instead (a TorchEngine's scheduler, or vLLM's) and ``collect``s each as it
+    finishes (``rollout.batch_loop``).
 
     The checkpoint may be an ``s3://`` URI: each node downloads it once (``rollout.weights``).
     New weights go into the running engine (``load``): vLLM reloads them in place, the torch
@@ -169,8 +175,13 @@ class EngineWorker:
     def load(self, checkpoint: str) -> float:
         """Swap in the weights of ``checkpoint`` (the prefix cache is dropped); returns the
         seconds it took, the download to this node included."""
-        with self._call():
+        with self._call(), self._idle():
             return self._load(checkpoint)
+
+    def _idle(self) -> contextlib.AbstractContextManager[None]:
+        """The running batch held still, if the continuous driver started one
+        (``BatchLoop.idle``: refused while its turns are in flight)."""
+        return self._loop.idle() if self._loop is not None else contextlib.nullcontext()
 
     def _load(self, checkpoint: str) -> float:
         from trace_core.rollout.weights import node_checkpoint
@@ -202,7 +213,9 @@ class EngineWorker:
                     tensor_parallel_size=spec.tensor_parallel,
                     max_model_len=spec.max_model_len,
                     options=VLLMOptions(
-                        enforce_eager=spec.eager, kv_cache_memory_bytes=kv_cache_bytes
+                        enforce_eager=spec.eager,
+                        kv_cache_memory_bytes=kv_cache_bytes,
+                        max_num_seqs=spec.max_num_seqs,
                     ),
                 )
         elif spec.engine == "hf":
@@ -242,8 +255,10 @@ class EngineWorker:
             stats = self.engine.stats
             before = (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens)
             steps = (stats.extra.get("decode_steps", 0), stats.extra.get("decode_row_steps", 0))
+            counts = Counter(getattr(self.engine, "row_counts", {}))
             start = time.perf_counter()
-            completions = self.engine.generate(prompts, params, seeds)
+            with self._idle():
+                completions = self.engine.generate(prompts, params, seeds)
             seconds = time.perf_counter() - start
         return SubBatchResult(
             completions,
@@ -254,6 +269,7 @@ class EngineWorker:
             stats.extra.get("cache_used_tokens", 0.0),
             int(stats.extra.get("decode_steps", 0) - steps[0]),
             int(stats.extra.get("decode_row_steps", 0) - steps[1]),
+            dict(Counter(getattr(self.engine, "row_counts", {})) - counts),
         )
 
     # -- continuous batching (``rollout.ray_continuous``) --------------------------------------
@@ -263,19 +279,14 @@ class EngineWorker:
     ) -> int:
         """Queue turns (id, prompt, seed) in the engine's running batch; returns at once,
         with this process's pid (a restarted actor has lost what an earlier one held)."""
-        from trace_core.policy.torch_engine import TorchEngine
         from trace_core.rollout.batch_loop import BatchLoop
 
         with self._call():
             if checkpoint != self.checkpoint:
                 self._catch_up(checkpoint)
-            if not isinstance(self.engine, TorchEngine):
-                raise ValueError(
-                    f"the continuous driver runs TorchEngine actors; this one runs "
-                    f"{type(self.engine).__name__} (use driver async)"
-                )
+            assert self.engine is not None
             if self._loop is None or self._loop.engine is not self.engine:
-                self._loop = BatchLoop(self.engine)
+                self._loop = BatchLoop(self.engine)  # refuses an HF engine
             self._loop.submit(turns, params)
             return os.getpid()
 
@@ -328,7 +339,7 @@ class EngineWorker:
         then serves them as ``label``. Returns the seconds it took."""
         from trace_core.policy.weight_sync import ModuleSink, apply_weights
 
-        with self._call():
+        with self._call(), self._idle():
             start = time.perf_counter()
             engine: Any = self.engine
             if self.spec.engine == "vllm":

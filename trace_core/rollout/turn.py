@@ -3,7 +3,8 @@
 Flat rollouts and tree growth advance their episodes the same way; only what happens when an
 episode ends differs (a flat episode just stops, a tree's last root rollout triggers stage 2).
 Both drive an engine lock-step (``Engine.generate``: one call per turn-step) or, when it is a
-``StreamingEngine`` set to ``driver="async"`` (a Ray pool), through its ``TurnStream``.
+``StreamingEngine`` (a Ray pool) set to ``driver="async"`` or ``"continuous"``, through its
+``stream``.
 """
 
 from __future__ import annotations
