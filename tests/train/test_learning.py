@@ -12,23 +12,24 @@ from trace_core.train.config import TrainConfig
 from trace_core.train.loop import train
 
 
-@pytest.mark.slow  # ≈ 2.5 min of warm start and ≈ 1.5 min of RL on 2 idle cores
+@pytest.mark.slow  # ≈ 6 min of warm start and ≈ 1 min of RL on an idle core
 @pytest.mark.long
 def test_trace_iterations_raise_held_out_mean_at_k(tmp_path: Path) -> None:
     """Warm start (1,000 SFT steps, seed 0), then 8 iterations of M = 128 roots × N = 2 over
     pools of 512 prompts, mean@4 on the first 90 eval tasks before and after.
 
     Measured from this warm start with RL seeds 0–3 (``train(TrainConfig(init=<warm start>,
-    seed=s, ...))``), mean@4 start → after 8 iterations, before each request drew from a seed
-    of its own (the engines then drew a call's samples from one generator; the same seeds now
-    draw other samples, and these four have not been measured again):
-        seed 0: 0.436 → 0.550 (+0.114)    seed 1: 0.336 → 0.472 (+0.136)
-        seed 2: 0.375 → 0.492 (+0.117)    seed 3: 0.372 → 0.467 (+0.094)
-    mean gain +0.115, spread 0.094–0.136 (sd ≈ 0.017). The asserted margin, +0.05, is under
-    half the smallest gain seen. Greedy pass@1 is not asserted: it fell on 3 of the 4 seeds
-    (0.811 → 0.822, 0.833 → 0.733, 0.833 → 0.789, 0.756 → 0.700) while mean@4 rose.
+    seed=s, eval_every=2, ...))``; seed 0 warm-started itself), every request drawing from a
+    seed of its own, mean@4 start → after 8 iterations (the gain after 4 in brackets):
+        seed 0: 0.372 → 0.550 (+0.178; +0.083)    seed 1: 0.347 → 0.478 (+0.131; +0.117)
+        seed 2: 0.350 → 0.519 (+0.169; +0.111)    seed 3: 0.358 → 0.469 (+0.111; +0.086)
+    mean gain +0.147, spread 0.111–0.178. The asserted margin, +0.05, is under half the
+    smallest gain seen. Greedy pass@1 is not asserted: it fell on 3 of the 4 seeds (0.811 →
+    0.800, 0.833 → 0.722, 0.833 → 0.822, 0.756 → 0.767) while mean@4 rose. The RL is cheap
+    (≈ 6 s an iteration on an idle core); the warm start's 1,000 SFT steps (≈ 0.34 s each)
+    are most of this test.
     Cheaper warm starts (≤ 800 steps, smaller policies or task subsets) gave gains between
-    −0.044 and +0.031: too close to zero to test.
+    −0.044 and +0.031 (measured before per-request seeds): too close to zero to test.
     """
     config = TrainConfig(
         output=tmp_path / "run",
