@@ -107,7 +107,7 @@ def test_pipeline_runs_through_kfp_local(
     config = PipelineConfig.from_json(body["parameterValues"]["config_json"]).train
     loop = train(replace(config, output=tmp_path / "loop" / "ci", ray_address=None))
     log = read_log(result.run_dir / "iterate-3" / "new_state")
-    assert parity.comparable(log) == parity.comparable(loop), parity.differences(log, loop)
+    parity.same_run_but_arrival_order(log, loop)
     # The logged metrics are the step's report; pass@1 is greedy on 8 tasks: a count out of 8.
     assert final["accuracy_pass1"] == result.final_eval["pass1"]["all"]  # type: ignore[index]
     assert final["accuracy_mean_at_1"] == result.final_eval["mean_k"]["all"]  # type: ignore[index]

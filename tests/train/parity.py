@@ -102,3 +102,24 @@ def same_run_but_rounding(a: list[IterationRecord], b: list[IterationRecord]) ->
         }
         got, want = ({k: u[k] for k in numbers} for u in (update_x, update_y))
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (x["iteration"], got, want)
+
+
+def same_run_but_arrival_order(a: list[IterationRecord], b: list[IterationRecord]) -> None:
+    """Two logs of one run whose engines answered turns in other orders (the continuous driver
+    on Ray actors against the in-process engine): the same tokens, rewards, update and
+    evaluations. A tree's node ids follow the order its turns came back, and the predictor's
+    examples follow the node ids, so its float sums round apart: its figures are close
+    (1e-4, or 1e-9 apart for losses near 0), everything else equal."""
+    import pytest
+
+    mine, theirs = comparable(a), comparable(b)
+    assert [{**r, "predictor": None} for r in mine] == [{**r, "predictor": None} for r in theirs]
+    for x, y in zip(mine, theirs, strict=True):
+        fit_x, fit_y = x["predictor"], y["predictor"]
+        assert isinstance(fit_x, dict) and isinstance(fit_y, dict)
+        numbers = {k for k, v in fit_y.items() if isinstance(v, float)}
+        assert {k: v for k, v in fit_x.items() if k not in numbers} == {
+            k: v for k, v in fit_y.items() if k not in numbers
+        }
+        got, want = ({k: f[k] for k in numbers} for f in (fit_x, fit_y))
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-9), (x["iteration"], got, want)
