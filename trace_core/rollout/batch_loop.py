@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from trace_core.policy.continuous import ContinuousBatch, Request
@@ -30,6 +30,7 @@ from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.sampling import request_keys
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.vllm_engine import VLLMEngine
+from trace_core.rollout.worker_result import Collected
 
 
 class RunningBatch(Protocol):
@@ -59,27 +60,6 @@ def running_batch(engine: Engine) -> RunningBatch:
         f"the continuous driver runs TorchEngine and vLLM actors; this one runs "
         f"{type(engine).__name__} (use driver async)"
     )
-
-
-@dataclass(frozen=True)
-class Collected:
-    """Turns an engine answered since the last ``collect``, and what that took."""
-
-    ids: list[int]
-    completions: list[list[Completion]]
-    """Each turn's ``params.n`` samples, in sample order."""
-    prompt_tokens: int
-    prefill_tokens: int
-    generated_tokens: int
-    seconds: float
-    """Time spent stepping the batch."""
-    cache_used_tokens: float
-    steps: int
-    """Decode steps run."""
-    row_steps: int
-    """Rows in flight summed over those steps (their mean: ``row_steps / steps``)."""
-    row_counts: dict[int, int]
-    """Those steps by their rows in flight."""
 
 
 class BatchLoop:
@@ -132,8 +112,8 @@ class BatchLoop:
                 Counter(self.batch.row_counts),
             )
         return Collected(
-            [t for t, _ in done], [c for _, c in done], *delta[:3], seconds,
-            self._cache_used(), *delta[3:], dict(counts),
+            [c for _, c in done], *delta[:3], seconds, self._cache_used(), *delta[3:],
+            dict(counts), ids=[t for t, _ in done],
         )  # fmt: skip
 
     @property

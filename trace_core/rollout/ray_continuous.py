@@ -37,8 +37,8 @@ from ray.exceptions import ActorDiedError, RayActorError
 
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.rollout.ray_stream import Pool
-from trace_core.rollout.ray_worker import SubBatchResult
 from trace_core.rollout.routing import SubBatch
+from trace_core.rollout.worker_result import Collected
 
 Tag = TypeVar("Tag")
 
@@ -162,16 +162,12 @@ class ContinuousStream(Generic[Tag]):
                 self._submit(worker, lost)
         self._pids[worker] = pid
 
-    def _answered(self, worker: int, got: Any) -> list[tuple[Tag, list[Completion]]]:
+    def _answered(self, worker: int, got: Collected | None) -> list[tuple[Tag, list[Completion]]]:
         if got is None or not got.ids:
             return []
         pool = self._pool
         prompts = [self._turns[i][0] for i in got.ids]
-        result = SubBatchResult(
-            got.completions, got.prompt_tokens, got.prefill_tokens, got.generated_tokens,
-            got.seconds, got.cache_used_tokens, got.steps, got.row_steps, got.row_counts,
-        )  # fmt: skip
-        pool._record(worker, prompts, result)
+        pool._record(worker, prompts, got)
         pool._learn_lengths([c for cs in got.completions for c in cs], self._params)
         pool.stats.calls += 1
         out = []

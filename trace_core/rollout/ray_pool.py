@@ -85,11 +85,11 @@ from trace_core.rollout.ray_worker import (
     KEPT_NAMESPACE,
     EngineKind,
     EngineWorker,
-    SubBatchResult,
     WorkerSpec,
 )
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import Episode
+from trace_core.rollout.worker_result import SubBatchResult
 
 Driver = Literal["async", "lock-step", "continuous"]
 

@@ -36,8 +36,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
-from trace_core.rollout.ray_worker import SubBatchResult
 from trace_core.rollout.routing import SubBatch
+from trace_core.rollout.worker_result import SubBatchResult
 
 Tag = TypeVar("Tag")
 

@@ -17,13 +17,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 
-from trace_core.policy.engine import Completion, Engine, SamplingParams
+from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.weight_sync import SYNCED
+from trace_core.rollout.worker_result import SubBatchResult
 
 if TYPE_CHECKING:
     from trace_core.policy.weight_sync import WeightPlan, WeightSink
@@ -37,25 +38,6 @@ class StaleWeightsError(RuntimeError):
 
 KEPT_NAMESPACE = "trace-engines"
 """The Ray namespace of kept (detached, named) engine actors."""
-
-
-@dataclass(frozen=True)
-class SubBatchResult:
-    """What a worker returns for one sub-batch: completions and the work it took."""
-
-    completions: list[list[Completion]]
-    prompt_tokens: int
-    prefill_tokens: int
-    generated_tokens: int
-    seconds: float
-    """Time inside the engine (the worker was busy)."""
-    cache_used_tokens: float
-    steps: int = 0
-    """TorchEngine: decode steps run."""
-    row_steps: int = 0
-    """TorchEngine: rows in flight summed over those steps."""
-    row_counts: dict[int, int] = field(default_factory=dict)
-    """Those steps by their rows in flight."""
 
 
 @dataclass(frozen=True)
