@@ -34,7 +34,6 @@ from trace_core.policy.vllm_engine import VLLMEngine, completion_of, vllm_sampli
 UPSTREAM = (
     "vllm.v1.engine.llm_engine.LLMEngine.add_request",
     "vllm.v1.engine.llm_engine.LLMEngine.step",
-    "vllm.v1.engine.llm_engine.LLMEngine.abort_request",
     "vllm.sampling_params.RequestOutputKind.DELTA",
 )
 """What this module calls in vLLM (``policy.upstream`` checks each in the installed release)."""
@@ -57,10 +56,6 @@ class VLLMBatch:
 
     @property
     def pending(self) -> int:
-        return len(self._open)
-
-    @property
-    def running(self) -> int:
         return len(self._open)
 
     def add(self, request: Request, tag: Hashable | Any = None) -> None:
@@ -100,9 +95,3 @@ class VLLMBatch:
                 stats.generated_tokens += len(tokens)
                 answers.append((tag, completion_of(tokens, logprobs, sample, stops)))
         return answers
-
-    def abort(self) -> None:
-        """Drop every request in flight (their answers are lost)."""
-        if self._open:
-            self._llm_engine.abort_request(list(self._open))
-            self._open.clear()
