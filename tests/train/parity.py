@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Split, Step, Task
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.model import TinyPolicyConfig
@@ -84,42 +85,79 @@ def differences(a: list[IterationRecord], b: list[IterationRecord]) -> list[str]
     return found
 
 
-def same_run_but_rounding(a: list[IterationRecord], b: list[IterationRecord]) -> None:
-    """Two logs of one run where an engine was started anew in between: the same tokens,
-    rewards, predictor and evaluations; the engine's logprobs (the update's π_old) round apart
-    in the last bits (an empty prefix cache, other batch shapes), which moves the update's
-    figures by as much: those are close (1e-5), everything else equal."""
+ROUNDING = {"update": (1e-5, 1e-6)}
+"""An engine started anew in between (an empty prefix cache, other batch shapes): its logprobs,
+the update's π_old, round apart in the last bits, and the update's figures move by as much."""
+
+ARRIVAL_ORDER = {"predictor": (1e-4, 1e-9)}
+"""Engines that answered turns in another order (the continuous driver on Ray actors against
+the in-process engine): a tree's node ids follow the order its turns came back, and the
+predictor's examples follow the node ids, so its float sums round apart (1e-9 apart for losses
+near 0)."""
+
+
+def same_run_but(
+    a: list[IterationRecord], b: list[IterationRecord], close: dict[str, tuple[float, float]]
+) -> None:
+    """Two logs of one run: the same tokens, rewards and evaluations; the numbers of each field
+    in ``close`` within its (relative, absolute) tolerance, everything else equal."""
     import pytest
 
     mine, theirs = comparable(a), comparable(b)
-    assert [{**r, "update": None} for r in mine] == [{**r, "update": None} for r in theirs]
+    assert [{**r, **dict.fromkeys(close)} for r in mine] == [
+        {**r, **dict.fromkeys(close)} for r in theirs
+    ], differences(a, b)
     for x, y in zip(mine, theirs, strict=True):
-        update_x, update_y = x["update"], y["update"]
-        assert isinstance(update_x, dict) and isinstance(update_y, dict)
-        numbers = {k for k, v in update_y.items() if isinstance(v, float | int)}
-        assert {k: v for k, v in update_x.items() if k not in numbers} == {
-            k: v for k, v in update_y.items() if k not in numbers
-        }
-        got, want = ({k: u[k] for k in numbers} for u in (update_x, update_y))
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (x["iteration"], got, want)
+        for field, (rel, abs_) in close.items():
+            got, want = x[field], y[field]
+            assert isinstance(got, dict) and isinstance(want, dict)
+            numbers = {k for k, v in want.items() if isinstance(v, float | int)}
+            assert {k: v for k, v in got.items() if k not in numbers} == {
+                k: v for k, v in want.items() if k not in numbers
+            }
+            got, want = ({k: f[k] for k in numbers} for f in (got, want))
+            assert got == pytest.approx(want, rel=rel, abs=abs_), (x["iteration"], field)
+
+
+def same_run_but_rounding(a: list[IterationRecord], b: list[IterationRecord]) -> None:
+    """Two logs of one run where an engine was started anew in between (``ROUNDING``)."""
+    same_run_but(a, b, ROUNDING)
 
 
 def same_run_but_arrival_order(a: list[IterationRecord], b: list[IterationRecord]) -> None:
-    """Two logs of one run whose engines answered turns in other orders (the continuous driver
-    on Ray actors against the in-process engine): the same tokens, rewards, update and
-    evaluations. A tree's node ids follow the order its turns came back, and the predictor's
-    examples follow the node ids, so its float sums round apart: its figures are close
-    (1e-4, or 1e-9 apart for losses near 0), everything else equal."""
+    """Two logs of one run whose engines answered turns in other orders (``ARRIVAL_ORDER``)."""
+    same_run_but(a, b, ARRIVAL_ORDER)
+
+
+def same_trees_but_order(mine: list[RolloutTree], theirs: list[RolloutTree]) -> None:
+    """Two runs' trees, one for one: the same turns under the same prefixes, tokens, texts,
+    rewards and branch marks, whatever order the nodes came back in; the logprobs and the
+    predictor's V within float rounding (see ``ROUNDING`` and ``ARRIVAL_ORDER``)."""
     import pytest
 
-    mine, theirs = comparable(a), comparable(b)
-    assert [{**r, "predictor": None} for r in mine] == [{**r, "predictor": None} for r in theirs]
-    for x, y in zip(mine, theirs, strict=True):
-        fit_x, fit_y = x["predictor"], y["predictor"]
-        assert isinstance(fit_x, dict) and isinstance(fit_y, dict)
-        numbers = {k for k, v in fit_y.items() if isinstance(v, float)}
-        assert {k: v for k, v in fit_x.items() if k not in numbers} == {
-            k: v for k, v in fit_y.items() if k not in numbers
-        }
-        got, want = ({k: f[k] for k in numbers} for f in (fit_x, fit_y))
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-9), (x["iteration"], got, want)
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert a.info == b.info and a.size == b.size, (a.info, b.info)
+        exact_a, exact_b = (sorted(_nodes(t), key=lambda n: n[0]) for t in (a, b))
+        assert [n[0] for n in exact_a] == [n[0] for n in exact_b], a.info
+        for (_, lp_a, v_a), (_, lp_b, v_b) in zip(exact_a, exact_b, strict=True):
+            assert lp_a == pytest.approx(lp_b, rel=1e-4, abs=1e-5, nan_ok=True), a.info
+            assert v_a == pytest.approx(v_b, rel=1e-4, abs=1e-6, nan_ok=True), a.info
+
+
+def _nodes(tree: RolloutTree) -> list[tuple[tuple[object, ...], list[float], float]]:
+    """Each node as (what must be equal, keyed by its path's tokens; logprobs; predicted V)."""
+    out = []
+    for node in range(tree.size):
+        path = tuple(tuple(tree.gen_tokens[i].tolist()) for i in tree.path(node))
+        exact = (
+            path,
+            tuple(tree.obs_tokens[node].tolist()),
+            tree.text[node],
+            tree.observation[node],
+            repr(float(tree.reward[node])),
+            bool(tree.branch[node]),
+            bool(tree.truncated[node]),
+        )
+        out.append((exact, tree.logprobs[node].tolist(), float(tree.predicted_v[node])))
+    return out

@@ -129,19 +129,22 @@ def test_the_session_steps_give_the_loops_run_and_move_only_checkpoints(
     loop_config = replace(unbroken.config.train, output=tmp_path / "unbroken", engine=ENGINE)
     records = train(loop_config, suite=parity.ParitySuite())  # type: ignore[arg-type]
     log = read_log(unbroken.root / "state-3")
-    assert parity.comparable(log) == parity.comparable(records), parity.differences(log, records)
+    # Both drive their engine actor continuously: its running batches take other shapes in
+    # the two runs, and the turns come back in other orders.
+    parity.same_run_but(log, records, parity.ROUNDING | parity.ARRIVAL_ORDER)
     for i in (1, 2, 3):
         mine = read_trees(unbroken.root / f"trees-{i}" / "trees.parquet")
         theirs = read_trees(tmp_path / "unbroken" / "iterations" / f"{i:04d}" / "trees.parquet")
-        assert len(mine) == len(theirs)
-        assert all(a.equals(b) for a, b in zip(mine, theirs, strict=True))
+        parity.same_trees_but_order(mine, theirs)
     registry = CheckpointRegistry(open_store(store))
     checkpoint = registry.latest("unbroken")
     assert checkpoint is not None and checkpoint.iteration == 3
     got = registry.download(checkpoint, tmp_path / "registered")
     a = load_file(str(got / "policy" / "model.safetensors"))
     b = load_file(str(tmp_path / "unbroken/iterations/0003/policy/model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    for k in a:  # the update's rounding, above
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     assert [r.iteration for r in read_log(got / "policy")] == [0, 1, 2, 3]
     # S3 carries checkpoints only: none on iteration 1; iteration 2's is written in the
     # background while iteration 3 rolls out (its step commits it), the last one at once.
