@@ -347,7 +347,7 @@ def test_workers_bench_times_every_engine_on_the_same_workload(
     pool driven lock-step, async and continuous."""
     config = WorkersBenchConfig(
         checkpoint, prompts=8, roots=4, continuations=2, max_tokens=6, repeats=1,
-        workers=(1, 2), drivers=("lock-step", "async", "continuous"),
+        workers=(1, 2), drivers=("lock-step", "async", "continuous"), cache_tokens=4096,
     )  # fmt: skip
     result = run_workers_bench(config)
     local, one, one_async, one_cont, two, two_async, two_cont = result.runs
@@ -407,6 +407,8 @@ def test_workers_bench_refuses_a_ratio_of_one_run_to_itself(tmp_path: Path) -> N
         WorkersBenchConfig(tmp_path, drivers=("continuous",), engines=("torch", "hf"))
     with pytest.raises(ValueError, match="env_seconds must be >= 0, got -1"):
         WorkersBenchConfig(tmp_path, env_seconds=-1)
+    with pytest.raises(ValueError, match="cache_tokens must be >= 2, got 1"):
+        WorkersBenchConfig(tmp_path, cache_tokens=1)
 
 
 def test_a_slow_tool_waits_before_each_step_and_plays_the_env(

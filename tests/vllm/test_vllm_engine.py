@@ -15,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.policy.sampling import request_seed
-from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions
+from trace_core.policy.vllm_engine import VLLMEngine, VLLMOptions, vllm_sampling
 
 pytestmark = pytest.mark.slow
 
@@ -263,6 +265,25 @@ def test_stats_count_prefix_cache_hits(setup) -> None:
     assert engine.stats.extra["uncounted_cache_requests"] == 0
 
 
+def test_rows_in_flight_are_what_vllms_steps_ran(setup) -> None:
+    """The engine's stat logger counts each vLLM step's rows: summed over the steps they are
+    the tokens generated, and one call's requests ran together."""
+    _, engine, prompts, _ = setup
+    stats, counts = engine.stats, Counter(engine.row_counts)
+    before = stats.generated_tokens, stats.extra.get("decode_row_steps", 0)
+    steps = stats.extra.get("decode_steps", 0)
+    engine.generate(prompts, SamplingParams(n=4, max_tokens=8), seed=3)
+    ran = engine.row_counts - counts
+    generated = stats.generated_tokens - before[0]
+    assert (
+        stats.extra["decode_row_steps"] - before[1]
+        == generated
+        == sum(r * n for r, n in ran.items())
+    )
+    assert stats.extra["decode_steps"] - steps == sum(ran.values())
+    assert max(ran) > len(prompts)  # the samples of several prompts in one step
+
+
 def test_max_model_len_caps_silently(setup) -> None:
     """vLLM stops at max_model_len (256) without an error: 250 + 6 tokens, unfinished."""
     _, engine, _, _ = setup
@@ -292,7 +313,15 @@ def test_weights_go_in_place_from_disk_and_by_broadcast(setup, tmp_path: Path) -
     def answers() -> list[list[int]]:
         return [c.token_ids.tolist() for (c,) in engine.generate(prompts, params)]
 
+    # A request already running when the reload starts finishes on the old weights first.
+    long = SamplingParams(temperature=0.0, max_tokens=160)
+    ((before,),) = engine.generate(prompts[:1], long)
+    started = threading.Event()
+    running = engine.submit(_first_then_last(engine, prompts[0], long, started))
+    assert started.wait(timeout=60)
     engine.reload(str(tmp_path / "other"))
+    last = running.result(timeout=60)
+    assert list(last.outputs[0].token_ids) == before.token_ids.tolist()
     assert answers() == [hf_greedy(other, p, NEW) for p in prompts] != greedy
 
     assert engine.sync_devices() == [None]  # one worker, on a CPU: gloo
@@ -307,6 +336,21 @@ def test_weights_go_in_place_from_disk_and_by_broadcast(setup, tmp_path: Path) -
         assert send_weights(model, plan, group) == plan.nbytes
         received.result(timeout=120)
     assert answers() == greedy
+
+
+async def _first_then_last(
+    engine: VLLMEngine, prompt: list[int], params: SamplingParams, started: threading.Event
+) -> object:
+    """A request's outputs step by step: sets ``started`` at its first, returns its last."""
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling = vllm_sampling(params, 0, output_kind=RequestOutputKind.CUMULATIVE)
+    request = engine._vllm.TokensPrompt(prompt_token_ids=prompt)
+    outputs = []
+    async for out in engine._llm.generate(request, sampling, engine.request_id()):
+        started.set()
+        outputs.append(out)
+    return outputs[-1]
 
 
 def test_bench_timing_module_times_the_bench_prompts(tmp_path: Path) -> None:

@@ -82,6 +82,10 @@ class WorkersBenchConfig:
     """vLLM: no torch.compile or CUDA graphs (starts faster, decodes slower on GPU)."""
     kv_cache_gib: float = 0.0
     """vLLM: KV cache per engine in GiB (0: vLLM's default, 4 GiB on CPU)."""
+    cache_tokens: int = 65_536
+    """TorchEngine: prefix-cache slots per engine (``EngineConfig.cache_tokens``). Each slot
+    holds a token's keys and values in every layer: at SmolLM2's 45 KB a token in fp32, the
+    default is ≈ 3 GB per engine, and the bench starts 1 + 1 + 2 of them."""
     drivers: tuple[str, ...] = ("lock-step", "async", "continuous")
     """How ``grow_trees`` drives each pool (``EngineConfig.driver``), each timed."""
     env_seconds: float = 0.0
@@ -91,6 +95,8 @@ class WorkersBenchConfig:
     def __post_init__(self) -> None:
         if min(self.prompts, self.max_tokens, self.repeats) < 1:
             raise ValueError("prompts, max_tokens and repeats must be >= 1")
+        if self.cache_tokens < 2:
+            raise ValueError(f"cache_tokens must be >= 2, got {self.cache_tokens}")
         if len(set(self.workers)) < 2 or min(self.workers) < 1:
             raise ValueError(
                 f"workers must be two or more worker counts >= 1 (the ratio compares the most "
@@ -306,7 +312,7 @@ def run_workers_bench(
     with contextlib.ExitStack() as stack:
         stack.callback(torch.set_num_threads, threads)
         torch.set_num_threads(1)  # the in-process engine, as one worker would run
-        local = TorchEngine(model)
+        local = TorchEngine(model, cache_tokens=config.cache_tokens)
         engines: list[tuple[Engine, Callable[[], None], str, int]] = [
             (local, functools.partial(local.update_weights, model), "in-process", 0)
         ]
@@ -322,6 +328,7 @@ def run_workers_bench(
                         engine=kind,  # type: ignore[arg-type]  # checked by the config
                         eager=config.eager,
                         kv_cache_bytes=int(config.kv_cache_gib * 2**30) or None,
+                        cache_tokens=config.cache_tokens,
                     )
                 )
                 for driver in config.drivers:

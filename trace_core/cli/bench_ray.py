@@ -49,6 +49,9 @@ def bench_workers(
     kv_cache_gib: Annotated[
         float, typer.Option(help="vLLM: KV cache per engine in GiB (0: vLLM's default).")
     ] = 0.0,
+    cache_tokens: Annotated[
+        int, typer.Option(help="TorchEngine: prefix-cache slots per engine.")
+    ] = 65_536,
     drivers: Annotated[
         str,
         typer.Option(help="Drivers of each pool, comma-separated: lock-step, async, continuous."),
@@ -74,6 +77,7 @@ def bench_workers(
             engines=engine_kinds(engines),
             eager=eager,
             kv_cache_gib=kv_cache_gib,
+            cache_tokens=cache_tokens,
             drivers=tuple(d.strip() for d in drivers.split(",") if d.strip()),
             env_seconds=env_seconds,
         )

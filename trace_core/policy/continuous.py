@@ -112,6 +112,9 @@ class ContinuousBatch:
         self.engine._check([request.prompt], request.params)
         self.waiting.append((request, tag))
 
+    def wait(self, timeout: float) -> None:
+        """Nothing to wait for: ``step`` computes the next step itself."""
+
     def step(self) -> list[tuple[Any, Completion]]:
         """Admit what fits, run one decode step, answer the requests that finished."""
         with torch.inference_mode():

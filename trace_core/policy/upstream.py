@@ -19,7 +19,6 @@ MODULES = (
     "trace_core.policy.update",
     "trace_core.policy.sharding",
     "trace_core.policy.vllm_engine",
-    "trace_core.policy.vllm_batch",
     "trace_core.policy.vllm_worker",
 )
 """The modules of the GPU path that keep an ``UPSTREAM`` list."""

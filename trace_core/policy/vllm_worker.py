@@ -1,6 +1,6 @@
-"""Methods mixed into vLLM's worker processes (``vllm.LLM(worker_extension_cls=...)``), called by
-name through ``LLM.collective_rpc``: vLLM's own way to reach into its workers for RL weight
-updates. Imported only inside those workers.
+"""Methods mixed into vLLM's worker processes (the engine argument ``worker_extension_cls``),
+called by name through ``AsyncLLM.collective_rpc``: vLLM's own way to reach into its workers for
+RL weight updates. Imported only inside those workers.
 
 New weights of the same architecture go in place, through vLLM's ``reload_weights`` (a
 layer-wise reload: each layer is processed into its kernel format as soon as its tensors are in),

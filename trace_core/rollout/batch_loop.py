@@ -32,6 +32,10 @@ from trace_core.policy.torch_engine import TorchEngine
 from trace_core.policy.vllm_engine import VLLMEngine
 from trace_core.rollout.worker_result import Collected
 
+WAIT_S = 0.05
+"""How long the loop's thread waits for a batch that answers by itself (vLLM's) before it
+looks at the batch again."""
+
 
 class RunningBatch(Protocol):
     """What a loop steps: ``continuous.ContinuousBatch`` or ``vllm_batch.VLLMBatch``."""
@@ -44,6 +48,10 @@ class RunningBatch(Protocol):
     def pending(self) -> int: ...
 
     def add(self, request: Request, tag: Hashable | Any = None) -> None: ...
+
+    def wait(self, timeout: float) -> None:
+        """Block, without the loop's lock, until ``step`` has something (vLLM's answers
+        arrive by themselves); a batch that steps by computing returns at once."""
 
     def step(self) -> list[tuple[Any, Completion]]: ...
 
@@ -146,11 +154,12 @@ class BatchLoop:
 
     def _run(self) -> None:
         while True:
+            start = time.perf_counter()
+            self.batch.wait(WAIT_S)  # without the lock: submits go on meanwhile
             with self._cond:
                 if not self.batch.pending:
                     self._running = False
                     return
-                start = time.perf_counter()
                 try:
                     answers = self.batch.step()
                 except BaseException as err:  # handed to the next collect
