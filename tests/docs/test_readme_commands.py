@@ -1,8 +1,11 @@
-"""Every command of the README's ```bash blocks, accounted for: run here as printed, or named
-with the test that runs it (as printed, or the same command with smaller settings) and why it
-is not run as printed in the suite (minutes of compute, a cluster, a user's own file).
+"""Every command of the ```bash blocks of the README and the pages it leads to (``PAGES``),
+accounted for: run here as printed, or named with the test that runs it (as printed, or the
+same command with smaller settings) and why it is not run as printed in the suite (minutes of
+compute, a cluster, a user's own file). docs/deploy.md, docs/results.md and docs/scaling.md
+have tests of their own.
 
-A command added to the README that no rule accounts for fails ``test_every_command_has_a_rule``.
+A command added to one of them that no rule accounts for fails
+``test_every_command_has_a_rule``; a README longer than ``README_LINES`` fails too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,17 @@ from trace_test_commands import commands  # registered by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
+PAGES = (
+    "README.md",
+    "docs/engines.md",
+    "docs/models.md",
+    "docs/training.md",
+    "docs/storage.md",
+    "docs/pipeline.md",
+)
+README_LINES = 250
+"""The README says what the project is, how to start and where to read next; the rest is in
+the pages."""
 RUN = "run as printed here"
 SMALLER = "the same command with smaller settings"
 CLUSTER = "needs a cluster: its part that runs here is tested"
@@ -148,6 +162,7 @@ RULES: list[tuple[str, str, str, str]] = [
         "bench/test_store_bench.py",
         "1,000 trees and a 1M-node query",
     ),
+    (r"make images push", CLUSTER, "images/test_dockerfiles.py", "a container engine, a registry"),
     (r"kubectl -n kubeflow port-forward .*", CLUSTER, "", "a cluster's service"),
     (r"set -a; \. manifests/secrets/s3/s3\.env; set \+a", CLUSTER, "", "the cluster's keys"),
     (r"export AWS_ENDPOINT_URL_S3=\S+", CLUSTER, "", "the port-forward above"),
@@ -186,9 +201,15 @@ def rule_of(command: str) -> tuple[str, str, str, str]:
     return matched[0]
 
 
+def page_commands() -> dict[str, list[str]]:
+    """Each page's commands, as a reader would type them."""
+    return {page: commands((REPO / page).read_text()) for page in PAGES}
+
+
 def test_every_command_has_a_rule() -> None:
-    lines = commands((REPO / "README.md").read_text())
-    assert len(lines) >= 30
+    pages = page_commands()
+    lines = [command for found in pages.values() for command in found]
+    assert len(lines) >= 30 and all(pages.values()), {p: len(c) for p, c in pages.items()}
     for command in lines:
         _, _, where, _ = rule_of(command)
         if where:
@@ -197,7 +218,18 @@ def test_every_command_has_a_rule() -> None:
                 words = [w for w in command.split()[1:3] if not w.startswith(("-", "build"))]
                 assert f'"{words[-1]}"' in source or words[-1] in source, (command, where)
     for pattern, *_ in RULES:
-        assert any(re.fullmatch(pattern, c) for c in lines), f"no README command for {pattern}"
+        assert any(re.fullmatch(pattern, c) for c in lines), f"no command for {pattern}"
+
+
+def test_the_readme_is_short_and_leads_to_every_page() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_LINES
+    for page in (*PAGES[1:], "docs/deploy.md", "docs/results.md", "docs/scaling.md"):
+        assert f"]({page})" in readme, page
+    for page in PAGES[1:]:  # each page's links resolve from docs/
+        text = (REPO / page).read_text()
+        for target in re.findall(r"\]\(([^)#:]+)[)#]", text):
+            assert (REPO / "docs" / target).exists(), (page, target)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +237,7 @@ def test_every_command_has_a_rule() -> None:
     [rule[0].replace("\\", "") for rule in RULES if rule[1] == RUN],
 )
 def test_runs_as_printed(command: str, tmp_path: Path) -> None:
-    assert command in commands((REPO / "README.md").read_text())
+    assert any(command in found for found in page_commands().values())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
         command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300

@@ -3,7 +3,9 @@ results beside it (docs/results/*.json, each the --json of the measuring command
 names), and every command of the page is accounted for.
 
 - ``trace-rl compare --from-json docs/results/NAME.json ...`` runs here as printed, in a copy of
-  ``docs/``, and its whole Markdown output (header line included) must appear in the page;
+  ``docs/``, and its whole Markdown output (header line included) must appear in the page; the
+  plot it writes is the page's ``docs/results/NAME.png`` byte for byte (the README shows
+  ``default.png``);
 - ``trace-rl predictor score RUN --plot`` (a run of the comparison) is not run either: the page
   shows its plot; ``train/test_loop.py`` scores a smaller run;
 - the measuring commands (``trace-rl compare --task calc-mix ... --json build/results/NAME.json``,
@@ -54,3 +56,8 @@ def test_each_table_is_what_the_stored_result_prints(command: str, tmp_path: Pat
     assert written, f"{command}: the page's tables come from --markdown"
     text = (tmp_path / written.group(1)).read_text()
     assert text.strip() in PAGE.read_text(), f"docs/results.md does not hold what {command} wrote"
+    plot = re.search(r"--plot (\S+)", command)
+    shown = REPO / "docs" / "results" / Path(plot.group(1)).name if plot else None
+    if plot and shown and shown.exists():
+        made = (tmp_path / plot.group(1)).read_bytes()
+        assert made == shown.read_bytes(), f"{command} plots other pixels than {shown.name}"

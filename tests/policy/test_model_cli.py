@@ -1,5 +1,6 @@
-"""``trace-rl model import`` and ``trace-rl model check`` on SmolLM2-135M-Instruct, and the README's
-model commands run exactly as printed (from the repository root, where they write build/)."""
+"""``trace-rl model import`` and ``trace-rl model check`` on SmolLM2-135M-Instruct, and the model
+commands docs/models.md prints, run exactly as printed (from the repository root, where they
+write build/)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from trace_core.train.model_check import check_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-README = (ROOT / "README.md").read_text()
+PAGE = (ROOT / "docs" / "models.md").read_text()  # where the commands are printed
 CHECK = (
     "trace-rl model check build/models/smollm2 --task calc --max-tokens 64 "
     "--json build/model-check.json"
@@ -42,7 +43,7 @@ def run(command: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_import_writes_a_checkpoint_the_loop_loads() -> None:
-    assert IMPORT_COMMAND in README  # the cache is filled by running it as printed
+    assert IMPORT_COMMAND in PAGE  # the cache is filled by running it as printed
     folder = smollm2_dir()
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= names
@@ -67,7 +68,7 @@ def test_import_refuses_an_existing_folder_and_unknown_sources(tmp_path: Path) -
 @pytest.mark.slow
 def test_readme_model_check_is_exact_and_the_logprobs_agree() -> None:
     smollm2_dir()
-    assert CHECK in README
+    assert CHECK in PAGE
     done = run(CHECK)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((ROOT / "build" / "model-check.json").read_text())
@@ -82,7 +83,7 @@ def test_readme_model_check_is_exact_and_the_logprobs_agree() -> None:
 @pytest.mark.slow
 def test_readme_bench_update_follows_the_budget() -> None:
     smollm2_dir()
-    assert BENCH in README
+    assert BENCH in PAGE
     done = run(BENCH)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((ROOT / "build" / "bench-update.json").read_text())["rows"]
@@ -93,7 +94,7 @@ def test_readme_bench_update_follows_the_budget() -> None:
 @pytest.mark.slow
 def test_readme_bench_engine_times_smollm2() -> None:
     smollm2_dir()
-    assert ENGINES in README
+    assert ENGINES in PAGE
     done = run(ENGINES)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((ROOT / "build" / "bench-engine-smollm2.json").read_text())

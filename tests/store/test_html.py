@@ -71,3 +71,36 @@ def test_chromium_renders_the_tree_view(
     green = (abs(r - 0x1A) < 12) & (abs(g - 0x7F) < 12) & (abs(b - 0x37) < 12)
     red = (abs(r - 0xCF) < 12) & (abs(g - 0x22) < 12) & (abs(b - 0x2E) < 12)
     assert green.sum() > 200 and red.sum() > 200, (green.sum(), red.sum())
+
+
+README_SHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "tree-view.png"
+"""The README's picture of the tree view: made here, from trees the calc policy grew
+(docs/scaling/trees.parquet, tree 17: continuations from two prefixes, both rewards)."""
+
+
+@pytest.mark.slow  # headless Chromium
+def test_the_readmes_tree_view_is_what_chromium_renders_today(
+    chromium: str, tmp_path: Path
+) -> None:
+    """Renders the README's picture again and compares it with the committed one; where they
+    differ (the view changed), the new picture is left in build/docs/ to be committed."""
+    from trace_core.store.schema import read_trees
+
+    trees = read_trees(README_SHOT.parents[1] / "scaling" / "trees.parquet")
+    (tmp_path / "trees.html").write_text(render_html([trees[17]], title="calc, iteration 0"))
+    shot = headless(
+        chromium, "--window-size=1000,640", "--screenshot=shot.png", "trees.html", cwd=tmp_path
+    )
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    made = np.asarray(Image.open(tmp_path / "shot.png").convert("RGB")).astype(int)
+    assert made.std() > 20  # not blank
+    shown = (
+        np.asarray(Image.open(README_SHOT).convert("RGB")).astype(int)
+        if (README_SHOT.exists())
+        else None
+    )
+    if shown is None or shown.shape != made.shape or np.abs(shown - made).mean() > 1.0:
+        keep = README_SHOT.parents[2] / "build" / "docs" / README_SHOT.name
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        keep.write_bytes((tmp_path / "shot.png").read_bytes())
+        pytest.fail(f"the tree view renders otherwise than {README_SHOT.name}: see {keep}")
