@@ -20,10 +20,13 @@ def iterate(
     """Iteration start_iteration + iteration: rollout on the engine actors, predictor fit ∥
     update on the trainers, weights to the engines by broadcast, a checkpoint every
     checkpoint_every iterations (written by the trainers into the registry), evaluation every
-    eval_every. Trees Parquet out; the iteration's figures and the S3 bytes it moved as
-    metrics."""
+    eval_every. Trees Parquet out (the state lists where, for the report); the iteration's
+    figures and the S3 bytes it moved as metrics."""
+    from pathlib import Path
+
     from trace_core.train.contract import PipelineConfig, StepCall
     from trace_core.train.dispatch import run_step
+    from trace_core.train.steps.finish import record_trees
 
     config = PipelineConfig.from_json(config_json)
     call = StepCall(
@@ -35,5 +38,7 @@ def iterate(
     )
     for key, value in run_step(call, config).items():
         metrics.log_metric(key, value)
+    # Where this iteration's trees land, beside the earlier ones': the report shows them all.
+    record_trees(Path(state.path), Path(new_state.path), call.iteration, trees.uri)
     trees.metadata.update({"iteration": call.iteration, "format": "trace.trees.parquet"})
     new_state.metadata.update({"format": "trace.run-state", "iteration": call.iteration})

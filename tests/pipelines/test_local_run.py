@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trace_train_parity as parity  # registered by tests/conftest.py
 from trace_test_browser import find_chromium, headless
+from trace_test_commands import commands  # registered by tests/conftest.py
 
 from pipelines.local import LocalRun, print_result, run_local
 from trace_core.store.artifacts import open_store
@@ -124,6 +125,21 @@ def test_pipeline_runs_through_kfp_local(
     summary = result.summary_md.read_text()
     assert "## Held-out accuracy" in summary and "| node_id |" not in summary.split("## Trees")[0]
     assert "| iteration | tree_id | prompt_id | node_id |" in summary
+    # The view holds the most mixed trees of every iteration, and the summary says where each
+    # iteration's trees are and how to open them: its commands run as printed.
+    assert all(f"run ci · iteration {i} ·" in html for i in (1, 2, 3))
+    assert all(f"| {i} | `" in summary for i in (1, 2, 3)), summary
+    opening = commands(summary)
+    assert [c.split()[1:3] for c in opening] == [["inspect", "html"], ["inspect", "query"]]
+    bin_first = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    for command in opening:
+        done = subprocess.run(
+            command, shell=True, capture_output=True, text=True, cwd=tmp_path,
+            env={**os.environ, "PATH": bin_first},
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+    assert (tmp_path / "trees.html").read_text().count('<section class="tree"') == 3
+    assert "trace" in done.stdout, done.stdout  # the query: iteration 3, strategy trace
 
     # The commands the run prints to look at the trees run as printed, in a shell whose PATH
     # does not hold this environment's scripts (a fresh clone after `make run`).

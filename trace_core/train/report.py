@@ -12,6 +12,7 @@ into a table here.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -44,7 +45,13 @@ def summary_markdown(
     final_eval: Mapping[str, object],
     trees_path: Path,
     head_rows: int = 12,
+    tree_uris: Mapping[int, str] | None = None,
+    unread: Mapping[int, str] | None = None,
+    shown: Sequence[int] = (),
 ) -> str:
+    """The run's summary in Markdown; ``tree_uris``: where each iteration's trees are (the
+    last one's first in the commands that open them, with the trees ``shown``), ``unread``:
+    the iterations whose trees could not be read back, and why."""
     lines = [f"# {title}", ""]
     lines += [" · ".join(f"**{k}** {v}" for k, v in settings.items()), ""]
     lines += ["## Held-out accuracy", ""]
@@ -105,9 +112,44 @@ def summary_markdown(
         "anchors; mixed groups: how many anchors are mixed. units: the rollout budget spent, 1 "
         "per root rollout and 0.5 per continuation. update loss: the policy update's mean loss.",
     ]
+    lines += open_trees_markdown(tree_uris or {}, unread or {}, shown)
     lines += ["", f"## Trees (first {head_rows} rows of `{trees_path.name}`)", ""]
     lines += parquet_head(trees_path, head_rows)
     return "\n".join(lines) + "\n"
+
+
+LEAVES_QUERY = (
+    "SELECT iteration, strategy, count(*) AS leaves, avg(reward) AS success "
+    "FROM nodes WHERE is_leaf GROUP BY 1, 2"
+)
+
+
+def open_trees_markdown(
+    tree_uris: Mapping[int, str], unread: Mapping[int, str], shown: Sequence[int]
+) -> list[str]:
+    """Where every iteration's trees are, and the commands that open the last ones."""
+    known = {i: uri for i, uri in sorted(tree_uris.items()) if uri}
+    if not known:
+        return []
+    last = known[max(known)]
+    ids = " ".join(str(i) for i in shown)
+    lines = ["", "## Where the trees are", ""]
+    rows = [[str(i), f"`{uri}`"] for i, uri in known.items()]
+    lines += _table(["iteration", "trees (Parquet)"], rows)
+    lines += [""]
+    for i, why in unread.items():
+        lines += [f"Iteration {i}'s trees could not be read: {why}", ""]
+    lines += [
+        "The tree view of the last iteration's most mixed trees, and its leaves' success by "
+        "strategy in SQL (`trace-rl inspect` reads any URI above; `s3://` and `minio://` with "
+        "the store's `AWS_*` credentials in the environment):",
+        "",
+        "```bash",
+        f"trace-rl inspect html {shlex.quote(last)} {ids} -o trees.html".replace("  ", " "),
+        f"trace-rl inspect query {shlex.quote(last)} {shlex.quote(LEAVES_QUERY)}",
+        "```",
+    ]
+    return lines
 
 
 def parquet_head(path: Path, rows: int) -> list[str]:

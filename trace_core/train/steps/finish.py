@@ -1,11 +1,17 @@
-"""The step that ends a run: report (an HTML view of the last trees and a Markdown summary),
-and the figures of an evaluation as a step's metrics.
+"""The step that ends a run: report (an HTML view of every iteration's trees and a Markdown
+summary that says how to open them), and the figures of an evaluation as a step's metrics.
 
+    record_trees(Path("state-2"), Path("state-3"), 3, trees_uri)   # by each iteration's step
     report_step(config, Path("trees-4"), Path("state-4"), start_eval, final_eval, html, md)
+
+Where each iteration's trees are (a KFP artifact URI: ``s3://``, ``minio://`` or a local path
+under ``kfp.local``) travels in the run's state folder (``TREE_URIS``), one iteration's step
+to the next, so the report reads them all back.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,31 @@ def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
     return metrics
 
 
+TREE_URIS = "tree_uris.json"
+"""In a state folder: ``{"iteration": "URI of its trees folder", ...}``."""
+
+
+def record_trees(state_in: Path, state_out: Path, iteration: int, uri: str) -> None:
+    """Write into ``state_out`` where the run's trees are: ``state_in``'s list and this
+    iteration's ``uri``."""
+    known = read_tree_uris(state_in)
+    known[iteration] = uri
+    body = {str(i): where for i, where in sorted(known.items())}
+    (state_out / TREE_URIS).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def read_tree_uris(state: Path) -> dict[int, str]:
+    """The iterations' tree locations a state folder holds (none for a run's first state)."""
+    path = state / TREE_URIS
+    if not path.exists():
+        return {}
+    try:
+        body = json.loads(path.read_text())
+        return {int(i): str(uri) for i, uri in body.items()}
+    except (ValueError, AttributeError) as err:
+        raise ValueError(f"{path}: not a map of iteration to trees URI ({err})") from None
+
+
 def report_step(
     config: PipelineConfig,
     trees_dir: Path,
@@ -36,19 +67,29 @@ def report_step(
     markdown_path: Path,
     sample: int = 6,
 ) -> None:
-    """The run at a glance: an HTML view of a sample of the last trees, and a Markdown summary
-    (accuracy before and after, one line per iteration, the head of the trees' Parquet)."""
+    """The run at a glance: an HTML view of the ``sample`` most mixed trees of every iteration
+    whose trees the state lists (the last one's from ``trees_dir``), and a Markdown summary
+    (accuracy before and after, one line per iteration, where the trees are and the commands
+    that open them, the head of the last trees' Parquet)."""
     from trace_core.store.html import render_html
     from trace_core.store.schema import read_trees
     from trace_core.train.report import summary_markdown
 
-    trees = read_trees(trees_dir / TREES)
-    iteration = trees[0].info.iteration if trees else 0
-    # The most contrastive trees first: the ones whose leaves hold both outcomes.
-    shown = sorted(trees, key=lambda t: -mixedness(t))[:sample]
+    last = read_trees(trees_dir / TREES)
+    iteration = last[0].info.iteration if last else 0
+    where = {i: uri for i, uri in read_tree_uris(state_dir).items() if i != iteration}
+    shown, unread = [], {}
+    for i, uri in sorted(where.items()):
+        try:
+            shown += most_mixed(read_tree_uri(uri), sample)
+        except (OSError, ValueError) as err:  # a removed artifact: the report says so
+            unread[i] = str(err)  # names the URI
+    shown += most_mixed(last, sample)
+    first = min(where, default=iteration)
+    span = f"iteration {iteration}" if first == iteration else f"iterations {first}–{iteration}"
     html_path.parent.mkdir(parents=True, exist_ok=True)
     html_path.write_text(
-        render_html(shown, title=f"{config.run_id}: iteration {iteration} rollout trees")
+        render_html(shown, title=f"{config.run_id}: {span}, the {sample} most mixed trees of each")
     )
     markdown_path.parent.mkdir(parents=True, exist_ok=True)
     markdown_path.write_text(
@@ -66,8 +107,24 @@ def report_step(
             start_eval=start_eval,
             final_eval=final_eval,
             trees_path=trees_dir / TREES,
+            tree_uris={**where, iteration: read_tree_uris(state_dir).get(iteration, "")},
+            unread=unread,
+            shown=[t.info.tree_id for t in most_mixed(last, 3)],
         )
     )
+
+
+def read_tree_uri(uri: str) -> list[RolloutTree]:
+    """Every tree in the folder or prefix at ``uri``."""
+    from trace_core.store.schema import from_table
+    from trace_core.store.treeset import open_trees
+
+    return from_table(open_trees(uri).read())
+
+
+def most_mixed(trees: list[RolloutTree], count: int) -> list[RolloutTree]:
+    """The ``count`` trees whose leaves hold both outcomes most evenly, in that order."""
+    return sorted(trees, key=lambda t: -mixedness(t))[:count]
 
 
 def mixedness(tree: RolloutTree) -> float:
