@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trace_train_parity as parity  # registered by tests/conftest.py
 from trace_test_browser import find_chromium, headless
-from trace_test_commands import commands  # registered by tests/conftest.py
+from trace_test_commands import commands as bash_commands  # registered by tests/conftest.py
 
 from pipelines.local import LocalRun, print_result, run_local
 from trace_core.store.artifacts import open_store
@@ -129,7 +129,7 @@ def test_pipeline_runs_through_kfp_local(
     # iteration's trees are and how to open them: its commands run as printed.
     assert all(f"run ci · iteration {i} ·" in html for i in (1, 2, 3))
     assert all(f"| {i} | `" in summary for i in (1, 2, 3)), summary
-    opening = commands(summary)
+    opening = bash_commands(summary)
     assert [c.split()[1:3] for c in opening] == [["inspect", "html"], ["inspect", "query"]]
     bin_first = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     for command in opening:

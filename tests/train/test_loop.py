@@ -15,6 +15,7 @@ import pytest
 import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
 from trace_core.cli import app
@@ -104,6 +105,13 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
     )
     assert 0 <= records[2].eval["parse_rate"] <= 1  # type: ignore[index,operator]
     assert json.loads((out / "config.json").read_text())["strategy"] == "trace"
+    # Beside the log, TensorBoard's event files: the same figures, iteration by iteration.
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    pass1 = [(e.step, e.value) for e in events.Scalars("eval/pass1")]
+    assert pass1 == [(r.iteration, pytest.approx(r.eval["pass1"]["all"])) for r in records]  # type: ignore[index]
+    ratio = [e.value for e in events.Scalars("rollout/prompt_effective_ratio")]
+    assert ratio == [pytest.approx(r.rollout["prompt_effective_ratio"]) for r in records[1:]]
 
     # Iteration 2's trees, forecast by iteration 1's predictor: what the loop logged, recomputed
     # from the stored run (a skill the trees cannot define, one outcome only, is left out).
@@ -202,6 +210,9 @@ def test_resume_gives_the_same_run_as_no_interruption(init: Path, tmp_path: Path
     run(tiny(init, tmp_path / "resumed", iterations=2))
     resumed = run(tiny(init, tmp_path / "resumed", iterations=3))
     assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    events = EventAccumulator(str(tmp_path / "resumed" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("update/loss")] == [1, 2, 3]  # one file, whole run
     a = weights(tmp_path / "straight/iterations/0003/policy")
     b = weights(tmp_path / "resumed/iterations/0003/policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -233,6 +244,9 @@ def test_a_bf16_policy_trains_fp32_master_weights_across_iterations_and_resumes(
     run(tiny(bf16, tmp_path / "resumed", iterations=2))
     resumed = run(tiny(bf16, tmp_path / "resumed", iterations=3))
     assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    events = EventAccumulator(str(tmp_path / "resumed" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("update/loss")] == [1, 2, 3]  # one file, whole run
     for name in ("policy/model.safetensors", MASTER):
         a = load_file(str(tmp_path / "straight/iterations/0003" / name))
         b = load_file(str(tmp_path / "resumed/iterations/0003" / name))
@@ -387,6 +401,9 @@ def test_checkpoints_every_other_iteration_and_resumes_from_the_newest(
         "iteration 2's; resuming after iteration 2, the newest checkpoint"
     ) in said, said
     assert [r.tokens for r in resumed] == [r.tokens for r in straight]
+    events = EventAccumulator(str(tmp_path / "resumed" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("update/loss")] == [1, 2, 3]  # one file, whole run
     assert checksums(out / "iterations/0005/policy") == checksums(
         tmp_path / "straight/iterations/0005/policy"
     )

@@ -70,6 +70,7 @@ from trace_core.train.run_folder import (
     write_atomic,
 )
 from trace_core.train.start_state import StartState
+from trace_core.train.tracking import write_tensorboard
 from trace_core.train.warmstart import WarmstartReport, warmstart
 from trace_core.train.weights import Weights
 
@@ -253,6 +254,7 @@ def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None
     kept = [] if fresh else [r for r in read_log(out) if r.iteration < record.iteration]
     lines = [json.dumps(asdict(r)) for r in [*kept, record]]
     write_atomic(path, "\n".join(lines) + "\n")
+    write_tensorboard(out, [*kept, record])  # beside it: tensorboard --logdir OUT
 
 
 # --- pieces ------------------------------------------------------------------------------

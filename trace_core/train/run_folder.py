@@ -27,12 +27,13 @@ from pathlib import Path
 
 from trace_core.store.artifacts import file_sha256
 from trace_core.train.record import LOG
+from trace_core.train.tracking import TENSORBOARD
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 KIND = "trace.iteration"
-RUN_FILES = (CONFIG, LOG, LATEST, "curves.png", "init", "warmstart", "iterations")
+RUN_FILES = (CONFIG, LOG, LATEST, "curves.png", TENSORBOARD, "init", "warmstart", "iterations")
 """What a run writes in its folder, and what ``--restart`` discards (nothing else is touched)."""
 
 

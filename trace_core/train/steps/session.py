@@ -49,6 +49,7 @@ from trace_core.train.contract import (
 )
 from trace_core.train.record import LOG, IterationRecord, read_log
 from trace_core.train.steps.finish import eval_metrics
+from trace_core.train.tracking import write_tensorboard
 
 STATE = "state.json"
 KIND = "trace.run-state"
@@ -118,6 +119,7 @@ def write_state(
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STATE).write_text(state.to_json())
     _write_log(folder / LOG, records)
+    write_tensorboard(folder, records)
     predictor.save(folder / "predictor")
     tokenizer.save_pretrained(folder / "tokenizer")
 
