@@ -22,6 +22,7 @@ import numpy as np
 
 from trace_core.algo.metrics import measure
 from trace_core.algo.plan import STRATEGIES, Budget, strategy
+from trace_core.algo.prefix import Predictor
 from trace_core.bench.allocation import METRICS, Summary
 from trace_core.envs.suites import make_suite
 from trace_core.policy.engine import SamplingParams
@@ -29,7 +30,7 @@ from trace_core.policy.format import TurnFormat
 from trace_core.policy.model import load_checkpoint
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.grow import GrowConfig, grow_trees
-from trace_core.rollout.predictor import ConstantPredictor, HashedFeaturePredictor, Predictor
+from trace_core.rollout.predictor import ConstantPredictor, HashedFeaturePredictor
 
 REAL_STRATEGIES = tuple(s for s in STRATEGIES if not strategy(s).uses_true_value)
 TIMING = ("wall_seconds", "tokens_per_s")

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trace_core.algo.plan import Budget, RootPlan, plan, strategy
+from trace_core.algo.prefix import Predictor
 from trace_core.algo.tree import ROOT, RolloutTree, TreeBuilder, TreeInfo, recursive_targets
 from trace_core.envs.base import Env, Task, replay
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.format import TurnFormat
 from trace_core.policy.sampling import request_seed
-from trace_core.rollout.predictor import Predictor
 from trace_core.rollout.turn import Episode, play_turn, streams, turn_seed
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trace_core.algo.metrics import BatchMetrics, measure
+from trace_core.algo.prefix import Predictor
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task
 from trace_core.policy.checkpoint import load_tokenizer
@@ -30,7 +31,7 @@ from trace_core.policy.format import TurnFormat, TurnStyle
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.engines import EngineSession, open_engine
 from trace_core.rollout.grow import GrowConfig, grow_trees
-from trace_core.rollout.predictor import ConstantPredictor, Predictor
+from trace_core.rollout.predictor import ConstantPredictor
 
 
 @dataclass(frozen=True)

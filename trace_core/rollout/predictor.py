@@ -20,21 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from trace_core.algo.prefix import Predictor, TrainingRows, training_rows
+from trace_core.algo.prefix import TrainingRows, training_rows
 from trace_core.algo.shape import PRIOR_WORTH, continuation_worth
 from trace_core.algo.tree import RolloutTree
 
 FloatArray = npt.NDArray[np.float64]
-
-# ``Predictor``, ``TrainingRows`` and ``training_rows`` live in ``trace_core.algo.prefix`` (the
-# policy layer's ``ValuePredictor`` uses them too); they are re-exported here for old callers.
-__all__ = [
-    "ConstantPredictor",
-    "HashedFeaturePredictor",
-    "Predictor",
-    "TrainingRows",
-    "training_rows",
-]
 
 
 @dataclass(frozen=True)
