@@ -520,8 +520,13 @@ def test_the_driver_setting_is_checked() -> None:
         EngineConfig(driver="eager")
     with pytest.raises(ValueError, match="driver continuous needs a running batch: engine hf"):
         EngineConfig("hf", workers=2, driver="continuous")
-    with pytest.raises(ValueError, match="max_num_seqs must be >= 0"):
+    with pytest.raises(ValueError, match="max_num_seqs and max_num_batched_tokens must be >= 0"):
         EngineConfig("vllm", max_num_seqs=-1)
+    with pytest.raises(ValueError, match=r"\(0: vLLM's default\), got 0 and -5"):
+        EngineConfig("vllm", max_num_batched_tokens=-5)
+    limits = EngineConfig("vllm", max_num_seqs=512, max_num_batched_tokens=8192).vllm_kwargs()
+    assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == (512, 8192)
+    assert EngineConfig("vllm").vllm_kwargs()["max_num_batched_tokens"] is None  # vLLM's own
 
 
 @pytest.mark.cluster  # Ray (ray_cluster)

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 VOCAB = 300
 BLOCK = 32  # KV block size: the prefix cache's granularity
 NEW = 16  # greedy tokens compared with HF
+MAX_SEQS = 24  # rows of the engine's running batch
 EOS_POSITION = 3  # the checkpoint's EOS is HF's greedy token at this step of prompt 0
 
 
@@ -98,7 +99,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
         dtype="float32",
         seed=0,
         max_model_len=256,
-        options=VLLMOptions(enforce_eager=True, block_size=BLOCK, kv_cache_memory_bytes=64 * 2**20),
+        options=VLLMOptions(
+            enforce_eager=True,
+            block_size=BLOCK,
+            kv_cache_memory_bytes=64 * 2**20,
+            max_num_seqs=MAX_SEQS,
+            max_num_batched_tokens=4096,
+        ),
     )
     yield model, engine, prompts, greedy
     engine.close()
@@ -281,7 +288,9 @@ def test_rows_in_flight_are_what_vllms_steps_ran(setup) -> None:
         == sum(r * n for r, n in ran.items())
     )
     assert stats.extra["decode_steps"] - steps == sum(ran.values())
-    assert max(ran) > len(prompts)  # the samples of several prompts in one step
+    assert len(prompts) < max(ran) <= MAX_SEQS  # several prompts' samples in a step, no more
+    scheduler = engine._llm.vllm_config.scheduler_config  # the limits asked for
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (MAX_SEQS, 4096)
 
 
 def test_max_model_len_caps_silently(setup) -> None:

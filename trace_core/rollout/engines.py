@@ -85,6 +85,7 @@ def open_engine(
                     enforce_eager=config.eager,
                     kv_cache_memory_bytes=vllm["kv_cache_bytes"],
                     max_num_seqs=vllm["max_num_seqs"],
+                    max_num_batched_tokens=vllm["max_num_batched_tokens"],
                 ),
             ) as engine:
                 yield engine

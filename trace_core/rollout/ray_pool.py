@@ -149,6 +149,7 @@ class RayEnginePool:
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
         max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         eager: bool = False,
         dtype: str = "auto",
         name: str = "",
@@ -160,7 +161,8 @@ class RayEnginePool:
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
         may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
         long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
-        ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``, ``eager``, ``dtype``: vLLM's.
+        ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``eager``, ``dtype``: vLLM's.
         ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring).
         ``driver``: how ``grow_trees`` drives the pool (``EngineConfig.driver``): async through
         ``stream``, lock-step through ``generate``. ``serving``: what the run's kept actors hold
@@ -211,6 +213,7 @@ class RayEnginePool:
                 max_model_len=max_model_len,
                 kv_cache_bytes=kv_cache_bytes,
                 max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
                 eager=eager,
                 dtype=dtype,
                 pool_workers=workers,

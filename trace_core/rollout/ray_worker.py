@@ -59,6 +59,8 @@ class WorkerSpec:
     of its node's free memory (``cpu_kv_cache_bytes``)."""
     max_num_seqs: int | None = None
     """vLLM: rows of its running batch; None: vLLM's default."""
+    max_num_batched_tokens: int | None = None
+    """vLLM: tokens of one scheduler step; None: vLLM's default."""
     eager: bool = False
     """vLLM: no CUDA graphs or torch.compile (faster start, slower decode)."""
     dtype: str = "auto"
@@ -198,6 +200,7 @@ class EngineWorker:
                         enforce_eager=spec.eager,
                         kv_cache_memory_bytes=kv_cache_bytes,
                         max_num_seqs=spec.max_num_seqs,
+                        max_num_batched_tokens=spec.max_num_batched_tokens,
                     ),
                 )
         elif spec.engine == "hf":
