@@ -31,7 +31,7 @@ from typing import Any
 
 from trace_core.policy.continuous import Request
 from trace_core.policy.engine import Completion
-from trace_core.policy.vllm_engine import VLLMEngine, to_completion, vllm_sampling
+from trace_core.policy.vllm_engine import VLLMEngine, vllm_sampling
 
 
 class VLLMBatch:
@@ -71,11 +71,7 @@ class VLLMBatch:
         self, prompt: Any, params: Any, request: Request, tag: Any
     ) -> tuple[Any, Completion]:
         out = await self.engine.final_output(prompt, params)
-        stats = self.engine.stats
-        stats.prefill_tokens += len(request.prompt) - (out.num_cached_tokens or 0)
-        completion = to_completion(out.outputs[0], request.params.stop_token_ids)
-        stats.generated_tokens += len(completion.token_ids)
-        return tag, completion
+        return tag, self.engine.answered(out, request.params.stop_token_ids)
 
     def wait(self, timeout: float) -> None:
         """Block until some request has finished (or ``timeout`` passes)."""

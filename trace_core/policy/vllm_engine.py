@@ -281,23 +281,26 @@ class VLLMEngine:
         outputs = self._loop.run(self._all(requests, sampling))
 
         completions: list[list[Completion]] = [[] for _ in prompts]
-        prefill = uncounted = generated = 0
         for r, out in enumerate(outputs):
-            completion = to_completion(out.outputs[0], params.stop_token_ids)
-            completions[r // n].append(completion)
-            generated += len(completion.token_ids)
-            if out.num_cached_tokens is None:
-                uncounted += 1
-            prefill += len(out.prompt_token_ids) - (out.num_cached_tokens or 0)
+            completions[r // n].append(self.answered(out, params.stop_token_ids))
 
         self.stats.calls += 1
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.prefill_tokens += prefill
-        self.stats.generated_tokens += generated
         extra = self.stats.extra
-        extra["uncounted_cache_requests"] = extra.get("uncounted_cache_requests", 0.0) + uncounted
         extra["generate_s"] = extra.get("generate_s", 0.0) + time.perf_counter() - t0
         return completions
+
+    def answered(self, out: Any, stop_token_ids: Sequence[int]) -> Completion:
+        """A finished request's ``RequestOutput`` as a ``Completion``, its prefill (less the
+        prefix cache's hits) and generated tokens counted into ``stats``."""
+        completion = to_completion(out.outputs[0], stop_token_ids)
+        stats = self.stats
+        stats.generated_tokens += len(completion.token_ids)
+        stats.prefill_tokens += len(out.prompt_token_ids) - (out.num_cached_tokens or 0)
+        uncounted = float(out.num_cached_tokens is None)
+        extra = stats.extra
+        extra["uncounted_cache_requests"] = extra.get("uncounted_cache_requests", 0.0) + uncounted
+        return completion
 
     async def _all(self, requests: list[Any], sampling: list[Any]) -> list[Any]:
         """Every request's final output, in request order; all are in vLLM at once."""
@@ -455,24 +458,13 @@ def to_completion(output: vllm.CompletionOutput, stop_token_ids: Sequence[int]) 
         raise RuntimeError("vLLM returned no per-token logprobs; was logprobs=0 passed?")
     # Each step maps token id -> Logprob; with logprobs=0 it holds just the sampled token.
     logprobs = [step[t].logprob for step, t in zip(output.logprobs, token_ids, strict=True)]
-    return completion_of(token_ids, logprobs, output, stop_token_ids)
-
-
-def completion_of(
-    token_ids: Sequence[int],
-    logprobs: Sequence[float],
-    final: vllm.CompletionOutput,
-    stop_token_ids: Sequence[int],
-) -> Completion:
-    """A finished request's tokens and their logprobs as a ``Completion``; ``final``: its last
-    output (why it finished)."""
-    match final.finish_reason:
+    match output.finish_reason:
         case "stop":
             finished = True
             if len(token_ids) == 0 or int(token_ids[-1]) not in stop_token_ids:
                 raise RuntimeError(
                     f"vLLM stopped without a stop token at the end (stop_reason="
-                    f"{final.stop_reason!r}); this vLLM version breaks the engine contract"
+                    f"{output.stop_reason!r}); this vLLM version breaks the engine contract"
                 )
         case "length":
             finished = False

@@ -132,7 +132,7 @@ def open_trees_markdown(
     if not known:
         return []
     last = known[max(known)]
-    ids = " ".join(str(i) for i in shown)
+    ids = [str(i) for i in shown]
     lines = ["", "## Where the trees are", ""]
     rows = [[str(i), f"`{uri}`"] for i, uri in known.items()]
     lines += _table(["iteration", "trees (Parquet)"], rows)
@@ -145,7 +145,7 @@ def open_trees_markdown(
         "the store's `AWS_*` credentials in the environment):",
         "",
         "```bash",
-        f"trace-rl inspect html {shlex.quote(last)} {ids} -o trees.html".replace("  ", " "),
+        " ".join(["trace-rl inspect html", shlex.quote(last), *ids, "-o trees.html"]),
         f"trace-rl inspect query {shlex.quote(last)} {shlex.quote(LEAVES_QUERY)}",
         "```",
     ]

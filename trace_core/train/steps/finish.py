@@ -77,7 +77,8 @@ def report_step(
 
     last = read_trees(trees_dir / TREES)
     iteration = last[0].info.iteration if last else 0
-    where = {i: uri for i, uri in read_tree_uris(state_dir).items() if i != iteration}
+    recorded = read_tree_uris(state_dir)
+    where = {i: uri for i, uri in recorded.items() if i != iteration}
     shown, unread = [], {}
     for i, uri in sorted(where.items()):
         try:
@@ -107,7 +108,7 @@ def report_step(
             start_eval=start_eval,
             final_eval=final_eval,
             trees_path=trees_dir / TREES,
-            tree_uris={**where, iteration: read_tree_uris(state_dir).get(iteration, "")},
+            tree_uris=recorded,
             unread=unread,
             shown=[t.info.tree_id for t in most_mixed(last, 3)],
         )
