@@ -13,6 +13,9 @@ OUT := build
 SCAN_VENV := .venv-scan
 SCAN_STAMP := $(SCAN_VENV)/.installed
 CHECKOV := BC_SKIP_MAPPING=TRUE $(SCAN_VENV)/bin/checkov --quiet --compact --skip-download
+# The MLflow tracking server the tests log to, in its own venv: mlflow pins pyarrow below ours.
+MLFLOW_VENV := .venv-mlflow
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 # TRACE_IMAGE and TRACE_GPU_IMAGE: the one place the project's image references are set.
 include images/images.env
 # docker when its engine answers, else buildah; empty: `make images push` print the commands.
@@ -58,7 +61,7 @@ PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder --dura
 # The vLLM tests run in .venv-vllm (make setup-vllm) beside the main suite: its install is mostly
 # downloads, and its engines spend much of their time starting and stopping processes. Their
 # output goes to build/test-vllm.log, shown at the end.
-test: setup browser $(SCAN_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
+test: setup browser $(SCAN_STAMP) $(MLFLOW_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
 	@mkdir -p $(OUT)
 	@{ $(MAKE) --no-print-directory setup-vllm && $(MAKE) --no-print-directory test-vllm; } \
 		> $(OUT)/test-vllm.log 2>&1 & vllm=$$!; \
@@ -106,6 +109,11 @@ scan: setup $(SCAN_STAMP) ## hadolint + checkov on the Dockerfiles and every bui
 	$(CHECKOV) --framework dockerfile -f images/trace/Dockerfile -f images/trace-gpu/Dockerfile
 	$(CHECKOV) --framework secrets -d manifests -d images --skip-path '\.env$$'
 
+$(MLFLOW_STAMP): requirements/mlflow-server.txt
+	test -x $(MLFLOW_VENV)/bin/python || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/mlflow-server.txt
+	touch $@
+
 # Build or push with docker/buildah; without either, fail and say what would have run.
 define image_cmd
 	@if [ -n "$(IMAGE_TOOL)" ]; then set -x; $(IMAGE_TOOL) $(1); \
@@ -142,7 +150,7 @@ lock: setup ## Rewrite requirements/constraints.txt from the installed environme
 	mv requirements/constraints.tmp requirements/constraints.txt
 
 clean: ## Remove the venvs and build outputs (not runs/: make clean-runs)
-	rm -rf $(VENV) $(VLLM_VENV) $(SCAN_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SCAN_VENV) $(MLFLOW_VENV) $(OUT) .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 clean-runs: ## Delete runs/: every make run's artifacts, trees, reports and checkpoints
 	rm -rf runs

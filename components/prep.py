@@ -27,11 +27,10 @@ def prep(
     run_name: str,
     store_uri: str,
     settings_json: str,
+    mlflow_tracking_uri: str,
     prompts: Output[Dataset],
 ) -> NamedTuple("PrepOutputs", config_json=str, start=str, start_iteration=int):
-    """Validate the parameters into the run's config; write train/eval prompt Parquet files;
-    start = warmstart | load (base model, or the run's latest checkpoint to resume from)."""
-    from collections import namedtuple
+    """The parameters → the run's config; its prompts; where it starts (warmstart | load)."""
     from pathlib import Path
 
     from trace_core.train.contract import PipelineParameters
@@ -43,8 +42,8 @@ def prep(
         checkpoint_every=checkpoint_every, ray_address=ray_address, ray_jobs_url=ray_jobs_url,
         engine=engine, rollout_workers=rollout_workers, gpus_per_worker=gpus_per_worker,
         run_name=run_name, store_uri=store_uri, settings_json=settings_json,
+        mlflow_tracking_uri=mlflow_tracking_uri,
     )  # fmt: skip
     result = prep_step(parameters, Path(prompts.path))
     prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})
-    outputs = namedtuple("PrepOutputs", ["config_json", "start", "start_iteration"])
-    return outputs(result.config_json, result.start, result.start_iteration)
+    return result.config_json, result.start, result.start_iteration  # PrepOutputs, in order

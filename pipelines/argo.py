@@ -16,7 +16,7 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
 - K is unrolled when the manifests are generated (``ArgoOptions.iterations``, 4 as in the
   committed KFP pipeline); the rest are workflow parameters named as the KFP run parameters:
   task, dataset_uri, base_model_uri, strategy, budget, continuations, seed, checkpoint_every,
-  ray_address, ray_jobs_url, run_name, store_uri, settings_json.
+  ray_address, ray_jobs_url, run_name, store_uri, settings_json, mlflow_tracking_uri.
 - Steps share no volume: folders go through S3, under
   ``<store_uri>/staging/<workflow name>/`` (prompts, start/policy, state-1, iter-1/trees, ...);
   small values (the config JSON, where the policy starts) go through Argo output parameters.

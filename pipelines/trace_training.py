@@ -23,7 +23,8 @@ checkpoint_every, ray_address (the Ray head's GCS address HOST:6379 the steps co
 ray_jobs_url (a dashboard http://HEAD:8265 to submit the Ray steps to as Ray jobs instead), the
 rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors; gpus_per_worker:
 the GPUs each asks for), run_name (resume from / register under this name), store_uri,
-settings_json (any other ``TrainConfig`` field, as JSON), the GPU pods' request and placement
+settings_json (any other ``TrainConfig`` field, as JSON), mlflow_tracking_uri (an MLflow server
+the run logs its config, figures, report and plots to), the GPU pods' request and placement
 (gpus, accelerator, gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret,
 ray_auth_secret).
 
@@ -134,6 +135,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         run_name: str = "",
         store_uri: str = "",
         settings_json: str = "{}",
+        mlflow_tracking_uri: str = "",
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
         gpu_tolerations: list = [],  # noqa: B006
         gpus: int = 1,
@@ -181,6 +183,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 run_name=run_name,
                 store_uri=store_uri,
                 settings_json=settings_json,
+                mlflow_tracking_uri=mlflow_tracking_uri,
             ),
             "prep",
         ).set_caching_options(False)

@@ -21,7 +21,8 @@ files go out in the order collected, where the few tests marked ``long`` come fi
 
 Also a real SeaweedFS S3 server on 127.0.0.1 (``seaweed``, bucket ``trace``, one per session)
 and ``s3_env``, its endpoint and credentials in the environment, for the storage tests and the
-steps run on s3:// folders (tests/train/test_step_cli.py).
+steps run on s3:// folders (tests/train/test_step_cli.py); and a real MLflow tracking server
+(``mlflow_uri``, one per session, from .venv-mlflow, which ``make test`` builds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -223,3 +225,52 @@ def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> dict[str,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env
+
+
+MLFLOW = Path(__file__).resolve().parents[1] / ".venv-mlflow" / "bin" / "mlflow"
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server on 127.0.0.1 for the session (sqlite runs, artifacts served
+    by the server itself), stopped by its process group when the session ends."""
+    if not MLFLOW.exists():
+        pytest.fail(f"{MLFLOW} is missing: make .venv-mlflow/.installed (make test builds it)")
+    home = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job queue workers
+    server = subprocess.Popen(
+        [
+            *(str(MLFLOW), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
+            *("--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"),
+            *("--artifacts-destination", str(home / "artifacts")),
+        ],
+        env=env,
+        start_new_session=True,  # its group id is its pid: how its workers are stopped
+        stdout=(home / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(f"{uri}/health"):
+            assert server.poll() is None, f"mlflow server exited: {home / 'server.log'}"
+            assert time.monotonic() < deadline, "the MLflow server did not come up in 120 s"
+            time.sleep(0.5)
+        yield uri
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # a worker that outlived the server
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+        return bool(response.status == 200)
+    return False

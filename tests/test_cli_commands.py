@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.slow  # every test starts trace-rl (a fresh Python; ≈2-120 s each)
 
@@ -265,7 +266,12 @@ def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Pat
     assert "change (95% interval)" in said(run) and "each of the 3 tasks" in said(run)
 
 
-def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> None:
+@pytest.mark.cluster  # the session's MLflow server
+def test_compare_smoke_json_shape(
+    warmstarted: Warmstarted, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)  # each arm: an MLflow run of its own
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "compare-smoke")
     out = tmp_path / "compare.json"
     run = trace_rl(
         "compare", "--init", str(warmstarted.checkpoint), "--output", str(tmp_path / "runs"),
@@ -293,6 +299,17 @@ def test_compare_smoke_json_shape(warmstarted: Warmstarted, tmp_path: Path) -> N
     assert grpo["tokens"]["mean"] == final["total_tokens"]
     assert grpo["accuracy"]["mean"] == final["eval"]["mean_k"]["all"]
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+    # MLflow holds each arm as its own run, tagged with the comparison, side by side.
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("compare-smoke")
+    assert experiment is not None
+    arms = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(arms) == {"trace seed 0", "grpo seed 0"}
+    assert {r.data.tags["trace.compare"] for r in arms.values()} == {"runs"}
+    assert {r.info.status for r in arms.values()} == {"FINISHED"}
+    assert arms["grpo seed 0"].data.metrics["eval/mean_at_1"] == pytest.approx(
+        final["eval"]["mean_k"]["all"]
+    )
     # The stored result prints again, as Markdown too, without training anything.
     again = trace_rl(
         "compare", "--from-json", str(out), "--markdown", str(tmp_path / "compare.md"),

@@ -6,12 +6,15 @@ package).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Split, Step, Task
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.model import TinyPolicyConfig
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.train.config import TrainConfig
 from trace_core.train.record import IterationRecord
 
 SMALL = TinyPolicyConfig(
@@ -52,6 +55,29 @@ class ParitySuite:
 
     def make_env(self) -> ParityEnv:
         return ParityEnv()
+
+
+def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainConfig:
+    """A loop of a few seconds an iteration on the parity task (``ParitySuite``)."""
+    return replace(
+        TrainConfig(
+            output=output,
+            init=init,
+            strategy="trace",
+            iterations=iterations,
+            budget=6,
+            continuations=2,
+            group=2,
+            prompts=12,
+            max_tokens=6,
+            eval_tasks=4,
+            eval_k=1,
+            eval_every=1,
+            update=UpdateConfig(lr=1e-2, minibatch=4, skip_flat_paths=False),
+            checkpoint_every=1,  # every iteration's policy, for the tests that read them
+        ),
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 # --- comparing two runs' logs ---------------------------------------------------------------

@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 
 from trace_core.cli import app
 from trace_core.policy.update import UpdateStats
-from trace_core.policy.update_config import UpdateConfig
 from trace_core.store.artifacts import open_store
 from trace_core.store.schema import read_trees
 from trace_core.store.sync import upload_folder
@@ -42,26 +41,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainConfig:
-    return replace(
-        TrainConfig(
-            output=output,
-            init=init,
-            strategy="trace",
-            iterations=iterations,
-            budget=6,
-            continuations=2,
-            group=2,
-            prompts=12,
-            max_tokens=6,
-            eval_tasks=4,
-            eval_k=1,
-            eval_every=1,
-            update=UpdateConfig(lr=1e-2, minibatch=4, skip_flat_paths=False),
-            checkpoint_every=1,  # every iteration's policy, for the tests that read them
-        ),
-        **kwargs,  # type: ignore[arg-type]
-    )
+tiny = parity.tiny
 
 
 def run(config: TrainConfig) -> list[IterationRecord]:

@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 import trace_train_parity as parity  # registered by tests/conftest.py
+from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from trace_core.rollout.engine_config import EngineConfig
@@ -27,6 +28,7 @@ from trace_core.store.schema import read_trees
 from trace_core.train.contract import PipelineConfig, PipelineParameters
 from trace_core.train.loop import train
 from trace_core.train.record import read_log
+from trace_core.train.steps.finish import report_step
 from trace_core.train.steps.session import (
     STATE,
     RunState,
@@ -115,12 +117,45 @@ def chain(config: PipelineConfig, root: Path, iterations: range) -> Chain:
 
 
 @pytest.fixture(scope="module")
-def unbroken(init: Path, head: str, store: str, tmp_path_factory: pytest.TempPathFactory) -> Chain:
+def unbroken(
+    init: Path, head: str, store: str, mlflow_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> Chain:
+    """The run's steps, logged to MLflow (the ``mlflow_tracking_uri`` parameter), its report
+    step included."""
     root = tmp_path_factory.mktemp("session")
-    config = pipeline_config(init, root, head, store, "unbroken")
+    config = replace(pipeline_config(init, root, head, store, "unbroken"), tracking_uri=mlflow_uri)
     done = chain(config, root, range(1, 4))
+    log = read_log(root / "state-3")
+    evals = log[0].eval, log[-1].eval
+    report_step(config, root / "trees-3", root / "state-3", *evals, root / "html", root / "md")  # type: ignore[arg-type]
     close_session(config, root / "state-3")
     return done
+
+
+def test_the_pipeline_run_is_one_mlflow_run_with_its_report(
+    unbroken: Chain, mlflow_uri: str, tmp_path: Path
+) -> None:
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("trace")  # the default experiment
+    assert experiment is not None
+    (run,) = client.search_runs(
+        [experiment.experiment_id], filter_string="tags.`trace.run` = 'unbroken'"
+    )
+    assert run.info.run_name == "unbroken" and run.info.status == "FINISHED"
+    assert (run.data.params["run_name"], run.data.params["budget"]) == ("unbroken", "6")
+    log = read_log(unbroken.root / "state-3")
+    logged = sorted(
+        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "iteration")
+    )
+    assert logged == [(i, float(i)) for i in range(4)]
+    ratio = client.get_metric_history(run.info.run_id, "rollout/prompt_effective_ratio")
+    assert sorted((m.step, m.value) for m in ratio) == [
+        (r.iteration, pytest.approx(r.rollout["prompt_effective_ratio"])) for r in log[1:]
+    ]
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert names == {"report.html", "summary.md", "curves.png"}
+    summary = client.download_artifacts(run.info.run_id, "summary.md", str(tmp_path))
+    assert Path(summary).read_text() == (unbroken.root / "md").read_text()
 
 
 def test_the_session_steps_give_the_loops_run_and_move_only_checkpoints(

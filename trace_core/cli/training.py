@@ -42,7 +42,7 @@ def train_command(
 ) -> None:
     """Warm start, then K iterations of rollout → fit predictor → update policy → evaluate."""
     from trace_core.train.evaluate import paired_change
-    from trace_core.train.loop import plot_run, train
+    from trace_core.train.loop import train
     from trace_core.train.warmstart import set_threads
 
     set_threads(threads)
@@ -57,7 +57,6 @@ def train_command(
                 bar.update(job, completed=int(message.split()[1].split("/")[0]))
 
         records = train(config, progress=report, restart=restart)
-    plot_run(records, output / "curves.png")
     first, last = records[0].eval, next(r.eval for r in reversed(records) if r.eval)
     assert first is not None and last is not None
     table = Table(title=f"{task} · {strategy}: held-out success before and after")

@@ -231,15 +231,19 @@ def run_compare(
     jobs = [(name, seed) for seed in config.seed_list for name in config.strategies]
     threads = max(1, (os.cpu_count() or 1) // config.parallel)
     runs: dict[tuple[str, int], list[IterationRecord]] = {}
+    label = {"trace.compare": config.output.resolve().name}  # MLflow: filter on it, compare
     if config.parallel == 1:
         for name, seed in jobs:
-            runs[name, seed] = _train_job(config.run_config(name, seed, init), threads)
+            runs[name, seed] = _train_job(config.run_config(name, seed, init), threads, label)
             say(f"{name} seed {seed} done")
     else:
         context = multiprocessing.get_context("spawn")  # no forked torch/ray state
         with ProcessPoolExecutor(config.parallel, mp_context=context) as pool:
             futures = {
-                pool.submit(_train_job, config.run_config(name, seed, init), threads): (name, seed)
+                pool.submit(_train_job, config.run_config(name, seed, init), threads, label): (
+                    name,
+                    seed,
+                )
                 for name, seed in jobs
             }
             for future in as_completed(futures):
@@ -264,11 +268,14 @@ def _warm_start(config: CompareConfig, say: Callable[[str], None]) -> Path:
     return path
 
 
-def _train_job(config: TrainConfig, threads: int) -> list[IterationRecord]:
+def _train_job(config: TrainConfig, threads: int, tags: Mapping[str, str]) -> list[IterationRecord]:
+    """One arm's run; with MLFLOW_TRACKING_URI set, its own MLflow run named for the arm
+    (``trace seed 0``), tagged with the comparison."""
     import torch
 
     torch.set_num_threads(threads)
-    return train(config)
+    arm = f"{config.output.parent.name} seed {config.seed}"
+    return train(config, label=(arm, tags))
 
 
 def summarize(

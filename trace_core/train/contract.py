@@ -138,6 +138,9 @@ class PipelineConfig:
     engine_name: str = ""
     """The run's session name: its kept engine actors are ``<name>-<i>``, its trainers
     ``<name>-trainer-<rank>`` (``train.steps.session``); set by prep, one per pipeline run."""
+    tracking_uri: str = ""
+    """An MLflow tracking server the run logs to (``train.tracking``); empty: the steps'
+    ``MLFLOW_TRACKING_URI``, if set."""
 
     def __post_init__(self) -> None:
         if self.run_name:
@@ -156,6 +159,11 @@ class PipelineConfig:
                     f"exchange their inputs and outputs there (got {self.store!r})"
                 )
         check_gcs_address(self.train.ray_address or "", "ray_address")
+        if self.tracking_uri and not re.fullmatch(r"[a-z][\w+.-]*:\S+|/\S*", self.tracking_uri):
+            raise ValueError(
+                f"mlflow_tracking_uri {self.tracking_uri!r}: expected an MLflow tracking URI "
+                "(http://HOST:5000, file:///PATH, sqlite:///PATH)"
+            )
         if self.engine_name and not re.fullmatch(r"[\w][\w.-]{0,99}", self.engine_name, re.A):
             raise ValueError(f"engine_name {self.engine_name!r}: letters, digits, '.', '_', '-'")
 
@@ -168,6 +176,8 @@ class PipelineConfig:
         }
         if self.engine_name:
             body["engine_name"] = self.engine_name
+        if self.tracking_uri:
+            body["tracking_uri"] = self.tracking_uri
         return json.dumps(body, sort_keys=True)
 
     @classmethod
@@ -178,7 +188,8 @@ class PipelineConfig:
             raise ValueError(f"config_json is not JSON: {err}") from None
         if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
             raise ValueError("config_json: expected an object with a 'train' object")
-        unknown = sorted(set(body) - {"train", "run_name", "store", "ray_jobs_url", "engine_name"})
+        known = {"train", "run_name", "store", "ray_jobs_url", "engine_name", "tracking_uri"}
+        unknown = sorted(set(body) - known)
         if unknown:
             raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")
         return cls(
@@ -187,6 +198,7 @@ class PipelineConfig:
             store=str(body.get("store", "")),
             ray_jobs_url=str(body.get("ray_jobs_url", "")),
             engine_name=str(body.get("engine_name", "")),
+            tracking_uri=str(body.get("tracking_uri", "")),
         )
 
     @property
@@ -251,6 +263,9 @@ class PipelineParameters:
     """Registry and staging root (a path or s3://bucket/prefix)."""
     settings_json: str = "{}"
     """Any other TrainConfig field, as a JSON object (e.g. {"prompts": 256})."""
+    mlflow_tracking_uri: str = ""
+    """An MLflow tracking server (http://HOST:5000) to log the run to: its config, figures by
+    iteration, report and plots (empty: the steps' MLFLOW_TRACKING_URI, if any)."""
 
     def config(self) -> PipelineConfig:
         try:
@@ -308,7 +323,10 @@ class PipelineParameters:
                 "output": "pipeline",
             }
         )
-        return PipelineConfig(train, self.run_name, self.store_uri, self.ray_jobs_url)
+        return PipelineConfig(
+            train, self.run_name, self.store_uri, self.ray_jobs_url,
+            tracking_uri=self.mlflow_tracking_uri.strip(),
+        )  # fmt: skip
 
 
 ENGINE_PARAMETERS = {

@@ -12,6 +12,8 @@ every tree seen so far, and takes a policy-gradient step on the new trees
       config.json                  the run's config (what a resumed run is checked against)
       log.jsonl                    one line per iteration: rollout metrics, update stats, eval
       curves.png                   held-out accuracy and effective ratio vs generated tokens
+      tensorboard/                 the log as TensorBoard event files (train.tracking)
+      mlflow.json                  the run's MLflow run, with MLFLOW_TRACKING_URI set
       init/                        a remote --init (s3://), downloaded once
       warmstart/                   the warm-started policy (synthetic tasks without --init, or
                                    --init with --warmstart-init)
@@ -35,7 +37,7 @@ an uninterrupted one would have.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,7 +72,18 @@ from trace_core.train.run_folder import (
     write_atomic,
 )
 from trace_core.train.start_state import StartState
-from trace_core.train.tracking import write_tensorboard
+from trace_core.train.tracking import (
+    MLFLOW_FILE,
+    MlflowRun,
+    TrackingError,
+    failing,
+    finish,
+    log_files,
+    log_records,
+    open_mlflow,
+    tracking_uri,
+    write_tensorboard,
+)
 from trace_core.train.warmstart import WarmstartReport, warmstart
 from trace_core.train.weights import Weights
 
@@ -84,13 +97,16 @@ def train(
     progress: Callable[[str], None] | None = None,
     suite: TaskSuite | None = None,
     restart: bool = False,
+    label: tuple[str, Mapping[str, str]] = ("", {}),
 ) -> list[IterationRecord]:
     """Run (or resume) the loop; returns every iteration's record, the resumed ones included.
 
     ``suite`` replaces the one ``config.task`` names (tests bring their own envs). ``restart``
     discards the run already in ``config.output`` (``run_folder.discard_run``) instead of
     resuming it. Everything is checked before the folder is written: the suite, ``init``, the
-    folder's iterations and its stored config.
+    folder's iterations and its stored config. With ``MLFLOW_TRACKING_URI`` set, the run is
+    logged to MLflow as it goes (``train.tracking``), under ``label``'s name (default: the
+    output folder's) and with its tags.
     """
     say = progress or (lambda _message: None)
     out = config.output
@@ -106,6 +122,30 @@ def train(
         say(f"{note}; resuming after iteration {done}, the newest checkpoint")
     _check_config(out, config, done)
     records = _resumed_log(out, done)
+    tracked = _open_mlflow(out, config, records, label, say)
+    with failing(tracked):
+        records = _train(config, say, suite, out, done, records, local_init, tracked)
+    plot_run(records, out / "curves.png")
+    if tracked is not None:
+        try:
+            log_records(tracked, records)
+            log_files(tracked, [out / "curves.png", out / LOG, out / CONFIG])
+            finish(tracked)
+        except TrackingError as err:  # the run folder is whole; running again logs the rest
+            say(f"{err}; the run is done: run it again with the same --output to log the rest")
+    return records
+
+
+def _train(
+    config: TrainConfig,
+    say: Callable[[str], None],
+    suite: TaskSuite,
+    out: Path,
+    done: int,
+    records: list[IterationRecord],
+    local_init: Path | None,
+    tracked: MlflowRun | None,
+) -> list[IterationRecord]:
     init = local_init or _fetch_init(config, say)  # a local one was checked above
     start_dir = init if init and not config.warmstart_init else out / "warmstart"
     if not done and start_dir == out / "warmstart" and not (start_dir / "config.json").exists():
@@ -152,7 +192,7 @@ def train(
         if not records:
             say(f"evaluating the starting policy on {len(run.eval_tasks)} held-out tasks")
             records = [start_record(run, policy_dir)]
-            _append_log(out, records[0], fresh=True)
+            _append_log(out, records[0], tracked, say, fresh=True)
 
         def persist(
             i: int, trees: Sequence[RolloutTree], metrics: BatchMetrics, save: Save | None
@@ -163,7 +203,7 @@ def train(
 
         for i in range(done + 1, config.iterations + 1):
             outcome = run_iteration(run, i, persist, say)
-            _append_log(out, outcome.record)
+            _append_log(out, outcome.record, tracked, say)
             move_latest(out, i)
             records.append(outcome.record)
             say(iteration_line(config, outcome))
@@ -248,13 +288,53 @@ def _write_iteration(
     commit_iteration(out, i, write)
 
 
-def _append_log(out: Path, record: IterationRecord, fresh: bool = False) -> None:
-    """Rewrite the log up to this record's iteration (a crashed run may have left a later line)."""
+def _append_log(
+    out: Path,
+    record: IterationRecord,
+    tracked: MlflowRun | None,
+    say: Callable[[str], None],
+    fresh: bool = False,
+) -> None:
+    """Rewrite the log up to this record's iteration (a crashed run may have left a later line),
+    its TensorBoard files, and log what MLflow does not hold yet. An MLflow call that fails
+    costs no training: it is said, and the next iteration's catches up."""
     path = out / LOG
     kept = [] if fresh else [r for r in read_log(out) if r.iteration < record.iteration]
     lines = [json.dumps(asdict(r)) for r in [*kept, record]]
     write_atomic(path, "\n".join(lines) + "\n")
     write_tensorboard(out, [*kept, record])  # beside it: tensorboard --logdir OUT
+    if tracked is not None:
+        try:
+            log_records(tracked, [*kept, record])
+        except TrackingError as err:
+            say(f"{err}; the next iteration logs it again")
+
+
+def _open_mlflow(
+    out: Path,
+    config: TrainConfig,
+    records: Sequence[IterationRecord],
+    label: tuple[str, Mapping[str, str]],
+    say: Callable[[str], None],
+) -> MlflowRun | None:
+    """The run's MLflow run when ``MLFLOW_TRACKING_URI`` is set: the one ``mlflow.json`` names
+    (a resumed run) if that server still holds it, else a new one; the resumed iterations are
+    logged at once. Fails before any training when the server cannot be used."""
+    uri = tracking_uri()
+    if not uri:
+        return None
+    stored = MlflowRun.read(out / MLFLOW_FILE)
+    name, tags = label
+    tags = {"trace.task": config.task, "trace.strategy": config.strategy,
+            "trace.seed": str(config.seed), **tags}  # fmt: skip
+    same = stored is not None and stored.uri == uri
+    run = open_mlflow(uri, name or out.name, config.to_json(), tags,
+                      run_id=stored.run_id if stored and same else None)  # fmt: skip
+    write_atomic(out / MLFLOW_FILE, run.to_json())
+    verb = "continuing" if same and stored and stored.run_id == run.run_id else "logging to"
+    say(f"MLflow: {verb} run {run.run_id} at {uri}")
+    log_records(run, records)
+    return run
 
 
 # --- pieces ------------------------------------------------------------------------------

@@ -27,13 +27,16 @@ from pathlib import Path
 
 from trace_core.store.artifacts import file_sha256
 from trace_core.train.record import LOG
-from trace_core.train.tracking import TENSORBOARD
+from trace_core.train.tracking import MLFLOW_FILE, TENSORBOARD
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 KIND = "trace.iteration"
-RUN_FILES = (CONFIG, LOG, LATEST, "curves.png", TENSORBOARD, "init", "warmstart", "iterations")
+RUN_FILES = (
+    *(CONFIG, LOG, LATEST, "curves.png", TENSORBOARD, MLFLOW_FILE, "init", "warmstart"),
+    "iterations",
+)
 """What a run writes in its folder, and what ``--restart`` discards (nothing else is touched)."""
 
 

@@ -1,6 +1,10 @@
-"""A run's figures as TensorBoard reads them: event files beside the run's log.
+"""A run's figures where a team's tracking tools read them: TensorBoard event files beside the
+run's log, and, when ``MLFLOW_TRACKING_URI`` is set, an MLflow run.
 
     write_tensorboard(folder, records)    # folder/tensorboard/, from the whole log
+    run = open_mlflow(uri, name, params, key=..., run_id=...)   # the training run's MLflow run
+    log_records(run, records)             # every iteration it does not hold yet
+    log_files(run, [curves, report])      # artifacts; finish(run) when the run is done
 
 ``trace-rl train`` writes them into its run folder after every iteration, the pipeline's steps
 into each state folder beside its ``log.jsonl``; ``tensorboard --logdir FOLDER`` shows them, side
@@ -12,15 +16,30 @@ Each iteration is one step (``global_step`` = iteration; 0 is the starting polic
 evaluation). The tags (``figures``): ``eval/`` held-out accuracy and parse rate, ``rollout/``
 effective ratios, mixed groups, units and tokens, ``update/`` loss, KL, logprob gap, gradient
 norm and clip fraction, ``predictor/`` its skills and fit, ``seconds/`` each phase's wall time.
+
+MLflow gets the same figures as metrics (step = iteration), the run's config as parameters
+(nested fields joined by dots: ``update.lr``), and the plots and reports as artifacts: one MLflow
+run per training run, in the experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``trace``). A
+resumed training run continues its MLflow run: ``trace-rl train`` keeps its id in the run
+folder (``mlflow.json``), the pipeline in its state and, for a named run, finds it by the tag
+``trace.run``. Logging is idempotent: ``log_records`` sends only the iterations the MLflow run
+does not hold yet (it reads back the ``iteration`` metric), so a step retried, a resumed run,
+or an iteration whose logging failed is caught up by the next call, never logged twice.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trace_core.train.record import IterationRecord
 
@@ -37,6 +56,17 @@ ROLLOUT = (
 )
 UPDATE = ("loss", "kl", "logprob_gap", "logprob_gap_max", "grad_norm", "clip_fraction", "paths")
 PREDICTOR = ("root_skill", "prefix_skill", "eval_root_skill", "loss_after", "rows")
+
+MLFLOW_URI = "MLFLOW_TRACKING_URI"
+MLFLOW_EXPERIMENT = "MLFLOW_EXPERIMENT_NAME"
+EXPERIMENT = "trace"
+"""The MLflow experiment when ``MLFLOW_EXPERIMENT_NAME`` is unset."""
+MLFLOW_FILE = "mlflow.json"
+"""``trace-rl train``'s MLflow run, in its run folder: what a resumed run continues."""
+RUN_KEY = "trace.run"
+"""The tag a named run is found again by."""
+STEP = "iteration"
+"""The metric whose steps say which iterations an MLflow run holds."""
 
 
 def figures(record: IterationRecord) -> dict[str, float]:
@@ -86,3 +116,188 @@ def _all(values: object) -> float:
 
 def _number(value: object) -> float:
     return float(value) if isinstance(value, int | float) else math.nan
+
+
+# --- MLflow ----------------------------------------------------------------------------------
+class TrackingError(RuntimeError):
+    """The MLflow server could not be reached or refused a call; the message names the URI."""
+
+
+@dataclass(frozen=True)
+class MlflowRun:
+    """A training run's MLflow run: the server and the run's id."""
+
+    uri: str
+    run_id: str
+
+    def to_json(self) -> str:
+        return json.dumps({"tracking_uri": self.uri, "run_id": self.run_id}, indent=2) + "\n"
+
+    @classmethod
+    def read(cls, path: Path) -> MlflowRun | None:
+        """The run stored in ``path``, or None when there is none (or not a readable one)."""
+        try:
+            body = json.loads(path.read_text())
+            return cls(str(body["tracking_uri"]), str(body["run_id"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def tracking_uri(given: str = "") -> str:
+    """The MLflow server to log to: ``given`` (a pipeline parameter), else ``MLFLOW_TRACKING_URI``;
+    empty: no MLflow logging."""
+    return given.strip() or os.environ.get(MLFLOW_URI, "").strip()
+
+
+def open_mlflow(
+    uri: str,
+    name: str,
+    params: Mapping[str, object],
+    tags: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
+    key: str = "",
+) -> MlflowRun:
+    """The training run's MLflow run on ``uri``: ``run_id``'s if the server still holds it, else
+    the newest one tagged ``trace.run`` = ``key`` (a named run), else a new one named ``name``.
+    It is (again) RUNNING, and holds every parameter of ``params`` (flattened); a parameter it
+    already holds keeps its first value (MLflow's parameters are immutable). Raises
+    ``TrackingError`` naming the URI when the server cannot be used."""
+    from mlflow.entities import Param, RunTag
+
+    client = _client(uri)
+    with _calls(uri, "open a run"):
+        run = _existing(client, run_id, key)
+        if run is None:
+            labels = {**(tags or {}), **({RUN_KEY: key} if key else {})}
+            run = client.create_run(_experiment(client), tags=labels, run_name=name)
+        else:
+            client.update_run(run.info.run_id, status="RUNNING")
+            if tags:
+                client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        held = run.data.params
+        new = [Param(k, v) for k, v in flat_params(params).items() if k not in held]
+        for start in range(0, len(new), 100):  # MLflow takes 100 parameters a call
+            client.log_batch(run.info.run_id, params=new[start : start + 100])
+    return MlflowRun(uri, run.info.run_id)
+
+
+def log_records(run: MlflowRun, records: Sequence[IterationRecord]) -> int:
+    """Log the figures of every record whose iteration ``run`` does not hold yet; returns how
+    many iterations were logged."""
+    from mlflow.entities import Metric
+
+    client = _client(run.uri)
+    with _calls(run.uri, "log metrics"):
+        held = {m.step for m in client.get_metric_history(run.run_id, STEP)}
+        now = int(time.time() * 1000)
+        batch: list[Any] = []
+        logged = 0
+        for record in (r for r in records if r.iteration not in held):
+            step = record.iteration
+            values = [*figures(record).items(), (STEP, float(step))]  # the step marker last
+            if len(batch) + len(values) > 1000:  # MLflow takes 1000 metrics a call
+                client.log_batch(run.run_id, metrics=batch)
+                batch = []
+            batch += [Metric(tag, value, now, step) for tag, value in values]
+            logged += 1
+        if batch:
+            client.log_batch(run.run_id, metrics=batch)
+    return logged
+
+
+def log_files(run: MlflowRun, paths: Sequence[Path], folder: str | None = None) -> None:
+    """Upload each existing file (or folder) of ``paths`` as an artifact of ``run``."""
+    client = _client(run.uri)
+    with _calls(run.uri, "upload artifacts"):
+        for path in paths:
+            if path.exists():
+                client.log_artifact(run.run_id, str(path), folder)
+
+
+def finish(run: MlflowRun, status: str = "FINISHED") -> None:
+    with _calls(run.uri, "end the run"):
+        _client(run.uri).set_terminated(run.run_id, status)
+
+
+@contextmanager
+def failing(run: MlflowRun | None) -> Iterator[None]:
+    """Mark ``run`` FAILED (best effort) when the block raises; the error goes on."""
+    try:
+        yield
+    except BaseException:
+        if run is not None:
+            with suppress(TrackingError):
+                finish(run, "FAILED")
+        raise
+
+
+def flat_params(values: Mapping[str, object], prefix: str = "") -> dict[str, str]:
+    """Nested config fields as MLflow parameters: ``{"update": {"lr": 1e-4}}`` is ``update.lr``."""
+    out: dict[str, str] = {}
+    for k, v in values.items():
+        if isinstance(v, Mapping):
+            out |= flat_params(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = "" if v is None else str(v)[:6000]
+    return out
+
+
+def _client(uri: str) -> Any:
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError:
+        raise TrackingError(
+            f"{MLFLOW_URI} is set ({uri}) but mlflow is not installed: pip install mlflow-skinny"
+        ) from None
+    return MlflowClient(tracking_uri=uri)
+
+
+@contextmanager
+def _calls(uri: str, what: str) -> Iterator[None]:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrackingError(f"MLflow at {uri} ({MLFLOW_URI}): could not {what}: {first}") from err
+
+
+def _experiment(client: Any) -> str:
+    name = os.environ.get(MLFLOW_EXPERIMENT, "").strip() or EXPERIMENT
+    from mlflow.exceptions import MlflowException
+
+    for _ in range(2):  # two runs may create it at once: the loser reads the winner's
+        found = client.get_experiment_by_name(name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(client.create_experiment(name))
+        except MlflowException:
+            continue
+    raise TrackingError(f"MLflow: could not create or find the experiment {name!r}")
+
+
+def _existing(client: Any, run_id: str | None, key: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+            if run.info.lifecycle_stage == "active":
+                return run
+        except MlflowException:  # gone from this server: a new run
+            pass
+    if key:
+        if not key.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"MLflow run key {key!r}: letters, digits, '.', '_', '-' only")
+        found = client.search_runs(
+            [_experiment(client)],
+            filter_string=f"tags.`{RUN_KEY}` = '{key}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        if found:
+            return found[0]
+    return None

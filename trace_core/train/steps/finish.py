@@ -19,6 +19,7 @@ from typing import Any
 from trace_core.algo.tree import ROOT, RolloutTree, leaf_counts, success_counts
 from trace_core.train.contract import TREES, PipelineConfig
 from trace_core.train.record import read_log
+from trace_core.train.steps.tracked import end_tracking
 
 
 def eval_metrics(result: Mapping[str, Any]) -> dict[str, float]:
@@ -113,6 +114,8 @@ def report_step(
             shown=[t.info.tree_id for t in most_mixed(last, 3)],
         )
     )
+    files = {"report.html": html_path, "summary.md": markdown_path}
+    end_tracking(config, state_dir, read_log(state_dir), files)  # with MLflow: as artifacts
 
 
 def read_tree_uri(uri: str) -> list[RolloutTree]:

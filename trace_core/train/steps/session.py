@@ -49,6 +49,7 @@ from trace_core.train.contract import (
 )
 from trace_core.train.record import LOG, IterationRecord, read_log
 from trace_core.train.steps.finish import eval_metrics
+from trace_core.train.steps.tracked import log_tracking, open_tracking
 from trace_core.train.tracking import write_tensorboard
 
 STATE = "state.json"
@@ -94,6 +95,8 @@ class RunState:
     commits it once written."""
     pending_folder: str | None = None
     """The registry folder reserved for it."""
+    mlflow_run: str | None = None
+    """The run's MLflow run id, when it logs to MLflow (``steps.tracked``)."""
 
     def to_json(self) -> str:
         return json.dumps({"kind": KIND, **asdict(self)}, indent=2) + "\n"
@@ -185,14 +188,16 @@ def open_session_step(
             raise ValueError(
                 f"{start.policy}: its log does not hold iterations 0..{start.iteration} in order"
             )
+        mlflow_run = open_tracking(config, records)  # a bad server fails before the session
         with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
             from trace_core.train.phases import eval_dict, evaluate, start_record
 
             if not records:
                 records = [start_record(session.run, session.run.serving_now)]
             shown = records[-1].eval or eval_dict(evaluate(session.run, session.run.serving_now))
-            state = replace(state, serving=session.run.serving_now)
+            state = replace(state, serving=session.run.serving_now, mlflow_run=mlflow_run)
             write_state(state_out, state, records, predictor, tokenizer)
+            log_tracking(config, mlflow_run, records)
     result = {**shown, "iteration": start.iteration}
     (state_out / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
     metrics = {"iteration": float(start.iteration), **eval_metrics(result)}
@@ -311,6 +316,7 @@ def iterate_step(
             )
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
         write_state(state_out, new, records, predictor, tokenizer)
+        log_tracking(config, new.mlflow_run, records)
         moved = session.traffic() - before
     metrics = {
         **_record_metrics(outcome.record),
