@@ -104,7 +104,7 @@ $(SCAN_STAMP): requirements/scan.txt
 
 scan: setup $(SCAN_STAMP) ## hadolint + checkov on the Dockerfiles and every built manifest overlay
 	$(BIN)/hadolint images/trace/Dockerfile images/trace-gpu/Dockerfile
-	$(BIN)/python tests/manifests/render.py $(OUT)/manifests
+	$(BIN)/python tests/support/render.py $(OUT)/manifests
 	$(CHECKOV) --framework kubernetes argo_workflows -d $(OUT)/manifests
 	$(CHECKOV) --framework dockerfile -f images/trace/Dockerfile -f images/trace-gpu/Dockerfile
 	$(CHECKOV) --framework secrets -d manifests -d images --skip-path '\.env$$'

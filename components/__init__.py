@@ -3,7 +3,7 @@ function (see components/README.md). Their images come from ``components.images`
 
 from components.close_session import close_session
 from components.iterate import iterate
-from components.load_policy import load_policy
+from components.load import load
 from components.open_session import open_session
 from components.prep import prep
 from components.report import report
@@ -12,7 +12,7 @@ from components.warmstart import warmstart
 __all__ = [
     "close_session",
     "iterate",
-    "load_policy",
+    "load",
     "open_session",
     "prep",
     "report",

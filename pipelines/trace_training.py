@@ -1,7 +1,7 @@
 """The TRACE training pipeline for Kubeflow Pipelines: the DAG, its cluster settings, compiling.
 
-    prep ─► If start == warmstart: warmstart   ─► open session ─► [ iteration i ] × K
-            Else:                   load_policy ─►                 ─► close session ─► report
+    prep ─► If start == warmstart: warmstart ─► open-session ─► [ iterate-i ] × K
+            Else:                   load      ─►                ─► close-session ─► report
 
     python -m pipelines.trace_training pipelines/compiled/trace_training.yaml   # compile
     compile_pipeline(Path("x.yaml"), PipelineOptions(iterations=8))              # from code
@@ -42,7 +42,7 @@ Cluster settings:
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
 - caching is off for every step but warmstart (a pure function of its inputs): prep and
-  load_policy read the registry, the session's steps act on actors and write checkpoints.
+  load read the registry, the session's steps act on actors and write checkpoints.
 """
 
 import contextlib
@@ -57,7 +57,7 @@ from kfp.dsl import PipelineTask
 from components import (
     close_session,
     iterate,
-    load_policy,
+    load,
     open_session,
     prep,
     report,
@@ -77,8 +77,8 @@ class PipelineOptions:
     iterations: int = 4
     """K: rollout → fit/update iterations, unrolled into the DAG."""
     gpu_requests: bool = True
-    """Give rollout, update_policy and evaluate the GPU request of the run parameters ``gpus`` and
-    ``accelerator``. KFP's local runner cannot resolve run parameters in a resource request
+    """Give open-session and the iterate steps the GPU request of the run parameters ``gpus``
+    and ``accelerator``. KFP's local runner cannot resolve run parameters in a resource request
     (and ignores GPU requests anyway): ``run_local`` builds with False, nothing else differs."""
     s3_endpoint: str = "http://seaweedfs.kubeflow:9000"
     """AWS_ENDPOINT_URL_S3 of every step (KFP's SeaweedFS); empty: leave the variable alone."""
@@ -92,7 +92,7 @@ class PipelineOptions:
     image: str = field(default_factory=lambda: image_of("TRACE_IMAGE"))
     """The CPU steps' image (default: TRACE_IMAGE of ``images/images.env``)."""
     gpu_image: str = field(default_factory=lambda: image_of("TRACE_GPU_IMAGE"))
-    """rollout's, update_policy's and evaluate's image (default: TRACE_GPU_IMAGE)."""
+    """open-session's and the iterate steps' image (default: TRACE_GPU_IMAGE)."""
     image_pull_secrets: tuple[str, ...] = ()
     """Secrets (type kubernetes.io/dockerconfigjson, in the namespace the steps run in) every
     step pod pulls its image with: for a private registry."""
@@ -202,7 +202,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                     predictor=start.outputs["predictor"],
                     optimizer=start.outputs["optimizer"],
                 ),
-                "open session",
+                "open-session",
                 gpu=True,
             ).set_caching_options(False)
             state = opened.outputs["state"]
@@ -215,12 +215,12 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                         prompts=prompts,
                         state=state,
                     ),
-                    f"iteration {i}",
+                    f"iterate-{i}",
                     gpu=True,
                 ).set_caching_options(False)
                 state = step.outputs["new_state"]
             closed = place(
-                close_session(config_json=config, state=state), "close session", uses_ray=True
+                close_session(config_json=config, state=state), "close-session", uses_ray=True
             ).set_caching_options(False)
             place(
                 report(
@@ -233,10 +233,10 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 "report",
             )
 
-        with dsl.If(prepped.outputs["start"] == "warmstart", name="warm start"):
+        with dsl.If(prepped.outputs["start"] == "warmstart", name="warmstart"):
             iterations(place(warmstart(config_json=config), "warmstart"))
-        with dsl.Else(name="load policy"):
-            loaded = place(load_policy(config_json=config), "load policy")
+        with dsl.Else(name="load"):
+            loaded = place(load(config_json=config), "load")
             iterations(loaded.set_caching_options(False))
 
     return trace_training

@@ -1,9 +1,7 @@
-"""Shared by every test folder: the helper files importable by name, and a real Ray head on
-127.0.0.1, started and stopped by its pid.
+"""Shared by every test folder: a real Ray head on 127.0.0.1, started and stopped by its pid.
 
-The tests are not a package, so helper files beside them are registered here as modules before
-any test folder is collected: ``import trace_manifest_render`` (tests/manifests/render.py) and
-``import trace_train_parity`` (tests/train/parity.py).
+What several test folders share lives in the package ``tests/support`` (``from support import
+parity``: pytest puts ``tests/`` on the path, ``pythonpath`` in pyproject.toml).
 
 The head is ``ray start --head --block`` in a session of its own, on free ports, with its
 own temp dir and token auth off (loopback only). It is stopped with SIGTERM to the
@@ -28,7 +26,6 @@ steps run on s3:// folders (tests/train/test_step_cli.py); and a real MLflow tra
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import socket
@@ -74,33 +71,6 @@ share_cores()
 # process that started an in-process Ray in the default (token) mode could not then talk to
 # a loopback head, nor the reverse, so the whole session uses the heads' mode.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-HELPERS = {
-    "trace_manifest_render": "manifests/render.py",
-    "trace_train_parity": "train/parity.py",
-    "trace_test_models": "policy/models.py",
-    "trace_test_rollouts": "rollout/planned.py",
-    "trace_test_browser": "store/browser.py",
-    "trace_test_kfp": "pipelines/kfp_standin.py",
-    "trace_test_repo": "repo_copy.py",
-    "trace_test_commands": "docs/commands.py",
-    "trace_image_requirements": "images/image_requirements.py",
-    "trace_sync_worker": "policy/sync_worker.py",
-}
-
-
-def register_helper(name: str, path: Path) -> None:
-    """Import the file ``path`` as the module ``name``, once."""
-    if name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-
-
-for _name, _file in HELPERS.items():
-    register_helper(_name, Path(__file__).parent / _file)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

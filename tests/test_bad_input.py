@@ -68,8 +68,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     new_predictor(TrainConfig(), tokenizer).save(root / "predictor")
     (root / "predictor-damaged").mkdir()
-    shutil.copy(root / "predictor/value.json", root / "predictor-damaged/value.json")
-    (root / "predictor-damaged/value.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}")
+    shutil.copy(root / "predictor/predictor.json", root / "predictor-damaged/predictor.json")
+    (root / "predictor-damaged/predictor.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{}")
 
     (root / "trees").mkdir()
     (root / "mixed").mkdir()
@@ -142,7 +142,7 @@ CASES = {
     "budget of one root": Case(ROLLOUT + " --budget 1", r"roots must be at least 2"),
     "bad split": Case(ROLLOUT + " --split test", r"--split must be train or eval, got 'test'"),
     "missing predictor": Case(
-        ROLLOUT + " --predictor {w}/nope", r"--predictor {w}/nope: no value.json"
+        ROLLOUT + " --predictor {w}/nope", r"--predictor {w}/nope: no predictor.json"
     ),
     "eval_k of zero": Case("train --eval-k 0 --output {w}/new", r"eval_k must be >= 1, got 0"),
     "zero iterations": Case("train --iterations 0 --output {w}/new", r"iterations must be >= 1"),
@@ -193,7 +193,7 @@ CASES = {
     # --- predictors ----------------------------------------------------------------------
     "damaged predictor": Case(
         ROLLOUT + " --predictor {w}/predictor-damaged",
-        r"{w}/predictor-damaged/value.safetensors: (damaged|truncated)",
+        r"{w}/predictor-damaged/predictor.safetensors: (damaged|truncated)",
     ),
     # --- run folders ---------------------------------------------------------------------
     "run folder without its pointer": Case(

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-import trace_train_parity as parity  # registered by tests/conftest.py
+from support import parity
 from typer.testing import CliRunner
 
 from trace_core.bench import contrast

@@ -1,7 +1,7 @@
 """``trace-rl bench predictor`` and ``trace-rl predictor fit`` on small hand-built Parquet trees.
 
 The commands run in process through typer's runner (no subprocess start-up); the quality of the
-predictor itself is tested in ``tests/policy/test_value.py``, here only what the commands read
+predictor itself is tested in ``tests/policy/test_predictor.py``, here only what the commands read
 and write.
 """
 
@@ -25,8 +25,8 @@ from trace_core.bench.predictor import (
     tree_paths,
 )
 from trace_core.cli import app
+from trace_core.policy.predictor import CONFIG_FILE, PredictorConfig, SharedPredictor
 from trace_core.policy.tokenizer import build_word_tokenizer
-from trace_core.policy.value import CONFIG_FILE, ValueConfig, ValuePredictor
 from trace_core.store.schema import write_trees
 
 TURN = 3  # <|im_end|> in the word tokenizer
@@ -81,11 +81,11 @@ def test_tree_paths_and_config_errors(workspace: Path) -> None:
     assert tree_paths(str(workspace / "trees" / "*-1.parquet")) == files[1:]
     with pytest.raises(ValueError, match="no Parquet files"):
         tree_paths(str(workspace / "nothing-*.parquet"))
-    value = ValueConfig(turn_token=TURN)
+    settings = PredictorConfig(turn_token=TURN)
     with pytest.raises(ValueError, match="featurizer"):
-        PredictorBenchConfig(files, value, featurizers=("bert",))
+        PredictorBenchConfig(files, settings, featurizers=("bert",))
     with pytest.raises(ValueError, match="heldout"):
-        PredictorBenchConfig(files, value, heldout=1.0)
+        PredictorBenchConfig(files, settings, heldout=1.0)
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_bench_predictor_command_writes_json(workspace: Path) -> None:
 
 
 def test_predictor_fit_command_saves_and_resumes(workspace: Path) -> None:
-    out, more = workspace / "value", workspace / "value-2"
+    out, more = workspace / "predictor", workspace / "predictor-2"
     args = ["--checkpoint", str(workspace / "policy"), "--epochs", "2"]
     trees = str(workspace / "trees" / "trees-0.parquet")
     missing = ["--checkpoint", str(workspace / "no-policy")]
@@ -147,5 +147,5 @@ def test_predictor_fit_command_saves_and_resumes(workspace: Path) -> None:
     )
     assert second.exit_code == 0, second.output
     assert "replayed" in second.output
-    predictor = ValuePredictor.load(more)
+    predictor = SharedPredictor.load(more)
     assert predictor.fits == 2 and predictor.replay_rows > 0

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trace_test_commands import commands  # registered by tests/conftest.py
-from trace_test_kfp import API, StandIn, serving  # registered by tests/conftest.py
-from trace_test_repo import REPO, repository_copy  # registered by tests/conftest.py
+from support.commands import commands
+from support.kfp_standin import API, StandIn, serving
+from support.repo_copy import REPO, repository_copy
 
 GUIDE = REPO / "docs" / "deploy.md"
 RUN, KUSTOMIZE, HOST, CLUSTER = "run", "kustomize", "host", "cluster"

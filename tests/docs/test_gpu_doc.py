@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from trace_test_commands import commands  # registered by tests/conftest.py
+from support.commands import commands
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "gpu" / "README.md"

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trace_test_commands import commands  # registered by tests/conftest.py
+from support.commands import commands
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
-from trace_test_commands import commands, run_in_docs_copy  # registered by tests/conftest.py
+from support.commands import commands, run_in_docs_copy
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "results.md"

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
-from trace_test_commands import commands, run_in_docs_copy  # registered by tests/conftest.py
+from support.commands import commands, run_in_docs_copy
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "scaling.md"
@@ -30,7 +30,7 @@ MEASURING = {
     r"trace-rl bench scale-calibrate --checkpoint build/policy/calc .*": "bench/test_scale.py",
     r"trace-rl bench workers --checkpoint build/policy/calc .*": "rollout/test_ray_pool.py",
     r"trace-rl warmstart --task calc --output build/policy/calc.*": "test_cli_commands.py",
-    r"trace-rl model import smollm2 --output build/models/smollm2": "policy/models.py",
+    r"trace-rl model import smollm2 --output build/models/smollm2": "support/models.py",
     r"trace-rl bench handoff --checkpoint build/(policy/calc|models/smollm2) .*": (
         "bench/test_handoff.py"
     ),

@@ -14,9 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
-from trace_test_repo import repository_copy  # registered by tests/conftest.py
+from support import render
+from support.repo_copy import repository_copy
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_ENV = REPO / "images" / "images.env"

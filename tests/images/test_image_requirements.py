@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import trace_image_requirements as images  # registered by tests/conftest.py
+from support import image_requirements as images
 
 pytestmark = pytest.mark.slow  # the first run reads a few hundred documents from PyPI
 

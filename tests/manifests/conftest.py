@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
+from support import render
 
 SCHEMAS = render.REPO.parent / "shared" / "schemas"
 

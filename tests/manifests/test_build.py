@@ -21,8 +21,8 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
+from support import render
 
 KUBERNETES = "1.32"
 CRD_FILES = {

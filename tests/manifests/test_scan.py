@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
+from support import render
 
 CHECKOV = render.REPO / ".venv-scan" / "bin" / "checkov"
 HADOLINT = render.REPO / ".venv" / "bin" / "hadolint"

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
+from support import render
 
 Manifest = dict[str, Any]
 SECRET_WORDS = re.compile(r"SECRET|PASSWORD|PASSWD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 from minio import Minio
 from minio.error import S3Error
+from support import render
 from urllib3 import PoolManager, Retry
 from urllib3.exceptions import HTTPError
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import jsonschema
 import pytest
-import trace_manifest_render as render  # registered by tests/conftest.py
 import yaml
+from support import render
 
 from pipelines import argo
 from trace_core.cli import app

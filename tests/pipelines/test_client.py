@@ -19,7 +19,7 @@ from pathlib import Path
 import kfp
 import pytest
 from kfp import compiler, dsl
-from trace_test_kfp import API, StandIn, serving  # registered by tests/conftest.py
+from support.kfp_standin import API, StandIn, serving
 from typer.testing import CliRunner
 
 from pipelines.client import (

@@ -83,7 +83,7 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
 
 
 def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
-    """If/Else on prep's start: warm start in one branch, load_policy in the other, each
+    """If/Else on prep's start: warmstart in one branch, load in the other, each
     holding the K iterations."""
     spec = docs[0]
     (branches,) = [n for n in spec["components"] if n.startswith("comp-condition-branches")]
@@ -93,7 +93,7 @@ def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
     }
     warm = [c for c, rule in conditions.items() if rule.endswith("== 'warmstart'")]
     load = [c for c, rule in conditions.items() if rule.startswith("!(")]
-    for component, first in ((warm, "warmstart"), (load, "load-policy")):
+    for component, first in ((warm, "warmstart"), (load, "load")):
         (name,) = component
         tasks = spec["components"][name]["dag"]["tasks"]
         assert first in tasks and sum(t.startswith("iterate") for t in tasks) == 4

@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import trace_train_parity as parity  # registered by tests/conftest.py
-from trace_test_browser import find_chromium, headless
-from trace_test_commands import commands as bash_commands  # registered by tests/conftest.py
+from support import parity
+from support.browser import find_chromium, headless
+from support.commands import commands as bash_commands
 
 from pipelines.local import LocalRun, print_result, run_local
 from trace_core.store.artifacts import open_store
@@ -77,7 +77,7 @@ def test_pipeline_runs_through_kfp_local(
 
     # Warm start branch, three iterations of M=8 roots with N=2 continuations = 16 units each.
     tasks = {p.name for p in result.run_dir.iterdir() if p.is_dir()}
-    assert {"prep", "warmstart", "report"} <= tasks and "load-policy" not in tasks
+    assert {"prep", "warmstart", "report"} <= tasks and "load" not in tasks
     assert len(result.trees) == 3
     for i, path in enumerate(result.trees, start=1):
         trees = read_trees(path)
@@ -176,8 +176,8 @@ def test_pipeline_runs_through_kfp_local(
     # checkpoint and goes on with iteration 4.
     again = run_local(replace(run, params=replace(params, iterations=1)), say=lambda _line: None)
     tasks = {p.name for p in again.run_dir.iterdir() if p.is_dir()}
-    assert "load-policy" in tasks and "warmstart" not in tasks
-    assert metrics_of(again.run_dir / "load-policy")["resumed_iteration"] == 3
+    assert "load" in tasks and "warmstart" not in tasks
+    assert metrics_of(again.run_dir / "load")["resumed_iteration"] == 3
     assert [read_trees(p)[0].info.iteration for p in again.trees] == [4]
     assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (3, 4)
     # The first run's iterations keep their links beside the second's.

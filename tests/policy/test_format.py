@@ -4,8 +4,8 @@ the word tokenizer, SmolLM2's BPE and Qwen's BPE; the end-of-turn token; closing
 from __future__ import annotations
 
 import pytest
+from support.models import QWEN_LIKE_TEMPLATE, qwen_tokenizer, smollm2_dir
 from tokenizers import Tokenizer, models
-from trace_test_models import QWEN_LIKE_TEMPLATE, qwen_tokenizer, smollm2_dir
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trace_core.envs.base import TaskSuite, replay

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trace_test_models import IMPORT_COMMAND, smollm2_dir
+from support.models import IMPORT_COMMAND, smollm2_dir
 
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.importer import import_gguf

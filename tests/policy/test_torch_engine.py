@@ -345,7 +345,7 @@ def test_smollm2_greedy_matches_hf_generate_token_for_token() -> None:
     """SmolLM2-135M-Instruct (Llama architecture, no q/k norms, 49,152-token BPE): on chat
     prompts of the calc task, greedy TorchEngine and HF generate agree token for token, and
     the engine's logprobs are the model's."""
-    from trace_test_models import smollm2_dir
+    from support.models import smollm2_dir
 
     from trace_core.envs.calc import CalcSuite
     from trace_core.policy.format import TurnFormat, TurnStyle

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import trace_sync_worker as sync_worker  # registered by tests/conftest.py
+from support import sync_worker
 
 from trace_core.policy.model import TinyPolicyConfig, create_policy
 from trace_core.policy.torch_engine import TorchEngine
@@ -27,7 +27,7 @@ from trace_core.policy.weight_sync import (
     weight_plan,
 )
 
-WORKER = Path(__file__).with_name("sync_worker.py")
+WORKER = Path(sync_worker.__file__)
 
 
 @pytest.mark.parametrize("kind", ["torch", "hf"])

@@ -21,8 +21,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trace_test_models import save_sharpened_policy  # registered by tests/conftest.py
-from trace_test_rollouts import check_trees_are_the_planned_ones
+from support.models import save_sharpened_policy
+from support.planned import check_trees_are_the_planned_ones
 
 from trace_core.algo.plan import Budget
 from trace_core.algo.tree import RolloutTree

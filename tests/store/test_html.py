@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from trace_test_browser import find_chromium, headless  # registered by tests/conftest.py
+from support.browser import find_chromium, headless
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.store.html import render_html

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import trace_train_parity as parity  # registered by tests/conftest.py
+from support import parity
 
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.model import create_policy, save_checkpoint

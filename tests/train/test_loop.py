@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import trace_train_parity as parity  # registered by tests/conftest.py
 from safetensors.torch import load_file
+from support import parity
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
@@ -64,8 +64,8 @@ def test_run_folder_log_and_budget(init: Path, tmp_path: Path) -> None:
             "trees.parquet",
             "metrics.json",
             "optimizer.safetensors",
-            "predictor/value.safetensors",
-            "predictor/value.json",
+            "predictor/predictor.safetensors",
+            "predictor/predictor.json",
         ):
             assert (folder / name).is_file(), name
         assert records[i].predictor["rows"] > 0  # the predictor was fitted on this iteration

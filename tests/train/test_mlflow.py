@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import trace_train_parity as parity  # registered by tests/conftest.py
 from mlflow.tracking import MlflowClient
+from support import parity
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trace_core.train.loop import train

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-import trace_train_parity as parity  # registered by tests/conftest.py
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from support import parity
 
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.ray_worker import KEPT_NAMESPACE

@@ -229,12 +229,12 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert f.keys("start/optimizer") == {"optimizer.json"}
     policy_files = {"config.json", "model.safetensors", "tokenizer.json", "metrics.json"}
     assert policy_files <= f.keys("start/policy")
-    assert {"value.json", "value.safetensors"} <= f.keys("start/predictor")
+    assert {"predictor.json", "predictor.safetensors"} <= f.keys("start/predictor")
     policy0, predictor0 = f.local("start/policy"), f.local("start/predictor")
     warm = read_json(policy0 / "metrics.json")
     assert warm["warmstart_steps"] == 20.0 and 0.0 <= float(warm["warmstart_success"]) <= 1.0
     weights0 = load_file(str(policy0 / "model.safetensors"))
-    predictor0_sha = sha(predictor0, "value.safetensors")
+    predictor0_sha = sha(predictor0, "predictor.safetensors")
 
     # open-session: without a Ray cluster, Ray in the step's own process; the state it passes
     # on holds the log with iteration 0 (the start's evaluation), the predictor, no weights.
@@ -266,7 +266,9 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert rolled["update_paths"] > 0 and rolled["update_steps"] >= 1
     assert read_json(trees1 / "draws.json")["iteration"] == 1
     state1 = f.local("state-1")
-    assert sha(state1 / "predictor", "value.safetensors") != predictor0_sha  # the fit changed it
+    assert (
+        sha(state1 / "predictor", "predictor.safetensors") != predictor0_sha
+    )  # the fit changed it
     record = log_lines(state1)[-1]
     assert (record["iteration"], record["strategy"]) == (1, "trace")
     assert record["tokens"] == rolled["tokens"]
@@ -280,7 +282,7 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert any(not torch.equal(weights0[k], weights1[k]) for k in weights0), (
         "update changed nothing"
     )
-    assert {"optimizer.safetensors", "predictor/value.safetensors"} <= {
+    assert {"optimizer.safetensors", "predictor/predictor.safetensors"} <= {
         c.path for c in checkpoint.files
     }
 
@@ -326,8 +328,8 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     assert sha(loaded_optimizer, "optimizer.safetensors") == sha(
         registered, "optimizer.safetensors"
     )
-    assert sha(loaded_predictor, "value.safetensors") == sha(
-        state1 / "predictor", "value.safetensors"
+    assert sha(loaded_predictor, "predictor.safetensors") == sha(
+        state1 / "predictor", "predictor.safetensors"
     )
     assert read_json(loaded / "metrics.json")["resumed_iteration"] == 1.0
     assert [r["iteration"] for r in log_lines(loaded)] == [0, 1]  # the log travels with it

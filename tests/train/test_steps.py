@@ -118,7 +118,7 @@ def test_a_base_model_warm_starts_in_the_warmstart_step(init: Path, tmp_path: Pa
 def test_a_pretrained_base_model_gets_the_pretrained_defaults(tmp_path: Path) -> None:
     """As ``trace-rl train --init`` does: lr, turn length and pass size of ``PRETRAINED``,
     except where ``settings_json`` sets them."""
-    from trace_test_models import smollm2_dir
+    from support.models import smollm2_dir
 
     base = str(smollm2_dir())
     settings = json.dumps({"eval_tasks": 4, "update": {"lr": 3e-6}})

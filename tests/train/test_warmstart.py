@@ -355,7 +355,7 @@ def test_a_pretrained_init_warm_starts_with_its_template(tmp_path: Path) -> None
     reports parse rate and success before and after."""
     from dataclasses import replace
 
-    from trace_test_models import qwen_tokenizer
+    from support.models import qwen_tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trace_core.policy.model import load_checkpoint, save_checkpoint

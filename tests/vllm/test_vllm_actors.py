@@ -31,8 +31,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
-from trace_test_models import save_sharpened_policy  # registered by tests/conftest.py
-from trace_test_rollouts import check_trees_are_the_planned_ones
+from support.models import save_sharpened_policy
+from support.planned import check_trees_are_the_planned_ones
 
 from trace_core.algo.plan import Budget
 from trace_core.envs.calc import CalcSuite

@@ -4,7 +4,7 @@ Every inner node of a rollout tree (the root and each non-terminal turn) is one 
 its exact token history (the prompt, then every generated and observation token on the path,
 never re-tokenised), its recursive target V̂(y) (the mean reward of the leaves below it), its
 leaf count n_y and its depth t. The predictor that fits these rows lives in the policy layer
-(``trace_core.policy.value``); the rows and the ``Predictor`` protocol are pure numpy so that
+(``trace_core.policy.predictor``); the rows and the ``Predictor`` protocol are pure numpy so that
 every layer can use them.
 """
 

@@ -1,7 +1,7 @@
 """``trace-rl bench iteration-cost``: what one training iteration costs outside rollout and
 update, for Qwen3 1.7B, 8B and 14B on their recommended cluster shapes, in two designs.
 
-Per iteration: rollout → (fit-predictor ∥ update-policy) → next rollout. The rollout is
+Per iteration: rollout → (fit the predictor ∥ update the policy) → next rollout. The rollout is
 simulated (``scale_sim`` on the model's GPU profile, the stored trees copied to M roots and
 their turns scaled to ``turn_tokens`` generated tokens); the update is FLOPs at an assumed
 utilisation. Around them:

@@ -1,7 +1,7 @@
 """``trace-rl bench predictor``: how well does the shared predictor forecast held-out outcomes?
 
 Stored rollout trees (Parquet) are split by prompt id into train and held-out prompts (seeded),
-each featurizer's ``ValuePredictor`` is fitted on the train trees, and ``evaluate_predictor``
+each featurizer's ``SharedPredictor`` is fitted on the train trees, and ``evaluate_predictor``
 scores it on the held-out roots and the held-out prefixes no training row shares a token history
 with: Brier score and AUC over (node, descendant leaf) pairs, next to the best constant. The
 numpy logistic ``HashedFeaturePredictor`` that the other benchmarks use is scored alongside.
@@ -28,8 +28,8 @@ from transformers import PreTrainedTokenizerBase
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.format import TurnFormat
-from trace_core.policy.value import FEATURIZERS, ValueConfig, ValuePredictor
-from trace_core.policy.value_scores import ValueReport, evaluate_predictor
+from trace_core.policy.predictor import FEATURIZERS, PredictorConfig, SharedPredictor
+from trace_core.policy.predictor_scores import PredictorReport, evaluate_predictor
 from trace_core.rollout.predictor import HashedFeaturePredictor
 from trace_core.store.schema import read_trees
 
@@ -41,7 +41,7 @@ REFERENCE = "numpy-logistic"
 class PredictorBenchConfig:
     trees: tuple[Path, ...]
     """Parquet files of rollout trees (see ``tree_paths``)."""
-    value: ValueConfig
+    predictor: PredictorConfig
     """Predictor settings; ``featurizer`` is overridden by each entry of ``featurizers``."""
     featurizers: tuple[str, ...] = ("hashed",)
     heldout: float = 0.25
@@ -67,7 +67,7 @@ class PredictorBenchConfig:
 
 @dataclass(frozen=True)
 class PredictorRun:
-    report: ValueReport
+    report: PredictorReport
     fit_seconds: float
     """Featurizing and fitting the train rows."""
     train_loss: float
@@ -88,7 +88,7 @@ class PredictorBenchResult:
         return {
             "config": {
                 "trees": [str(p) for p in c.trees],
-                "value": asdict(c.value),
+                "predictor": asdict(c.predictor),
                 "featurizers": list(c.featurizers),
                 "heldout": c.heldout,
                 "seed": c.seed,
@@ -126,11 +126,11 @@ def load_policy_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
     return load_tokenizer(checkpoint, "--checkpoint")
 
 
-def value_config(
+def predictor_config(
     tokenizer: PreTrainedTokenizerBase, featurizer: str, hidden: int, epochs: int
-) -> ValueConfig:
+) -> PredictorConfig:
     """Predictor defaults for a policy: its tokenizer's action-end token marks turns."""
-    return ValueConfig(
+    return PredictorConfig(
         turn_token=TurnFormat(tokenizer).end_of_turn_id,
         featurizer=featurizer,
         hidden=hidden,
@@ -171,8 +171,8 @@ def run_predictor_bench(
     for name in config.featurizers:
         progress(name)
         start = time.perf_counter()
-        predictor = ValuePredictor(
-            replace(config.value, featurizer=name),
+        predictor = SharedPredictor(
+            replace(config.predictor, featurizer=name),
             generator=torch.Generator().manual_seed(config.seed),
             tokenizer=tokenizer,
         )
@@ -184,7 +184,7 @@ def run_predictor_bench(
     if config.reference:
         progress(REFERENCE)
         start = time.perf_counter()
-        reference = HashedFeaturePredictor(turn_token=config.value.turn_token)
+        reference = HashedFeaturePredictor(turn_token=config.predictor.turn_token)
         reference.observe(train)
         reference.fit()
         seconds = time.perf_counter() - start

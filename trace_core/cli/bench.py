@@ -401,15 +401,15 @@ def bench_predictor(
     from trace_core.bench.predictor import (
         PredictorBenchConfig,
         load_policy_tokenizer,
+        predictor_config,
         run_predictor_bench,
         tree_paths,
-        value_config,
     )
 
     names = ("hashed", "embedding") if featurizer == "both" else (featurizer,)
     tokenizer = load_policy_tokenizer(checkpoint)
-    value = value_config(tokenizer, names[0], hidden, epochs)
-    config = PredictorBenchConfig(tree_paths(trees), value, names, heldout, seed)
+    settings = predictor_config(tokenizer, names[0], hidden, epochs)
+    config = PredictorBenchConfig(tree_paths(trees), settings, names, heldout, seed)
     with console.status("fitting") as status:
         result = run_predictor_bench(
             config, tokenizer, progress=lambda name: status.update(f"fitting {name}")

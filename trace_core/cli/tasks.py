@@ -257,6 +257,7 @@ def rollout_command(
     from trace_core.policy.checkpoint import check_checkpoint
     from trace_core.policy.engine import SamplingParams
     from trace_core.policy.format import TurnStyle
+    from trace_core.policy.predictor import saved_config
     from trace_core.rollout.grow import GrowConfig
     from trace_core.rollout.phase import run_rollout
     from trace_core.store.schema import write_trees
@@ -266,9 +267,10 @@ def rollout_command(
     if prompts < 1:
         raise fail(f"--prompts must be >= 1 (candidate prompts in the pool), got {prompts}")
     check_checkpoint(checkpoint, "--checkpoint")
-    if predictor_dir and not (predictor_dir / "value.json").is_file():
+    if predictor_dir and saved_config(predictor_dir) is None:
         raise fail(
-            f"--predictor {predictor_dir}: no value.json; pass a `trace-rl predictor fit` folder"
+            f"--predictor {predictor_dir}: no predictor.json; pass a `trace-rl predictor fit` "
+            "folder"
         )
     file_tasks = None
     if prompt_file:

@@ -297,24 +297,24 @@ def predictor_fit(
     epochs: Annotated[int, typer.Option(help="Passes over the training rows.")] = 10,
     seed: Annotated[int, typer.Option(help="Seed of the weights and batches.")] = 0,
 ) -> None:
-    """Fit the predictor on stored trees and save it (value.safetensors + value.json)."""
+    """Fit the predictor on stored trees and save it (predictor.safetensors + predictor.json)."""
     import torch
 
     from trace_core.bench.predictor import (
         load_policy_tokenizer,
         load_trees,
+        predictor_config,
         tree_paths,
-        value_config,
     )
-    from trace_core.policy.value import ValuePredictor
+    from trace_core.policy.predictor import SharedPredictor
 
     tokenizer = load_policy_tokenizer(checkpoint)
     paths = tree_paths(trees)
     if resume:
-        predictor = ValuePredictor.load(resume, tokenizer=tokenizer)
+        predictor = SharedPredictor.load(resume, tokenizer=tokenizer)
     else:
-        predictor = ValuePredictor(
-            value_config(tokenizer, featurizer, hidden, epochs),
+        predictor = SharedPredictor(
+            predictor_config(tokenizer, featurizer, hidden, epochs),
             generator=torch.Generator().manual_seed(seed),
             tokenizer=tokenizer,
         )

@@ -62,7 +62,7 @@ def run_rollout(
 ) -> RolloutResult:
     """Grow one tree per rolled-out prompt of ``pool`` with the policy at ``checkpoint``.
 
-    ``predictor``: a predictor, a saved ``ValuePredictor`` folder, or None for a constant 0.5.
+    ``predictor``: a predictor, a saved ``SharedPredictor`` folder, or None for a constant 0.5.
     ``model``/``tokenizer``: the same policy already in memory (the loop's), so an in-process
     engine need not read it back. ``address``: the Ray head of an engine pool.
     ``progress`` is called with the rollout units spent so far; ``style``: the system prompt
@@ -96,11 +96,11 @@ def run_rollout(
 def load_predictor(
     predictor: Predictor | Path | None, tokenizer: PreTrainedTokenizerBase
 ) -> Predictor:
-    """A saved ``ValuePredictor`` folder loaded with the policy's tokenizer; None: 0.5."""
+    """A saved ``SharedPredictor`` folder loaded with the policy's tokenizer; None: 0.5."""
     if predictor is None:
         return ConstantPredictor()
     if isinstance(predictor, Path):
-        from trace_core.policy.value import ValuePredictor
+        from trace_core.policy.predictor import SharedPredictor
 
-        return ValuePredictor.load(predictor, tokenizer)
+        return SharedPredictor.load(predictor, tokenizer)
     return predictor

@@ -5,7 +5,7 @@
 Iteration i's roots and prefixes were allocated with the predictor as iteration i − 1 left
 it, and that predictor had not trained on iteration i's trees: they are held out from it. For
 each stored iteration i ≥ 2 this loads iteration i − 1's predictor and scores it on iteration
-i's trees (``ValuePredictor.unseen_forecasts``: rows its replay holds are left out): Brier
+i's trees (``SharedPredictor.unseen_forecasts``: rows its replay holds are left out): Brier
 skill against the best constant, AUC, and the points of a reliability diagram — per bin of
 forecast V, the observed share of successful leaves. The same figures the loop logs as
 ``root_skill`` and ``prefix_skill``, recomputed from what the run stored, with the diagram.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trace_core.algo.prefix import training_rows
 from trace_core.policy.checkpoint import load_tokenizer
-from trace_core.policy.value import ValuePredictor
+from trace_core.policy.predictor import SharedPredictor
 from trace_core.store.schema import read_trees
 from trace_core.train.run_folder import iteration_dir, stored_iterations
 
@@ -50,7 +50,7 @@ def score_run(run: Path, bins: int = 10) -> list[Scored]:
         before, now = iteration_dir(run, i - 1), iteration_dir(run, i)
         if not (before / "predictor").is_dir() or not (now / "trees.parquet").is_file():
             continue
-        predictor = ValuePredictor.load(before / "predictor", load_tokenizer(before / "policy"))
+        predictor = SharedPredictor.load(before / "predictor", load_tokenizer(before / "policy"))
         rows = training_rows(read_trees(now / "trees.parquet"))
         for kind, forecast in predictor.unseen_forecasts(rows).items():
             out.append(

@@ -13,7 +13,7 @@ Folders (the KFP artifacts; local paths or s3:// prefixes):
     policy/     HF checkpoint (+ log.jsonl when resuming): where the run's session starts
     optimizer/  optimizer.json (the iteration its state is after) + optimizer.safetensors
                 (AdamW's moments) and master.safetensors when resuming
-    predictor/  a saved ``ValuePredictor`` (before the first fit: the run's fresh one)
+    predictor/  a saved ``SharedPredictor`` (before the first fit: the run's fresh one)
     state/      the run's state between the session's steps (``train.steps.session``):
                 state.json, log.jsonl, predictor/, tokenizer/ (open-session's: eval.json too)
     trees/      trees.parquet, draws.json (the iteration's random draws, ``train.draws``)

@@ -29,8 +29,8 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Env, Task, TaskSuite
 from trace_core.policy.engine import SamplingParams
 from trace_core.policy.format import TurnFormat, TurnStyle
+from trace_core.policy.predictor import FitReport, PredictorConfig, SharedPredictor
 from trace_core.policy.update import UpdateStats, update_policy
-from trace_core.policy.value import FitReport, ValueConfig, ValuePredictor
 from trace_core.rollout.engines import EngineSession, open_engine
 from trace_core.rollout.grow import GrowConfig
 from trace_core.rollout.phase import RolloutResult, run_rollout
@@ -74,10 +74,12 @@ def turn_style(config: TrainConfig, suite: TaskSuite) -> TurnStyle:
     return TurnStyle(suite.instructions, config.thinking)
 
 
-def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ValuePredictor:
+def new_predictor(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> SharedPredictor:
     """The run's success predictor before its first fit."""
-    return ValuePredictor(
-        ValueConfig(turn_token=TurnFormat(tokenizer).end_of_turn_id, featurizer=config.predictor),
+    return SharedPredictor(
+        PredictorConfig(
+            turn_token=TurnFormat(tokenizer).end_of_turn_id, featurizer=config.predictor
+        ),
         generator=torch.Generator().manual_seed(config.seed),
         tokenizer=tokenizer,
     )
@@ -87,7 +89,7 @@ def roll_out(
     checkpoint: str | Path,
     tasks: Sequence[Task],
     suite: TaskSuite,
-    predictor: ValuePredictor,
+    predictor: SharedPredictor,
     config: TrainConfig,
     iteration: int,
     draws: IterationDraws,
@@ -121,7 +123,7 @@ def roll_out(
 
 
 def fit_predictor(
-    predictor: ValuePredictor, trees: Sequence[RolloutTree], draws: IterationDraws
+    predictor: SharedPredictor, trees: Sequence[RolloutTree], draws: IterationDraws
 ) -> FitReport:
     return predictor.fit(trees, torch.Generator().manual_seed(draws.fit_seed))
 
@@ -190,7 +192,7 @@ def eval_tasks(suite: TaskSuite, config: TrainConfig) -> list[Task]:
 
 
 def held_out_root_skill(
-    predictor: ValuePredictor, fmt: TurnFormat, tasks: Sequence[Task], report: EvalReport
+    predictor: SharedPredictor, fmt: TurnFormat, tasks: Sequence[Task], report: EvalReport
 ) -> float:
     """The predictor's Brier skill at ranking the held-out prompts ``tasks`` (which no tree
     holds) against their sampled outcomes in ``report`` (k per task): 1 − its Brier score over

@@ -51,8 +51,8 @@ from trace_core.policy.model import (
     load_for_training,
     load_master,
 )
+from trace_core.policy.predictor import SharedPredictor
 from trace_core.policy.update import load_optimizer, make_optimizer
-from trace_core.policy.value import ValuePredictor
 from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
@@ -169,7 +169,7 @@ def _train(
     predictor = iteration.new_predictor(config, tokenizer)
     if done:
         load_optimizer(optimizer, iteration_dir(out, done) / "optimizer.safetensors")
-        predictor = ValuePredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
+        predictor = SharedPredictor.load(iteration_dir(out, done) / PREDICTOR, tokenizer)
     start = StartState(
         str(policy_dir),
         optimizer=str(iteration_dir(out, done) / "optimizer.safetensors") if done else None,
@@ -269,7 +269,7 @@ def _write_iteration(
     out: Path,
     i: int,
     save: Save | None,
-    predictor: ValuePredictor,
+    predictor: SharedPredictor,
     trees: Sequence[RolloutTree],
     metrics: BatchMetrics,
 ) -> None:

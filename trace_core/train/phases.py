@@ -30,9 +30,9 @@ from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Task, TaskSuite
 from trace_core.policy.format import TurnFormat
+from trace_core.policy.predictor import SharedPredictor
 from trace_core.policy.tokenizer import padding_id
 from trace_core.policy.update import UpdateStats
-from trace_core.policy.value import ValuePredictor
 from trace_core.policy.weight_sync import SYNCED
 from trace_core.rollout.engines import EngineSession
 from trace_core.train import iteration
@@ -63,7 +63,7 @@ class Run:
     serving: torch.dtype
     optimizer: torch.optim.Optimizer
     reference: PreTrainedModel | None
-    predictor: ValuePredictor
+    predictor: SharedPredictor
     weights: Weights
     session: EngineSession
     serving_now: str

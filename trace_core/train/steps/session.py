@@ -150,7 +150,7 @@ def open_session_step(
     for a new run, evaluate the starting policy: iteration 0's record, as ``trace-rl train``
     writes it."""
     from trace_core.policy.checkpoint import load_tokenizer
-    from trace_core.policy.value import ValuePredictor
+    from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.sync import download_folder
     from trace_core.store.uri import is_remote
     from trace_core.train.base_model import not_weights
@@ -180,7 +180,7 @@ def open_session_step(
         if is_remote(start.predictor):
             predictor_dir = Path(scratch, "predictor")
             download_folder(start.predictor, predictor_dir)
-        predictor = ValuePredictor.load(predictor_dir, tokenizer)
+        predictor = SharedPredictor.load(predictor_dir, tokenizer)
         records = [r for r in read_log(light) if r.iteration <= start.iteration]
         if [r.iteration for r in records] != list(range(len(records))) or (
             records and records[-1].iteration != start.iteration
@@ -220,7 +220,7 @@ def iterate_step(
     object storage besides checkpoints, and ``checkpoint_bytes``, the files of the checkpoints
     this step committed (its own, and one written in the background since the step before)."""
     from trace_core.policy.checkpoint import load_tokenizer
-    from trace_core.policy.value import ValuePredictor
+    from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.schema import write_trees
     from trace_core.train.draws import draw_iteration
     from trace_core.train.phases import iteration_line, run_iteration
@@ -234,7 +234,7 @@ def iterate_step(
             f"{iteration} needs the one after {iteration - 1}"
         )
     tokenizer = load_tokenizer(state_dir / "tokenizer")
-    predictor = ValuePredictor.load(state_dir / "predictor", tokenizer)
+    predictor = SharedPredictor.load(state_dir / "predictor", tokenizer)
     registry = _registry(config)
     reserved: dict[int, str] = {}
     written: dict[str, tuple[int, str]] = {}

@@ -1,8 +1,5 @@
-"""The parity task the loop and step tests train on, and their tiny policy's size.
-
-Registered by tests/conftest.py as the module ``trace_train_parity`` (the tests are not a
-package).
-"""
+"""The parity task the loop and step tests train on, their tiny policy's size and loop
+config, and the comparisons of two runs' logs and trees."""
 
 from __future__ import annotations
 

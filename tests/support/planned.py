@@ -1,5 +1,5 @@
 """Shared by the engine-pool tests (``tests/rollout``, ``tests/vllm``): the trees a rollout gave
-are exactly the ones it planned. Registered by tests/conftest.py as ``trace_test_rollouts``."""
+are exactly the ones it planned."""
 
 from __future__ import annotations
 

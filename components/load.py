@@ -7,7 +7,7 @@ from components.images import image
 
 
 @dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
-def load_policy(
+def load(
     config_json: str,
     policy: Output[Model],
     predictor: Output[Model],

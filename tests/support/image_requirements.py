@@ -2,7 +2,7 @@
 metadata on PyPI (``Requires-Dist``), for the image's platform and Python, without a container
 engine or an install.
 
-    python tests/images/image_requirements.py gpu      # or cpu; exit 1 and one line per failure
+    python tests/support/image_requirements.py gpu      # or cpu; exit 1 and one line per failure
 
 Roots: the project's dependencies from pyproject.toml with the extras the image installs (the
 GPU image: ``vllm``, at its pinned release). Every requirement reached from them, transitively,

@@ -1,5 +1,5 @@
 """Headless Chromium for the tests that look at the HTML the project writes (the tree view, the
-run's report). Registered by tests/conftest.py as ``trace_test_browser``.
+run's report).
 
 Chromium is Debian's ``chromium`` package; ``make test`` installs it (``make browser``)."""
 

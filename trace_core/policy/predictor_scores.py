@@ -83,7 +83,7 @@ class ForecastScores:
 
 
 @dataclass(frozen=True)
-class ValueReport:
+class PredictorReport:
     """Held-out scores of a predictor on roots and on prefixes it never trained on."""
 
     roots: ForecastScores
@@ -134,7 +134,7 @@ def evaluate_predictor(
     predictor: Predictor,
     train_trees: Sequence[RolloutTree],
     heldout_trees: Sequence[RolloutTree],
-) -> ValueReport:
+) -> PredictorReport:
     """Score ``predictor`` on the held-out trees' roots and never-seen prefixes.
 
     Labels: every evaluated node y is paired with each leaf below it, the pair's label being
@@ -154,7 +154,7 @@ def evaluate_predictor(
     seen = {tuple(p) for p in train.prefixes}
     unseen = np.asarray([tuple(p) not in seen for p in held.prefixes], dtype=bool)
     root, deeper = held.depth == 0, held.depth > 0
-    return ValueReport(
+    return PredictorReport(
         roots=_scores(
             predictor.predict_roots,
             held.select(unseen & root),

@@ -1,6 +1,6 @@
 """Build every kustomize overlay of manifests/ offline, as the tests and `make scan` see it.
 
-    python tests/manifests/render.py build/manifests   # OVERLAY.yaml + OVERLAY-pods.yaml each
+    python tests/support/render.py build/manifests   # OVERLAY.yaml + OVERLAY-pods.yaml each
 
 The manifests are copied to a scratch folder whose Secret env files are made from the tracked
 examples (every value empty), so a build never reads a real credential and a fresh clone builds.
@@ -201,6 +201,6 @@ def write_all(out: Path) -> list[Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/manifests/render.py OUTDIR")
+        sys.exit("usage: python tests/support/render.py OUTDIR")
     for path in write_all(Path(sys.argv[1])):
         print(path)

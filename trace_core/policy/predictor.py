@@ -1,7 +1,7 @@
 """The shared success predictor Ṽ_ψ(H_t): one small torch model scoring prompts and prefixes alike.
 
 TRACE asks one predictor for V at the roots (stage 1, which prompts get how many rollouts) and
-at the visited prefixes (stage 2, where to branch). ``ValuePredictor`` is that predictor: a
+at the visited prefixes (stage 2, where to branch). ``SharedPredictor`` is that predictor: a
 *frozen featurizer* turns a token-id prefix into a vector, and a small MLP head with a sigmoid
 output maps it to V ∈ (0, 1). It is refitted after every iteration on the recursive targets
 V̂(y) of the new trees (``trace_core.algo.prefix.training_rows``), plus a bounded replay of the
@@ -23,13 +23,13 @@ grpo,trace --seeds 1 --iterations 4``, seed 0) the Brier skill on
 each iteration's new prompts was 0.174 (grpo's uniform draws) and −0.005 (trace's) through the
 shared MLP, 0.570 and 0.119 through the root head; docs/results.md has five seeds.
 
-    predictor = ValuePredictor(ValueConfig(turn_token=fmt.end_of_turn_id), generator=g)
+    predictor = SharedPredictor(PredictorConfig(turn_token=fmt.end_of_turn_id), generator=g)
     predictor.fit(trees, g)                  # after every iteration; earlier rows are replayed
     v = predictor.predict(prefixes)          # (N,) float64, the rollout ``Predictor`` protocol
     v0 = predictor.predict_roots(prompts)    # stage 1's V, from the prompts' own head
-    predictor.save("ckpt/value")             # value.safetensors + value.json, root.safetensors,
-                                             # replay.safetensors
-    predictor = ValuePredictor.load("ckpt/value", tokenizer=tokenizer)
+    predictor.save("ckpt/predictor")         # predictor.safetensors + predictor.json,
+                                             # root.safetensors, replay.safetensors
+    predictor = SharedPredictor.load("ckpt/predictor", tokenizer=tokenizer)
 
 Departures from the paper:
 1. Its L_value averages the squared error uniformly over the training nodes S; by default we
@@ -73,7 +73,7 @@ from trace_core.policy.featurizer import (
     Featurizer,
     HashedNgramFeaturizer,
 )
-from trace_core.policy.value_scores import (
+from trace_core.policy.predictor_scores import (
     Forecast,
     weighted_mean,
 )
@@ -83,16 +83,18 @@ FloatArray = npt.NDArray[np.float64]
 FEATURIZERS = ("hashed", "embedding")
 WEIGHTINGS = ("leaves", "uniform")
 FORMAT_VERSION = 1
-WEIGHTS_FILE = "value.safetensors"
-CONFIG_FILE = "value.json"
+WEIGHTS_FILE = "predictor.safetensors"
+CONFIG_FILE = "predictor.json"
+EARLIER = {WEIGHTS_FILE: "value.safetensors", CONFIG_FILE: "value.json"}
+"""Those two files' names in predictors saved before they were renamed: still read."""
 REPLAY_FILE = "replay.safetensors"
 ROOT_FILE = "root.safetensors"
 
 
 # --- configuration -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ValueConfig:
-    """The predictor's featurizer, head and training; saved as ``value.json``."""
+class PredictorConfig:
+    """The predictor's featurizer, head and training; saved as ``predictor.json``."""
 
     turn_token: int
     """Id that ends every action (``TurnFormat.end_of_turn_id``): its count measures depth."""
@@ -163,7 +165,7 @@ class ValueConfig:
 
 
 def make_featurizer(
-    config: ValueConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    config: PredictorConfig, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> Featurizer:
     """The one place a featurizer is picked from its name."""
     match config.featurizer:
@@ -281,12 +283,12 @@ def _weighted_mse(
     return (weight * (pred - target) ** 2).sum() / weight.sum()
 
 
-class ValuePredictor:
+class SharedPredictor:
     """Ṽ_ψ(prefix) = σ(MLP(φ(prefix))); the rollout layer's ``Predictor`` protocol."""
 
     def __init__(
         self,
-        config: ValueConfig,
+        config: PredictorConfig,
         *,
         generator: torch.Generator,
         tokenizer: PreTrainedTokenizerBase | None = None,
@@ -452,8 +454,8 @@ class ValuePredictor:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        """``value.safetensors`` (head), ``value.json`` (config), ``root.safetensors`` (the root
-        head, once fitted), ``replay.safetensors`` (rows)."""
+        """``predictor.safetensors`` (head), ``predictor.json`` (config), ``root.safetensors``
+        (the root head, once fitted), ``replay.safetensors`` (rows)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         save_file(
@@ -494,12 +496,12 @@ class ValuePredictor:
     @classmethod
     def load(
         cls, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
-    ) -> ValuePredictor:
+    ) -> SharedPredictor:
         """A saved predictor; ``tokenizer`` (the policy's) is needed by the embedding featurizer."""
         src = Path(directory)
-        if not (src / CONFIG_FILE).exists():
-            raise FileNotFoundError(f"no {CONFIG_FILE} in {src}: not a saved ValuePredictor")
-        check_safetensors(src / WEIGHTS_FILE)
+        if saved_config(src) is None:
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {src}: not a saved predictor")
+        check_safetensors(_file(src, WEIGHTS_FILE))
         for optional in (ROOT_FILE, REPLAY_FILE):
             if (src / optional).exists():
                 check_safetensors(src / optional)
@@ -512,15 +514,15 @@ class ValuePredictor:
             ) from None
 
     @classmethod
-    def _load(cls, src: Path, tokenizer: PreTrainedTokenizerBase | None) -> ValuePredictor:
-        meta = json.loads((src / CONFIG_FILE).read_text())
+    def _load(cls, src: Path, tokenizer: PreTrainedTokenizerBase | None) -> SharedPredictor:
+        meta = json.loads(_file(src, CONFIG_FILE).read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
-                f"{src / CONFIG_FILE}: format_version {meta.get('format_version')!r}, "
+                f"{_file(src, CONFIG_FILE)}: format_version {meta.get('format_version')!r}, "
                 f"this code reads {FORMAT_VERSION}"
             )
         predictor = cls(
-            ValueConfig(**meta["config"]),
+            PredictorConfig(**meta["config"]),
             generator=torch.Generator().manual_seed(0),  # overwritten by the saved weights
             tokenizer=tokenizer,
         )
@@ -529,7 +531,7 @@ class ValuePredictor:
                 f"{src}: saved feature dim {meta['featurizer']['dim']}, the featurizer now "
                 f"gives {predictor.featurizer.dim}"
             )
-        predictor.head.load_state_dict(load_file(src / WEIGHTS_FILE), strict=True)
+        predictor.head.load_state_dict(load_file(_file(src, WEIGHTS_FILE)), strict=True)
         predictor.head.eval()
         if predictor.config.root_head and (src / ROOT_FILE).exists():
             predictor.root = nn.Linear(predictor.featurizer.dim, 1)
@@ -546,3 +548,15 @@ class ValuePredictor:
             if len(rows):
                 predictor._replay = [_Replay(rows, predictor.featurizer.features(rows.prefixes))]
         return predictor
+
+
+def saved_config(folder: Path) -> Path | None:
+    """``folder``'s predictor config file (by its name now or its earlier one), if any."""
+    path = _file(folder, CONFIG_FILE)
+    return path if path.is_file() else None
+
+
+def _file(folder: Path, name: str) -> Path:
+    """``folder / name``, or the file's earlier name (``EARLIER``) where only that exists."""
+    now, before = folder / name, folder / EARLIER.get(name, name)
+    return before if not now.exists() and before.exists() else now

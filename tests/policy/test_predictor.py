@@ -21,16 +21,17 @@ from trace_core.algo.shape import PRIOR_WORTH
 from trace_core.algo.tree import RolloutTree, TreeBuilder, TreeInfo
 from trace_core.policy.featurizer import EXTRA_FEATURES, EmbeddingFeaturizer, HashedNgramFeaturizer
 from trace_core.policy.format import TurnFormat
-from trace_core.policy.tokenizer import build_word_tokenizer
-from trace_core.policy.value import (
+from trace_core.policy.predictor import (
     CONFIG_FILE,
+    EARLIER,
     REPLAY_FILE,
     ROOT_FILE,
     WEIGHTS_FILE,
-    ValueConfig,
-    ValuePredictor,
+    PredictorConfig,
+    SharedPredictor,
 )
-from trace_core.policy.value_scores import evaluate_predictor
+from trace_core.policy.predictor_scores import evaluate_predictor
+from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.rollout.predictor import ConstantPredictor
 
 TURN = 3  # the turn-end token, as <|im_end|> in the tiny word tokenizer
@@ -85,7 +86,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(saved)
 
 
-SMALL = ValueConfig(turn_token=TURN, buckets=128, hidden=16, epochs=15, batch_size=128)
+SMALL = PredictorConfig(turn_token=TURN, buckets=128, hidden=16, epochs=15, batch_size=128)
 
 
 def generator(seed: int) -> torch.Generator:
@@ -127,19 +128,19 @@ PINNED_BUCKETS = [387, 480, 666]  # unigrams 11, 12 and the bigram (11, 12)
 # --- fitting -------------------------------------------------------------------------------------
 def test_unfitted_predictor_answers_one_half(tmp_path: Path) -> None:
     state = torch.random.get_rng_state()
-    predictor = ValuePredictor(SMALL, generator=generator(0))
+    predictor = SharedPredictor(SMALL, generator=generator(0))
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is left alone
     assert np.array_equal(predictor.predict([[1, 2], [TURN]]), [0.5, 0.5])
     assert predictor.predict([]).shape == (0,)
     predictor.save(tmp_path)  # nothing to replay yet
-    loaded = ValuePredictor.load(tmp_path)
+    loaded = SharedPredictor.load(tmp_path)
     assert loaded.fits == 0 and loaded.replay_rows == 0
     assert np.array_equal(loaded.predict([[1, 2]]), [0.5])
 
 
 def test_fit_learns_the_signal_and_beats_the_constant_on_unseen_prefixes() -> None:
     train, held = synthetic_trees(300, 0, "train"), synthetic_trees(100, 1, "held")
-    predictor = ValuePredictor(SMALL, generator=generator(0))
+    predictor = SharedPredictor(SMALL, generator=generator(0))
     fit = predictor.fit(train, generator(1))
     assert fit.rows == len(training_rows(train)) and fit.replayed_rows == 0
     assert fit.loss_after < 0.8 * fit.loss_before
@@ -160,7 +161,7 @@ def test_each_fit_first_scores_the_predictor_on_the_rows_it_has_not_seen() -> No
     token) and the prefix signal (the observations) forecast new trees better than the
     constant, and by exactly the Brier score ``evaluate_predictor`` gives."""
     first, second = synthetic_trees(300, 0, "first"), synthetic_trees(100, 1, "second")
-    predictor = ValuePredictor(SMALL, generator=generator(0))
+    predictor = SharedPredictor(SMALL, generator=generator(0))
     fit = predictor.fit(first, generator(1))
     assert math.isnan(fit.root_skill) and math.isnan(fit.prefix_skill)
     report = evaluate_predictor(predictor, first, second)
@@ -182,8 +183,8 @@ def test_prompts_get_a_head_of_their_own(seed: int) -> None:
     train, held = synthetic_trees(40, seed, "train"), synthetic_trees(100, 9, "held")
     skill = {}
     for root_head in (True, False):
-        predictor = ValuePredictor(
-            ValueConfig(turn_token=TURN, root_head=root_head), generator=generator(0)
+        predictor = SharedPredictor(
+            PredictorConfig(turn_token=TURN, root_head=root_head), generator=generator(0)
         )
         predictor.fit(train, generator(1))
         skill[root_head] = evaluate_predictor(predictor, train, held).roots.brier_skill
@@ -195,7 +196,7 @@ def test_prompts_get_a_head_of_their_own(seed: int) -> None:
 
 def test_fit_is_deterministic_given_generators() -> None:
     trees = synthetic_trees(40, 2, "t")
-    a, b = (ValuePredictor(SMALL, generator=generator(0)) for _ in range(2))
+    a, b = (SharedPredictor(SMALL, generator=generator(0)) for _ in range(2))
     a.fit(trees, generator(5))
     b.fit(trees, generator(5))
     prefixes = training_rows(trees).prefixes
@@ -206,8 +207,8 @@ def test_replay_keeps_the_newest_rows_up_to_its_bound() -> None:
     first, second = synthetic_trees(20, 3, "a"), synthetic_trees(20, 4, "b")
     rows_first, rows_second = len(training_rows(first)), len(training_rows(second))
     bound = rows_second + 10
-    predictor = ValuePredictor(
-        ValueConfig(turn_token=TURN, buckets=32, hidden=0, epochs=1, replay_rows=bound),
+    predictor = SharedPredictor(
+        PredictorConfig(turn_token=TURN, buckets=32, hidden=0, epochs=1, replay_rows=bound),
         generator=generator(0),
     )
     assert predictor.fit(first, generator(1)).replayed_rows == 0
@@ -224,9 +225,9 @@ def test_uniform_weighting_ignores_leaf_counts() -> None:
     rows = TrainingRows([[1], [1]], np.array([1.0, 0.0]), np.array([9.0, 1.0]), np.zeros(2, int))
     fitted = {}
     for weighting in ("leaves", "uniform"):
-        config = ValueConfig(turn_token=TURN, buckets=8, hidden=0, epochs=300, lr=0.05,
+        config = PredictorConfig(turn_token=TURN, buckets=8, hidden=0, epochs=300, lr=0.05,
                              weight_decay=0.0, weighting=weighting)  # fmt: skip
-        predictor = ValuePredictor(config, generator=generator(0))
+        predictor = SharedPredictor(config, generator=generator(0))
         predictor.fit(rows, generator(0))
         fitted[weighting] = float(predictor.predict([[1]])[0])
     # The weighted MSE is minimised by the weighted mean: 0.9 with leaf weights, 0.5 without.
@@ -237,20 +238,20 @@ def test_uniform_weighting_ignores_leaf_counts() -> None:
 # --- checkpoints ---------------------------------------------------------------------------------
 def test_save_load_round_trip(tmp_path: Path) -> None:
     trees = synthetic_trees(30, 5, "t")
-    predictor = ValuePredictor(SMALL, generator=generator(0))
+    predictor = SharedPredictor(SMALL, generator=generator(0))
     predictor.fit(trees, generator(1))
-    predictor.save(tmp_path / "value")
-    assert {p.name for p in (tmp_path / "value").iterdir()} == {
+    predictor.save(tmp_path / "predictor")
+    assert {p.name for p in (tmp_path / "predictor").iterdir()} == {
         WEIGHTS_FILE,
         CONFIG_FILE,
         ROOT_FILE,
         REPLAY_FILE,
     }
-    meta = json.loads((tmp_path / "value" / CONFIG_FILE).read_text())
+    meta = json.loads((tmp_path / "predictor" / CONFIG_FILE).read_text())
     assert meta["config"]["featurizer"] == "hashed" and meta["config"]["buckets"] == 128
     assert meta["featurizer"] == {"kind": "hashed", "dim": predictor.featurizer.dim}
 
-    loaded = ValuePredictor.load(tmp_path / "value")
+    loaded = SharedPredictor.load(tmp_path / "predictor")
     held = training_rows(synthetic_trees(10, 6, "h")).prefixes
     assert np.array_equal(loaded.predict(held), predictor.predict(held))
     assert np.array_equal(loaded.predict_roots(held), predictor.predict_roots(held))
@@ -263,6 +264,17 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert np.allclose(loaded.predict(held), predictor.predict(held), atol=1e-6)
 
 
+def test_a_predictor_saved_under_the_earlier_file_names_still_loads(tmp_path: Path) -> None:
+    """Runs stored before the rename hold ``value.safetensors`` and ``value.json``."""
+    predictor = SharedPredictor(SMALL, generator=generator(0))
+    predictor.fit(synthetic_trees(12, 5, "t"), generator(1))
+    predictor.save(tmp_path)
+    for name, before in EARLIER.items():
+        (tmp_path / name).rename(tmp_path / before)
+    held = training_rows(synthetic_trees(6, 6, "h")).prefixes
+    assert np.array_equal(SharedPredictor.load(tmp_path).predict(held), predictor.predict(held))
+
+
 def test_fit_measures_the_continuation_worth_and_keeps_it(tmp_path: Path) -> None:
     """ω (algo.shape) from the fitted trees, averaged with what came before, saved and loaded:
     the next rollout step's trace-auto reads it from the predictor folder."""
@@ -272,24 +284,24 @@ def test_fit_measures_the_continuation_worth_and_keeps_it(tmp_path: Path) -> Non
     builder.set_reward(builder.add_turn(first, [FILLER[0], TURN]), 1.0)
     for _ in range(2):  # both continuations flip the won rollout: 2 flips where 1 was expected
         builder.set_reward(builder.add_turn(first, [FILLER[0], TURN], branch=True), 0.0)
-    predictor = ValuePredictor(SMALL, generator=generator(0))
+    predictor = SharedPredictor(SMALL, generator=generator(0))
     assert predictor.continuation_worth == PRIOR_WORTH
     report = predictor.fit([builder.build()], generator(1))
     assert report.continuation_worth == predictor.continuation_worth == 0.5 * (PRIOR_WORTH + 2.0)
-    predictor.save(tmp_path / "value")
-    assert ValuePredictor.load(tmp_path / "value").continuation_worth == 1.25
+    predictor.save(tmp_path / "predictor")
+    assert SharedPredictor.load(tmp_path / "predictor").continuation_worth == 1.25
     predictor.fit(synthetic_trees(4, 0, "s"), generator(2))  # no scored root: unchanged
     assert predictor.continuation_worth == 1.25
 
 
 def test_load_rejects_what_it_cannot_read(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=CONFIG_FILE):
-        ValuePredictor.load(tmp_path)
-    ValuePredictor(SMALL, generator=generator(0)).save(tmp_path)
+        SharedPredictor.load(tmp_path)
+    SharedPredictor(SMALL, generator=generator(0)).save(tmp_path)
     meta = json.loads((tmp_path / CONFIG_FILE).read_text())
     (tmp_path / CONFIG_FILE).write_text(json.dumps({**meta, "format_version": 99}))
     with pytest.raises(ValueError, match="format_version"):
-        ValuePredictor.load(tmp_path)
+        SharedPredictor.load(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -313,12 +325,14 @@ def test_load_rejects_what_it_cannot_read(tmp_path: Path) -> None:
 )
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        ValueConfig(**{"turn_token": TURN, field: value})  # type: ignore[arg-type]
+        PredictorConfig(**{"turn_token": TURN, field: value})  # type: ignore[arg-type]
 
 
 def test_embedding_featurizer_needs_the_tokenizer() -> None:
     with pytest.raises(ValueError, match="tokenizer"):
-        ValuePredictor(ValueConfig(turn_token=TURN, featurizer="embedding"), generator=generator(0))
+        SharedPredictor(
+            PredictorConfig(turn_token=TURN, featurizer="embedding"), generator=generator(0)
+        )
 
 
 # --- scores --------------------------------------------------------------------------------------
@@ -379,8 +393,10 @@ def test_embedding_featurizer_and_its_predictor_round_trip(tmp_path: Path) -> No
     assert not torch.allclose(short[0, :384], short[1, :384], atol=1e-3)
 
     # The predictor on top: fit, save, load with the tokenizer, same answers.
-    config = ValueConfig(turn_token=fmt.end_of_turn_id, featurizer="embedding", hidden=8, epochs=2)
-    predictor = ValuePredictor(config, generator=generator(0), tokenizer=tokenizer)
+    config = PredictorConfig(
+        turn_token=fmt.end_of_turn_id, featurizer="embedding", hidden=8, epochs=2
+    )
+    predictor = SharedPredictor(config, generator=generator(0), tokenizer=tokenizer)
     rows = [cat, dog, turn]
     predictor.fit(
         TrainingRows(rows, np.array([1.0, 0.0, 0.5]), np.ones(3), np.array([0, 0, 1])),
@@ -389,5 +405,5 @@ def test_embedding_featurizer_and_its_predictor_round_trip(tmp_path: Path) -> No
     predictor.save(tmp_path)
     meta = json.loads((tmp_path / CONFIG_FILE).read_text())
     assert meta["featurizer"]["model"] == "sentence-transformers/all-MiniLM-L6-v2"
-    loaded = ValuePredictor.load(tmp_path, tokenizer=tokenizer)
+    loaded = SharedPredictor.load(tmp_path, tokenizer=tokenizer)
     assert np.allclose(loaded.predict(rows), predictor.predict(rows), atol=1e-6)
