@@ -75,7 +75,7 @@ def test_a_run_is_logged_to_mlflow_and_tensorboard_and_its_resume_continues_it(
     assert history(client, run_id, "update/loss") == loss
     # The plot, the log and the config as artifacts; the log is the run folder's.
     names = {a.path for a in client.list_artifacts(run_id)}
-    assert {"curves.png", "log.jsonl", "config.json"} <= names
+    assert {"curves.png", "summary.md", "log.jsonl", "config.json"} <= names
     log = client.download_artifacts(run_id, "log.jsonl", str(tmp_path))
     assert Path(log).read_text() == (out / "log.jsonl").read_text()
     # TensorBoard, beside the log, has the same figures.

@@ -84,7 +84,7 @@ def train_command(
             "interval holding 0 shows no change either way"
         )
     console.print(table)
-    console.print(f"wrote {output}/log.jsonl and {output}/curves.png")
+    console.print(f"wrote {output}/log.jsonl, {output}/curves.png and {output}/summary.md")
 
 
 def _pretrained_defaults(config: TrainConfig, context: typer.Context) -> TrainConfig:

@@ -12,6 +12,7 @@ every tree seen so far, and takes a policy-gradient step on the new trees
       config.json                  the run's config (what a resumed run is checked against)
       log.jsonl                    one line per iteration: rollout metrics, update stats, eval
       curves.png                   held-out accuracy and effective ratio vs generated tokens
+      summary.md                   the run in Markdown, as the pipeline's report step writes it
       tensorboard/                 the log as TensorBoard event files (train.tracking)
       mlflow.json                  the run's MLflow run, with MLFLOW_TRACKING_URI set
       init/                        a remote --init (s3://), downloaded once
@@ -126,10 +127,11 @@ def train(
     with failing(tracked):
         records = _train(config, say, suite, out, done, records, local_init, tracked)
     plot_run(records, out / "curves.png")
+    write_summary(out, config, records)
     if tracked is not None:
         try:
             log_records(tracked, records)
-            log_files(tracked, [out / "curves.png", out / LOG, out / CONFIG])
+            log_files(tracked, [out / name for name in ("curves.png", SUMMARY, LOG, CONFIG)])
             finish(tracked)
         except TrackingError as err:  # the run folder is whole; running again logs the rest
             say(f"{err}; the run is done: run it again with the same --output to log the rest")
@@ -338,6 +340,31 @@ def _open_mlflow(
 
 
 # --- pieces ------------------------------------------------------------------------------
+SUMMARY = "summary.md"
+
+
+def write_summary(out: Path, config: TrainConfig, records: Sequence[IterationRecord]) -> None:
+    """``summary.md``: the run's settings, accuracy before and after, one line per iteration,
+    the commands that open its trees (``train.report``), once an iteration has trees."""
+    from trace_core.train.report import summary_markdown
+
+    evals = [r.eval for r in records if r.eval]
+    last = records[-1].iteration
+    if last == 0 or not evals:
+        return
+    trees = {r.iteration: iteration_dir(out, r.iteration) / "trees.parquet" for r in records[1:]}
+    text = summary_markdown(
+        title=f"TRACE run {out.name}",
+        settings={
+            "task": config.task, "strategy": config.strategy, "M (roots)": config.budget,
+            "N (continuations)": config.continuations, "iterations": last, "seed": config.seed,
+        },
+        records=records, start_eval=evals[0], final_eval=evals[-1], trees_path=trees[last],
+        tree_uris={i: str(path) for i, path in trees.items()},
+    )  # fmt: skip
+    write_atomic(out / SUMMARY, text)
+
+
 def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
     """Held-out accuracy and the prompt effective ratio against generated rollout tokens."""
     import matplotlib

@@ -34,8 +34,8 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 KIND = "trace.iteration"
 RUN_FILES = (
-    *(CONFIG, LOG, LATEST, "curves.png", TENSORBOARD, MLFLOW_FILE, "init", "warmstart"),
-    "iterations",
+    *(CONFIG, LOG, LATEST, "curves.png", "summary.md", TENSORBOARD, MLFLOW_FILE, "init"),
+    *("warmstart", "iterations"),
 )
 """What a run writes in its folder, and what ``--restart`` discards (nothing else is touched)."""
 
