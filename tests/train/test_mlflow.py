@@ -18,8 +18,11 @@ from mlflow.tracking import MlflowClient
 from support import parity
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from trace_core.train.contract import PipelineParameters
 from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord
+from trace_core.train.steps.session import STATE, RunState
+from trace_core.train.steps.tracked import log_tracking, marks_failed, open_tracking
 from trace_core.train.tracking import MLFLOW_FILE, TrackingError
 
 pytestmark = pytest.mark.cluster  # a server started by the test session
@@ -98,3 +101,22 @@ def test_a_server_that_cannot_be_reached_stops_the_run_before_it_trains(
     with pytest.raises(TrackingError, match=re.escape(uri) + ".*MLFLOW_TRACKING_URI"):
         run(init, out, iterations=1)
     assert not (out / "iterations").exists() and not (out / MLFLOW_FILE).exists()
+
+
+def test_a_failed_pipeline_step_marks_the_mlflow_run_failed_and_its_retry_running_again(
+    tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "steps")
+    config = PipelineParameters(mlflow_tracking_uri=mlflow_uri).config()
+    start = IterationRecord(0, "trace", 0, 0, {}, {}, {"k": 1, "pass1": {"all": 0.5}}, {})
+    run_id = open_tracking(config, [start])
+    state = RunState(0, 0, "policy", None, None, None, "", "steps", mlflow_run=run_id)
+    (tmp_path / STATE).write_text(state.to_json())
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    with pytest.raises(RuntimeError, match="trainer lost"), marks_failed(config, tmp_path):
+        raise RuntimeError("trainer lost")
+    assert client.get_run(run_id).info.status == "FAILED"
+    first = IterationRecord(1, "trace", 5, 5, {"prompt_effective_ratio": 0.5}, {}, None, {})
+    log_tracking(config, run_id, [start, first])  # the step, retried, got through
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert history(client, run_id, "iteration") == [(0, 0.0), (1, 1.0)]

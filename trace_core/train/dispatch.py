@@ -56,9 +56,13 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
         iterate_step,
         open_session_step,
     )
+    from trace_core.train.steps.tracked import marks_failed
 
     fetched = {name: uri for name, uri in call.inputs.items() if name in ("prompts", "state")}
-    with _staged(call.step, fetched, call.outputs) as (local, out):
+    with (
+        _staged(call.step, fetched, call.outputs) as (local, out),
+        marks_failed(config, local.get("state")),  # with MLflow: the run FAILED, if this fails
+    ):
         match call.step:
             case "open-session":
                 where = {name: call.input_uris.get(name) or call.inputs[name] for name in

@@ -220,6 +220,12 @@ def finish(run: MlflowRun, status: str = "FINISHED") -> None:
         _client(run.uri).set_terminated(run.run_id, status)
 
 
+def running(run: MlflowRun) -> None:
+    """``run`` RUNNING again (after a step that failed was retried)."""
+    with _calls(run.uri, "mark the run running"):
+        _client(run.uri).update_run(run.run_id, status="RUNNING")
+
+
 @contextmanager
 def failing(run: MlflowRun | None) -> Iterator[None]:
     """Mark ``run`` FAILED (best effort) when the block raises; the error goes on."""

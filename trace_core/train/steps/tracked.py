@@ -4,6 +4,7 @@
                                                 # named run's (``run_name``) to continue
     log_tracking(config, run_id, records)       # each iteration's step
     end_tracking(config, run_id, files)         # the report step: artifacts, FINISHED
+    with marks_failed(config, state_dir): ...   # a step that raises: the MLflow run FAILED
 
 The server is the ``mlflow_tracking_uri`` parameter, else the steps' ``MLFLOW_TRACKING_URI``;
 with neither, every call here does nothing. Only the first step fails when the server cannot be
@@ -15,7 +16,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from trace_core.train.contract import PipelineConfig
@@ -23,10 +25,12 @@ from trace_core.train.record import IterationRecord
 from trace_core.train.tracking import (
     MlflowRun,
     TrackingError,
+    failing,
     finish,
     log_files,
     log_records,
     open_mlflow,
+    running,
     tracking_uri,
 )
 
@@ -53,9 +57,11 @@ def open_tracking(config: PipelineConfig, records: Sequence[IterationRecord]) ->
 def log_tracking(
     config: PipelineConfig, run_id: str | None, records: Sequence[IterationRecord]
 ) -> None:
-    """Log the iterations the MLflow run does not hold yet."""
+    """Log the iterations the MLflow run does not hold yet; the run is RUNNING (again, after a
+    step that failed and was retried)."""
     if run_id and (uri := tracking_uri(config.tracking_uri)):
         try:
+            running(MlflowRun(uri, run_id))
             log_records(MlflowRun(uri, run_id), records)
         except TrackingError as err:
             print(f"{err}; the next step logs it again", flush=True)
@@ -86,6 +92,16 @@ def end_tracking(
             finish(run)
         except TrackingError as err:
             print(f"{err}; the report is in the run's KFP artifacts all the same", flush=True)
+
+
+@contextmanager
+def marks_failed(config: PipelineConfig, state_dir: Path | None) -> Iterator[None]:
+    """A step on the state in ``state_dir`` that raises marks the run's MLflow run FAILED (the
+    step retried, or the run resumed, sets it RUNNING again); the error goes on."""
+    run_id = _state_run(state_dir) if state_dir is not None else None
+    uri = tracking_uri(config.tracking_uri)
+    with failing(MlflowRun(uri, run_id) if run_id and uri else None):
+        yield
 
 
 def _state_run(state_dir: Path) -> str | None:
