@@ -78,8 +78,13 @@ def tiny(init: Path, output: Path, iterations: int, **kwargs: object) -> TrainCo
 
 
 # --- comparing two runs' logs ---------------------------------------------------------------
-MEASURED = {"update": ("peak_gib", "held_gib"), "predictor": ("seconds",)}
-"""What the machine measured rather than the run computed: a process's memory, wall times."""
+MEASURED = {
+    "update": ("peak_gib", "held_gib"),
+    "predictor": ("seconds",),
+    "storage": ("s3_bytes", "checkpoint_bytes"),
+}
+"""What the machine measured rather than the run computed: a process's memory, wall times, a
+pipeline step's storage traffic."""
 
 
 def comparable(records: list[IterationRecord]) -> list[dict[str, object]]:

@@ -152,6 +152,11 @@ def test_the_pipeline_run_is_one_mlflow_run_with_its_report(
     assert sorted((m.step, m.value) for m in ratio) == [
         (r.iteration, pytest.approx(r.rollout["prompt_effective_ratio"])) for r in log[1:]
     ]
+    # What each step moved through S3, as its KFP metrics say.
+    saved = client.get_metric_history(run.info.run_id, "storage/checkpoint_bytes")
+    assert sorted((m.step, m.value) for m in saved) == [
+        (i, unbroken.metrics[i]["checkpoint_bytes"]) for i in (1, 2, 3)
+    ]
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert names == {"report.html", "summary.md", "curves.png"}
     summary = client.download_artifacts(run.info.run_id, "summary.md", str(tmp_path))

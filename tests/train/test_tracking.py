@@ -52,6 +52,13 @@ def test_a_resumed_run_rewrites_one_event_file_from_its_whole_log(tmp_path: Path
     assert [p.name for p in tmp_path.iterdir()] == [TENSORBOARD]  # no scratch folder left
 
 
+def test_a_pipeline_steps_storage_traffic_is_a_figure() -> None:
+    step = IterationRecord(2, "trace", 5, 9, {}, {}, None, {}, storage={"s3_bytes": 0.0,
+                           "checkpoint_bytes": 1234.0})  # fmt: skip
+    assert figures(step)["storage/checkpoint_bytes"] == 1234.0
+    assert figures(step)["storage/s3_bytes"] == 0.0
+
+
 def test_missing_and_non_finite_figures_are_left_out() -> None:
     bare = IterationRecord(1, "grpo", 5, 5, {"units": math.nan}, {}, None, {})
     assert figures(bare) == {"rollout/tokens": 5.0, "rollout/total_tokens": 5.0}

@@ -28,6 +28,9 @@ class IterationRecord:
     predictor: dict[str, float] = field(default_factory=dict)
     """The predictor fit: rows, replayed rows, weighted MSE before and after, skills; where the
     iteration was evaluated, ``eval_root_skill`` (``iteration.held_out_root_skill``)."""
+    storage: dict[str, float] = field(default_factory=dict)
+    """A pipeline step's bytes through object storage: ``s3_bytes`` besides checkpoints and
+    ``checkpoint_bytes`` of the checkpoints it committed (``trace-rl train``: none)."""
 
 
 def read_log(out: Path) -> list[IterationRecord]:

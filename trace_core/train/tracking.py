@@ -15,7 +15,8 @@ rename), never left half-written.
 Each iteration is one step (``global_step`` = iteration; 0 is the starting policy's
 evaluation). The tags (``figures``): ``eval/`` held-out accuracy and parse rate, ``rollout/``
 effective ratios, mixed groups, units and tokens, ``update/`` loss, KL, logprob gap, gradient
-norm and clip fraction, ``predictor/`` its skills and fit, ``seconds/`` each phase's wall time.
+norm and clip fraction, ``predictor/`` its skills and fit, ``seconds/`` each phase's wall time,
+``storage/`` a pipeline step's S3 bytes and checkpoint bytes.
 
 MLflow gets the same figures as metrics (step = iteration), the run's config as parameters
 (nested fields joined by dots: ``update.lr``), and the plots and reports as artifacts: one MLflow
@@ -56,6 +57,7 @@ ROLLOUT = (
 )
 UPDATE = ("loss", "kl", "logprob_gap", "logprob_gap_max", "grad_norm", "clip_fraction", "paths")
 PREDICTOR = ("root_skill", "prefix_skill", "eval_root_skill", "loss_after", "rows")
+STORAGE = ("s3_bytes", "checkpoint_bytes")
 
 MLFLOW_URI = "MLFLOW_TRACKING_URI"
 MLFLOW_EXPERIMENT = "MLFLOW_EXPERIMENT_NAME"
@@ -83,6 +85,7 @@ def figures(record: IterationRecord) -> dict[str, float]:
     out |= _picked("rollout", record.rollout, ROLLOUT)
     out |= _picked("update", record.update, UPDATE)
     out |= _picked("predictor", record.predictor, PREDICTOR)
+    out |= _picked("storage", record.storage, STORAGE)
     out |= {f"seconds/{phase}": float(s) for phase, s in record.seconds.items()}
     return {tag: value for tag, value in out.items() if math.isfinite(value)}
 

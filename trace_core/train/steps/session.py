@@ -315,14 +315,12 @@ def iterate_step(
                 config, registry, reserved[iteration], written, records, predictor
             )
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
+        moved = session.traffic() - before
+        storage = {"s3_bytes": float(moved), "checkpoint_bytes": float(committed)}
+        records[-1] = replace(records[-1], storage=storage)  # TensorBoard's, MLflow's figures
         write_state(state_out, new, records, predictor, tokenizer)
         log_tracking(config, new.mlflow_run, records)
-        moved = session.traffic() - before
-    metrics = {
-        **_record_metrics(outcome.record),
-        "s3_bytes": float(moved),
-        "checkpoint_bytes": float(committed),
-    }
+    metrics = {**_record_metrics(outcome.record), **storage}
     write_metrics(trees_out, metrics)
     return metrics
 
