@@ -3,7 +3,8 @@
     run_id = open_tracking(config, records)     # the session's first step: a new run, or the
                                                 # named run's (``run_name``) to continue
     log_tracking(config, run_id, records)       # each iteration's step
-    end_tracking(config, run_id, files)         # the report step: artifacts, FINISHED
+    end_tracking(config, state_dir, records, {"report.html": path, ...})
+                                                # the report step: artifacts, FINISHED
     with marks_failed(config, state_dir): ...   # a step that raises: the MLflow run FAILED
 
 The server is the ``mlflow_tracking_uri`` parameter, else the steps' ``MLFLOW_TRACKING_URI``;
