@@ -1,7 +1,8 @@
 """Shared by every test folder: a real Ray head on 127.0.0.1, started and stopped by its pid.
 
-What several test folders share lives in the package ``tests/support`` (``from support import
-parity``: pytest puts ``tests/`` on the path, ``pythonpath`` in pyproject.toml).
+What several test folders share lives in the package ``tests/support``, imported here once as
+``support`` (``from support import parity``). Not by putting ``tests/`` on the path: its folders
+would shadow the packages they test (``tests/components``, ``tests/pipelines``, ``tests/vllm``).
 
 The head is ``ray start --head --block`` in a session of its own, on free ports, with its
 own temp dir and token auth off (loopback only). It is stopped with SIGTERM to the
@@ -26,6 +27,7 @@ steps run on s3:// folders (tests/train/test_step_cli.py); and a real MLflow tra
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -71,6 +73,23 @@ share_cores()
 # process that started an in-process Ray in the default (token) mode could not then talk to
 # a loopback head, nor the reverse, so the whole session uses the heads' mode.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _import_support() -> None:
+    """``tests/support`` as the package ``support``, before any test folder is collected."""
+    if "support" in sys.modules:
+        return
+    folder = Path(__file__).parent / "support"
+    spec = importlib.util.spec_from_file_location(
+        "support", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["support"] = package
+    spec.loader.exec_module(package)
+
+
+_import_support()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,5 +1,5 @@
-"""What several test folders share; pytest puts ``tests/`` on the path (``pythonpath`` in
-pyproject.toml), so a test imports ``from support import parity``.
+"""What several test folders share; tests/conftest.py imports this folder as the package
+``support``, so a test imports ``from support import parity``.
 
 - ``parity``: the parity task, the tiny loop config, comparing two runs' logs and trees
 - ``models``: tiny and real pretrained policies (SmolLM2, a Qwen-like tokenizer) for the tests
