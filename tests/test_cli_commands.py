@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-from support.commands import commands
+from support.commands import run_tree_commands
 
 pytestmark = pytest.mark.slow  # every test starts trace-rl (a fresh Python; ≈2-120 s each)
 
@@ -269,15 +269,7 @@ def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Pat
     summary = (out / "summary.md").read_text()
     assert "## Held-out accuracy" in summary and "| change (95% interval) |" in summary
     assert all(f"| {i} | `{out}/iterations/000{i}/trees.parquet` |" in summary for i in (1, 2))
-    opening = commands(summary)
-    assert [c.split()[1:3] for c in opening] == [["inspect", "html"], ["inspect", "query"]]
-    bin_first = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    for command in opening:
-        done = subprocess.run(
-            command, shell=True, capture_output=True, text=True, cwd=tmp_path,
-            env={**os.environ, "PATH": bin_first},
-        )  # fmt: skip
-        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+    done = run_tree_commands(summary, tmp_path)
     assert (tmp_path / "trees.html").read_text().count('<section class="tree"') >= 1
     assert "trace" in done.stdout, done.stdout  # the query: iteration 2, strategy trace
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support import parity
 from support.browser import find_chromium, headless
-from support.commands import commands as bash_commands
+from support.commands import run_tree_commands
 
 from pipelines.local import LocalRun, print_result, run_local
 from trace_core.store.artifacts import open_store
@@ -129,15 +129,7 @@ def test_pipeline_runs_through_kfp_local(
     # iteration's trees are and how to open them: its commands run as printed.
     assert all(f"run ci · iteration {i} ·" in html for i in (1, 2, 3))
     assert all(f"| {i} | `" in summary for i in (1, 2, 3)), summary
-    opening = bash_commands(summary)
-    assert [c.split()[1:3] for c in opening] == [["inspect", "html"], ["inspect", "query"]]
-    bin_first = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    for command in opening:
-        done = subprocess.run(
-            command, shell=True, capture_output=True, text=True, cwd=tmp_path,
-            env={**os.environ, "PATH": bin_first},
-        )  # fmt: skip
-        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+    done = run_tree_commands(summary, tmp_path)
     assert (tmp_path / "trees.html").read_text().count('<section class="tree"') == 3
     assert "trace" in done.stdout, done.stdout  # the query: iteration 3, strategy trace
 

@@ -56,3 +56,18 @@ def run_in_docs_copy(command: str, repo: Path, where: Path) -> subprocess.Comple
     )
     assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
     return done
+
+
+def run_tree_commands(summary: str, where: Path) -> subprocess.CompletedProcess[str]:
+    """A run summary's commands that open its trees (``trace-rl inspect html``, then ``inspect
+    query``), run as printed in ``where`` with this environment's scripts first on PATH; each
+    must exit 0. Returns the query's result."""
+    opening = commands(summary)
+    assert [c.split()[1:3] for c in opening] == [["inspect", "html"], ["inspect", "query"]]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in opening:
+        done = subprocess.run(
+            command, shell=True, capture_output=True, text=True, cwd=where, env=env
+        )
+        assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
+    return done

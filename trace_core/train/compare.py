@@ -239,12 +239,9 @@ def run_compare(
     else:
         context = multiprocessing.get_context("spawn")  # no forked torch/ray state
         with ProcessPoolExecutor(config.parallel, mp_context=context) as pool:
+            arms = {job: config.run_config(*job, init) for job in jobs}
             futures = {
-                pool.submit(_train_job, config.run_config(name, seed, init), threads, label): (
-                    name,
-                    seed,
-                )
-                for name, seed in jobs
+                pool.submit(_train_job, arm, threads, label): job for job, arm in arms.items()
             }
             for future in as_completed(futures):
                 runs[futures[future]] = future.result()

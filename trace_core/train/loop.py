@@ -82,6 +82,7 @@ from trace_core.train.tracking import (
     log_files,
     log_records,
     open_mlflow,
+    run_tags,
     tracking_uri,
     write_tensorboard,
 )
@@ -327,8 +328,7 @@ def _open_mlflow(
         return None
     stored = MlflowRun.read(out / MLFLOW_FILE)
     name, tags = label
-    tags = {"trace.task": config.task, "trace.strategy": config.strategy,
-            "trace.seed": str(config.seed), **tags}  # fmt: skip
+    tags = {**run_tags(config), **tags}
     same = stored is not None and stored.uri == uri
     run = open_mlflow(uri, name or out.name, config.to_json(), tags,
                       run_id=stored.run_id if stored and same else None)  # fmt: skip

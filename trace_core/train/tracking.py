@@ -40,9 +40,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trace_core.train.record import IterationRecord
+
+if TYPE_CHECKING:
+    from trace_core.train.config import TrainConfig
 
 TENSORBOARD = "tensorboard"
 """The event files' folder, inside the folder that holds ``log.jsonl``."""
@@ -239,6 +242,15 @@ def failing(run: MlflowRun | None) -> Iterator[None]:
             with suppress(TrackingError):
                 finish(run, "FAILED")
         raise
+
+
+def run_tags(config: TrainConfig) -> dict[str, str]:
+    """What every training run's MLflow run is tagged with: its task, strategy and seed."""
+    return {
+        "trace.task": config.task,
+        "trace.strategy": config.strategy,
+        "trace.seed": str(config.seed),
+    }
 
 
 def flat_params(values: Mapping[str, object], prefix: str = "") -> dict[str, str]:

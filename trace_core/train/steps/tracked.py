@@ -31,6 +31,7 @@ from trace_core.train.tracking import (
     log_files,
     log_records,
     open_mlflow,
+    run_tags,
     running,
     tracking_uri,
 )
@@ -42,12 +43,7 @@ def open_tracking(config: PipelineConfig, records: Sequence[IterationRecord]) ->
     if not uri:
         return None
     params = {**config.train.to_json(), "run_name": config.run_name, "store": config.store}
-    tags = {
-        "trace.task": config.train.task,
-        "trace.strategy": config.train.strategy,
-        "trace.seed": str(config.train.seed),
-        "trace.session": config.engine_name,
-    }
+    tags = {**run_tags(config.train), "trace.session": config.engine_name}
     name = config.run_name or config.engine_name or "pipeline"
     run = open_mlflow(uri, name, params, tags, key=config.run_name)
     log_records(run, records)
