@@ -17,7 +17,7 @@ CHECKOV := BC_SKIP_MAPPING=TRUE $(SCAN_VENV)/bin/checkov --quiet --compact --ski
 MLFLOW_VENV := .venv-mlflow
 MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 # TRACE_IMAGE and TRACE_GPU_IMAGE: the one place the project's image references are set.
-include images/images.env
+include components/images.env
 # docker when its engine answers, else buildah; empty: `make images push` print the commands.
 IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
@@ -120,7 +120,7 @@ define image_cmd
 	else echo "make: no container engine (docker info failed, no buildah): cannot run docker $(1)" >&2; exit 1; fi
 endef
 
-images: ## Build the CPU and GPU images with the tags of images/images.env
+images: ## Build the CPU and GPU images with the tags of components/images.env
 	$(call image_cmd,build -f images/trace/Dockerfile -t $(TRACE_IMAGE) .)
 	$(call image_cmd,build -f images/trace-gpu/Dockerfile -t $(TRACE_GPU_IMAGE) .)
 
@@ -128,9 +128,9 @@ push: ## Push both images (after make images)
 	$(call image_cmd,push $(TRACE_IMAGE))
 	$(call image_cmd,push $(TRACE_GPU_IMAGE))
 
-# After editing images/images.env: the kustomize images component, the compiled pipeline and the
+# After editing components/images.env: the kustomize images component, the compiled pipeline and the
 # Argo manifests name the new references (pipelines/regenerate.py).
-manifests: setup ## Rewrite everything that names the images from images/images.env
+manifests: setup ## Rewrite everything that names the images from components/images.env
 	$(BIN)/python -m pipelines.regenerate
 
 bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage, parsing

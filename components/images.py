@@ -3,7 +3,7 @@
     image("TRACE_IMAGE")        # ghcr.io/trace-rl/trace:0.1.0, the CPU steps' base image
     image("TRACE_GPU_IMAGE")    # the rollout and update steps' base image
 
-``images/images.env`` is the one place image references are set (``NAME=reference`` lines,
+``components/images.env`` is the one place image references are set (``NAME=reference`` lines,
 ``#`` comments); the components, the Argo workflows, the manifests and ``make images`` all
 read it. Nothing here has a default: a missing file or name is an error naming it.
 """
@@ -14,7 +14,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-IMAGES_ENV = Path(__file__).resolve().parents[1] / "images" / "images.env"
+IMAGES_ENV = Path(__file__).resolve().with_name("images.env")
 _LINE = re.compile(r"([A-Z][A-Z0-9_]*)=(\S+)")
 
 
@@ -36,7 +36,7 @@ def read_images(path: Path = IMAGES_ENV) -> dict[str, str]:
 
 
 def image(name: str) -> str:
-    """The image reference ``name`` is set to in ``images/images.env``."""
+    """The image reference ``name`` is set to in ``components/images.env``."""
     images = read_images()
     if name not in images:
         raise KeyError(f"{IMAGES_ENV}: no {name}=... line (it has {', '.join(sorted(images))})")
@@ -58,3 +58,31 @@ def check_images(image: str, gpu_image: str, pull_secrets: tuple[str, ...]) -> N
     for secret in pull_secrets:
         if not _SECRET_NAME.fullmatch(secret):
             raise ValueError(f"image pull secret {secret!r}: not a Kubernetes Secret name")
+
+
+GPU_DRIVER_MAJOR = 580
+"""The oldest NVIDIA driver branch TRACE_GPU_IMAGE runs on. The image is a CUDA 13.0 stack
+(torch 2.14.0 requires ``cuda-toolkit==13.0.3``; vLLM 0.33.0's ``cu13`` kernels), and CUDA 13.0
+needs the R580 driver or newer; on an older driver its first CUDA call fails."""
+
+DRIVER_LABELS = ("nvidia.com/cuda.driver-version.major", "nvidia.com/cuda.driver.major")
+"""The labels NVIDIA's GPU feature discovery (the GPU operator's GFD) puts on a GPU node with
+its driver's major version: the current one, and the older name that releases before it set."""
+
+
+def gpu_node_affinity() -> dict[str, object]:
+    """The Kubernetes ``nodeAffinity`` of every pod that runs TRACE_GPU_IMAGE on GPUs: a node
+    with GPUs (``nvidia.com/gpu.present``) whose driver is ``GPU_DRIVER_MAJOR`` or newer, read
+    from either of GFD's labels (the terms are alternatives). The RayCluster's GPU groups carry
+    the same rule (``manifests/base/gpu-nodes.yaml``; tests/manifests check they agree)."""
+    present = {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+    terms = [
+        {
+            "matchExpressions": [
+                present,
+                {"key": label, "operator": "Gt", "values": [str(GPU_DRIVER_MAJOR - 1)]},
+            ]
+        }
+        for label in DRIVER_LABELS
+    ]
+    return {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}

@@ -9,7 +9,7 @@ with hera; the committed YAML is checked against the generator and against Argo'
 (tests/pipelines/test_argo.py).
 
 The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a container running
-``trace-rl step ...`` in the project's images (``images/images.env``)::
+``trace-rl step ...`` in the project's images (``components/images.env``)::
 
     prep ─► warmstart | load ─► open-session ─► [ iterate-i ] × K ─► close-session ─► report
 
@@ -31,7 +31,8 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
   Forbid`` keeps two from training the same run at once (KFP's ``max_concurrency=1``), and Argo
   never backfills missed schedules (KFP's ``no_catchup``).
 - open-session and the iterations run in TRACE_GPU_IMAGE with ``nvidia.com/gpu`` limits on GPU
-  nodes (the node label and taint of ``manifests/base/gpu-nodes.yaml``); the others in
+  nodes whose NVIDIA driver runs the image's CUDA 13 (``components.images.gpu_node_affinity``,
+  the rule and taint of ``manifests/base/gpu-nodes.yaml``); the others in
   TRACE_IMAGE. With a Ray cluster (``ray_address`` or ``ray_jobs_url``) the GPUs are the
   cluster's and the pods' idle: regenerate with ``ArgoOptions(gpus=0)`` for that setup.
 - Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``trace-s3`` and
@@ -71,7 +72,7 @@ from hera.workflows import (
 )
 from hera.workflows import models as m
 
-from components.images import check_images, image
+from components.images import check_images, gpu_node_affinity, image
 from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
@@ -130,7 +131,7 @@ class ArgoOptions:
     cpu_size: Size = Size("2", "8Gi", "4", "16Gi")
     gpu_size: Size = Size("8", "64Gi", "8", "64Gi")
     image: str = dataclasses.field(default_factory=lambda: image("TRACE_IMAGE"))
-    """The CPU steps' image (default: TRACE_IMAGE of ``images/images.env``)."""
+    """The CPU steps' image (default: TRACE_IMAGE of ``components/images.env``)."""
     gpu_image: str = dataclasses.field(default_factory=lambda: image("TRACE_GPU_IMAGE"))
     """The GPU steps' image (default: TRACE_GPU_IMAGE)."""
     image_pull_secrets: tuple[str, ...] = ()
@@ -157,7 +158,7 @@ CHECKOV_SKIPS = {
     "checkov.io/skip1": "CKV_K8S_8=A batch step runs to completion; there is no server to probe",
     "checkov.io/skip2": "CKV_K8S_9=A batch step runs to completion; there is no server to probe",
     "checkov.io/skip3": (
-        "CKV_K8S_43=The project's images are pinned by release tag in images/images.env; pin "
+        "CKV_K8S_43=The project's images are pinned by release tag in components/images.env; pin "
         "their digests when deploying once pushed"
     ),
     "checkov.io/skip4": (
@@ -243,7 +244,9 @@ def _container(
             EmptyDirVolume(name="tmp", mount_path="/tmp", size_limit="20Gi"),
             EmptyDirVolume(name="home", mount_path="/home/trace", size_limit="20Gi"),
         ],
-        node_selector={"nvidia.com/gpu.present": "true"} if gpus else None,
+        affinity=m.Affinity(node_affinity=m.NodeAffinity.model_validate(gpu_node_affinity()))
+        if gpus
+        else None,
         tolerations=(
             [m.Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")]
             if gpus

@@ -1,4 +1,4 @@
-"""Everything that names the project's images, rewritten from ``images/images.env``:
+"""Everything that names the project's images, rewritten from ``components/images.env``:
 
     make manifests          # = python -m pipelines.regenerate
 
@@ -6,7 +6,7 @@
 2. ``pipelines/compiled/trace_training.yaml``: the KFP pipeline, with the default options;
 3. ``manifests/argo/``: the Argo WorkflowTemplate and CronWorkflow, with the default options.
 
-Set an image by editing its line in ``images/images.env`` (the one place), then run this. The
+Set an image by editing its line in ``components/images.env`` (the one place), then run this. The
 tests fail while any of the three differs from what this writes (``tests/images``,
 ``tests/pipelines``). A compile with other options (``trace-rl pipeline compile --image ...``)
 is a separate file of your own.
@@ -29,7 +29,7 @@ IMAGES_COMPONENT = IMAGES_ENV.parents[1] / "manifests" / "images" / "kustomizati
 MANIFEST_NAMES = {"TRACE_IMAGE": "trace", "TRACE_GPU_IMAGE": "trace-gpu"}
 HEADER = """\
 # The project's image references, applied by every overlay (`components: [../../images]`) after
-# its own patches. Written by `make manifests` from images/images.env, the one place they are
+# its own patches. Written by `make manifests` from components/images.env, the one place they are
 # set: edit that file, not this one (tests/images/test_image_refs.py checks the two agree).
 """
 
@@ -63,7 +63,7 @@ def images_component(images: dict[str, str]) -> str:
 
 
 def regenerate() -> list[Path]:
-    """Write the three from ``images/images.env``; the paths written."""
+    """Write the three from ``components/images.env``; the paths written."""
     read_images.cache_clear()
     images = read_images()
     missing = sorted(set(MANIFEST_NAMES) - set(images))

@@ -25,8 +25,8 @@ rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors; g
 the GPUs each asks for), run_name (resume from / register under this name), store_uri,
 settings_json (any other ``TrainConfig`` field, as JSON), mlflow_tracking_uri (an MLflow server
 the run logs its config, figures, report and plots to), the GPU pods' request and placement
-(gpus, accelerator, gpu_node_selector, gpu_tolerations) and the Secrets (s3_secret,
-ray_auth_secret).
+(gpus, accelerator, gpu_node_selector, gpu_node_affinity, gpu_tolerations) and the Secrets
+(s3_secret, ray_auth_secret).
 
 Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
 the local run must be this same pipeline; so the warm-start branch and the load branch each
@@ -34,8 +34,10 @@ carry the iterations (the UI shows the one that ran).
 
 Cluster settings:
 - open session and the iterations request ``gpus`` accelerators of type ``accelerator`` and
-  take the node selector and tolerations given at run time; they use TRACE_GPU_IMAGE, the other
-  steps TRACE_IMAGE (``images/images.env``). With a Ray cluster the GPUs are the cluster's: run
+  take the node selector, node affinity and tolerations given at run time; the affinity's
+  default asks for a GPU node whose NVIDIA driver runs the GPU image's CUDA 13 (R580 or newer,
+  ``components.images.gpu_node_affinity``). They use TRACE_GPU_IMAGE, the other
+  steps TRACE_IMAGE (``components/images.env``). With a Ray cluster the GPUs are the cluster's: run
   with gpus=0 then. The steps that use Ray get RAY_AUTH_TOKEN from the Secret
   ``ray_auth_secret`` (key auth_token, optional), which a token-auth cluster needs.
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
@@ -45,7 +47,9 @@ Cluster settings:
   load read the registry, the session's steps act on actors and write checkpoints.
 """
 
+import ast
 import contextlib
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -63,11 +67,13 @@ from components import (
     report,
     warmstart,
 )
-from components.images import check_images
+from components.images import check_images, gpu_node_affinity
 from components.images import image as image_of
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
+GPU_NODE_AFFINITY = gpu_node_affinity()
+"""The run parameter gpu_node_affinity's default: GPU nodes whose driver runs the GPU image."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class PipelineOptions:
     )
     """Secret key → environment variable (the keys of KFP's mlpipeline-minio-artifact)."""
     image: str = field(default_factory=lambda: image_of("TRACE_IMAGE"))
-    """The CPU steps' image (default: TRACE_IMAGE of ``images/images.env``)."""
+    """The CPU steps' image (default: TRACE_IMAGE of ``components/images.env``)."""
     gpu_image: str = field(default_factory=lambda: image_of("TRACE_GPU_IMAGE"))
     """open-session's and the iterate steps' image (default: TRACE_GPU_IMAGE)."""
     image_pull_secrets: tuple[str, ...] = ()
@@ -137,6 +143,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         settings_json: str = "{}",
         mlflow_tracking_uri: str = "",
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
+        gpu_node_affinity: dict = GPU_NODE_AFFINITY,
         gpu_tolerations: list = [],  # noqa: B006
         gpus: int = 1,
         accelerator: str = "nvidia.com/gpu",
@@ -157,6 +164,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 task.set_accelerator_type(accelerator).set_accelerator_limit(gpus)
             if gpu:
                 kubernetes.add_node_selector_json(task, gpu_node_selector)
+                kubernetes.add_node_affinity_json(task, gpu_node_affinity)
                 kubernetes.add_toleration_json(task, gpu_tolerations)
             if gpu or uses_ray:  # the Ray token, for a token-auth cluster
                 kubernetes.use_secret_as_env(
@@ -247,7 +255,30 @@ def compile_pipeline(path: Path, options: PipelineOptions | None = None) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     with _pyyaml_default_strings():
         compiler.Compiler().compile(build_pipeline(options), str(path))
+    path.write_text(_sorted_header_defaults(path.read_text()))
     return path
+
+
+_HEADER_DICT = re.compile(r"(#    \w+: dict \[Default: )(\{.*\})(\])")
+
+
+def _sorted_header_defaults(text: str) -> str:
+    """The compiled file's header comment with each dict default's keys sorted. KFP prints a
+    dict default in protobuf's map order, which changes from one process to the next; sorted,
+    the same pipeline compiles to the same bytes. The defaults themselves (in the spec) are
+    YAML with sorted keys already; the header is parsed as a literal, never evaluated."""
+
+    def ordered(value: object) -> object:
+        if isinstance(value, dict):
+            return {key: ordered(value[key]) for key in sorted(value)}
+        if isinstance(value, list):
+            return [ordered(item) for item in value]
+        return value
+
+    def line(match: re.Match[str]) -> str:
+        return match[1] + repr(ordered(ast.literal_eval(match[2]))) + match[3]
+
+    return _HEADER_DICT.sub(line, text)
 
 
 @contextlib.contextmanager

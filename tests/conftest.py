@@ -47,6 +47,8 @@ import pytest
 from pipelines.ray_head import session_pids, stop_head
 
 if TYPE_CHECKING:
+    from support.image_context import ImageVenv
+
     from trace_core.store.server import SeaweedServer
 
 BIN = Path(sys.executable).parent
@@ -191,6 +193,23 @@ def _ready(head: RayHead, env: Mapping[str, str]) -> bool:
 def start_ray_head() -> Callable[..., AbstractContextManager[RayHead]]:
     """``ray_head`` (above) for fixtures of any scope."""
     return ray_head
+
+
+@pytest.fixture(scope="session")
+def installed_image() -> Callable[[str], ImageVenv]:
+    """``installed_image("trace")``: that image's package as its Dockerfile installs it, in a
+    venv that cannot see the checkout (``support.image_context``; built once per install tree
+    and cached under build/image-context, ≈1 min the first time)."""
+    from support.image_context import REPO, image_venv
+
+    built: dict[str, ImageVenv] = {}
+
+    def get(image: str) -> ImageVenv:
+        if image not in built:
+            built[image] = image_venv(REPO / "images" / image / "Dockerfile")
+        return built[image]
+
+    return get
 
 
 @pytest.fixture(scope="session")

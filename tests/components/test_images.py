@@ -1,4 +1,4 @@
-"""``components.images``: image references come from images/images.env and nowhere else."""
+"""``components.images``: image references come from components/images.env and nowhere else."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The project's image references come from one setting: images/images.env.
+"""The project's image references come from one setting: components/images.env.
 
 Everything that names the trace or trace-gpu image must name exactly what images.env says:
 the KFP components and pipelines (their Python and the compiled YAML), the manifests (tracked
@@ -19,7 +19,7 @@ from support import render
 from support.repo_copy import repository_copy
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGES_ENV = REPO / "images" / "images.env"
+IMAGES_ENV = REPO / "components" / "images.env"
 NAMES = {"trace": "TRACE_IMAGE", "trace-gpu": "TRACE_GPU_IMAGE"}
 # registry/path/trace[-gpu] with a tag or a digest: what a pod or a build would pull.
 REFERENCE = re.compile(
@@ -63,7 +63,7 @@ def assert_is_the_setting(name: str, reference: str, where: str) -> None:
     env = read_env()
     expected = env[NAMES[name]]
     assert reference == expected, (
-        f"{where}: {reference} differs from {NAMES[name]}={expected} (images/images.env)"
+        f"{where}: {reference} differs from {NAMES[name]}={expected} (components/images.env)"
     )
 
 
@@ -130,7 +130,7 @@ def test_split_reference() -> None:
 
 @pytest.mark.slow
 def test_make_manifests_moves_every_reference(tmp_path: Path) -> None:
-    """The one place and the one command: a new registry and tag in images/images.env, then
+    """The one place and the one command: a new registry and tag in components/images.env, then
     `make manifests`; the kustomize component, the compiled pipeline, the Argo manifests and
     every built overlay name the new references, and nothing names the old ones."""
     repo = repository_copy(tmp_path / "repo")
@@ -139,7 +139,7 @@ def test_make_manifests_moves_every_reference(tmp_path: Path) -> None:
         "TRACE_IMAGE": "registry.corp:5000/ml/trace:2.0.0",
         "TRACE_GPU_IMAGE": "registry.corp:5000/ml/trace-gpu:2.0.0",
     }
-    env_file = repo / "images" / "images.env"
+    env_file = repo / "components" / "images.env"
     text = env_file.read_text()
     for variable, reference in new.items():
         text = text.replace(f"{variable}={old[variable]}", f"{variable}={reference}")

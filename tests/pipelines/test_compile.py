@@ -38,7 +38,8 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
         "task", "dataset_uri", "base_model_uri", "strategy", "budget", "continuations", "seed",
         "checkpoint_every", "ray_address", "ray_jobs_url", "run_name", "store_uri",
         "settings_json", "gpus", "accelerator",
-        "gpu_node_selector", "gpu_tolerations", "s3_secret", "ray_auth_secret",
+        "gpu_node_selector", "gpu_node_affinity", "gpu_tolerations", "s3_secret",
+        "ray_auth_secret",
     } <= parameters  # fmt: skip
     for name, executor in platform.platforms["kubernetes"].deployment_spec.executors.items():
         config = json_format.ParseDict(
@@ -49,6 +50,7 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
         gpu = name.startswith(("exec-open-session", "exec-iterate"))
         assert ("RAY_AUTH_TOKEN" in env) == (gpu or name.startswith("exec-close-session")), name
         assert bool(config.tolerations) == gpu and config.HasField("node_selector") == gpu
+        assert len(config.node_affinity) == gpu, name  # the run parameter gpu_node_affinity
 
 
 def _tasks(spec: dict) -> dict[str, dict]:

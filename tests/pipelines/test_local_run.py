@@ -1,6 +1,12 @@
 """The pipeline end to end through KFP's local runner (what `make run` does, smaller), twice
 with one run name: the first run warm-starts, the second resumes from the checkpoint the first
-registered. Every step runs as a subprocess; the artifacts are what a cluster run would store."""
+registered. Every step runs as a subprocess; the artifacts are what a cluster run would store.
+
+The steps run from the CPU image's package, not the checkout: KFP's runner starts each step
+with ``sys.executable`` and the run's Ray head (whose workers hold the session's actors) is that
+Python's ``ray``, so both are the venv ``installed_image("trace")`` (tests/support/
+image_context.py: the image's build context installed as its Dockerfile does), in a working
+folder outside the checkout. A module the checkout has and the image lacks fails the run."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +23,7 @@ import pytest
 from support import parity
 from support.browser import find_chromium, headless
 from support.commands import run_tree_commands
+from support.image_context import ImageVenv
 
 from pipelines.local import LocalRun, print_result, run_local
 from trace_core.store.artifacts import open_store
@@ -44,10 +52,17 @@ def metrics_of(task_dir: Path, name: str = "metrics") -> dict[str, float]:
 
 @pytest.mark.long  # ≈ 3 min: every step a KFP subprocess
 def test_pipeline_runs_through_kfp_local(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_env: dict[str, str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    s3_env: dict[str, str],
+    installed_image: Callable[[str], ImageVenv],
 ) -> None:
     """Three iterations with a checkpoint every two, the registry on the test S3: the run's own
-    Ray head holds its trainer and engine actors from open session to close session."""
+    Ray head holds its trainer and engine actors from open session to close session. The steps
+    and the Ray head run on the CPU image's package."""
+    image = installed_image("trace")
+    workdir = tmp_path / "workdir"  # the steps' (the image's WORKDIR): not the checkout
+    workdir.mkdir()
     settings = json.dumps(TINY)
     store = "s3://trace/local-run"
     params = PipelineParameters(
@@ -56,7 +71,8 @@ def test_pipeline_runs_through_kfp_local(
     )  # fmt: skip
     run = LocalRun(output=tmp_path, params=params)
     terminal = io.StringIO()
-    result = run_local(run, say=lambda _line: None, terminal=terminal)
+    with image.runs_steps(workdir):
+        result = run_local(run, say=lambda _line: None, terminal=terminal)
 
     # The terminal: one line per step, one per iteration; the runner's output in the log.
     shown = terminal.getvalue().splitlines()
@@ -166,7 +182,8 @@ def test_pipeline_runs_through_kfp_local(
 
     # The same run name again (a recurring run): the Else branch loads the registered
     # checkpoint and goes on with iteration 4.
-    again = run_local(replace(run, params=replace(params, iterations=1)), say=lambda _line: None)
+    with image.runs_steps(workdir):
+        again = run_local(replace(run, params=replace(params, iterations=1)), say=lambda _: None)
     tasks = {p.name for p in again.run_dir.iterdir() if p.is_dir()}
     assert "load" in tasks and "warmstart" not in tasks
     assert metrics_of(again.run_dir / "load")["resumed_iteration"] == 3

@@ -20,6 +20,7 @@ BUILT_IN = {"iterations"}
 """Parameters the KFP pipeline and the Argo workflow unroll when they are built."""
 CLUSTER_ONLY = {
     "gpu_node_selector",
+    "gpu_node_affinity",
     "gpu_tolerations",
     "gpus",
     "accelerator",

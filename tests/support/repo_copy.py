@@ -6,6 +6,7 @@ checkout the tests run from.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,4 +28,13 @@ def repository_copy(target: Path) -> Path:
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
     (target / ".venv").symlink_to(Path(sys.prefix))
+    # The venv is this environment's, made from the checkout: date the copy's setup inputs no
+    # later than its stamp, or `make` in the copy would reinstall it, editable, from the copy.
+    stamp = Path(sys.prefix) / ".installed"
+    if stamp.is_file():
+        made = stamp.stat().st_mtime
+        for name in ("pyproject.toml", "requirements/constraints.txt"):
+            copied = target / name
+            if copied.stat().st_mtime > made:
+                os.utime(copied, (made, made))
     return target

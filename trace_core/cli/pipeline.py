@@ -69,7 +69,7 @@ Experiment = Annotated[str, typer.Option(help="KFP experiment (created if missin
 StepImage = Annotated[
     str | None,
     typer.Option(
-        "--image", help="The CPU steps' image; default: TRACE_IMAGE of images/images.env."
+        "--image", help="The CPU steps' image; default: TRACE_IMAGE of components/images.env."
     ),
 ]
 GpuStepImage = Annotated[
@@ -77,7 +77,7 @@ GpuStepImage = Annotated[
     typer.Option(
         "--gpu-image",
         help="rollout's, update's and evaluate's image; default: TRACE_GPU_IMAGE of "
-        "images/images.env.",
+        "components/images.env.",
     ),
 ]
 PullSecrets = Annotated[
@@ -405,7 +405,7 @@ def _images(
     image: str | None, gpu_image: str | None, pull_secrets: list[str] | None
 ) -> dict[str, object]:
     """The image options ``pipeline compile`` and ``pipeline argo`` share: a flag, else the
-    setting in ``images/images.env``."""
+    setting in ``components/images.env``."""
     from components.images import image as image_of
 
     return {

@@ -19,6 +19,16 @@ import torch
 
 from trace_core.algo.advantage import PathTokens
 
+UPSTREAM = (
+    "torch.distributed.is_available()",
+    "torch.distributed.is_initialized()",
+    "torch.distributed.get_world_size()",
+    "torch.distributed.get_backend()",
+    "torch.distributed.all_reduce(tensor, /, op)",
+    "torch.distributed.ReduceOp.MAX",
+)
+"""What this module calls in torch (``policy.upstream``: entry syntax there)."""
+
 
 @dataclass(frozen=True)
 class PathBatch:

@@ -27,6 +27,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the header
 HINT = "pass a folder written by `trace-rl warmstart`, a run's policy/ or an HF model"
 
+UPSTREAM = (
+    "transformers.AutoTokenizer.from_pretrained(pretrained_model_name_or_path, /, "
+    "local_files_only)",
+)
+"""What this module calls in transformers (``policy.upstream``: entry syntax there)."""
+
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, incomplete or damaged; the message names the file."""

@@ -19,6 +19,27 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.sampling import prompt_seeds, request_seed
 
+UPSTREAM = (
+    "transformers.GenerationMixin",
+    # generate passes input_ids and attention_mask on to the model's forward (Qwen3's here).
+    "transformers.GenerationMixin.generate(generation_config)",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM.forward(input_ids, attention_mask)",
+    "transformers.GenerationConfig(do_sample, temperature, top_p, top_k, max_new_tokens, "
+    "min_new_tokens, eos_token_id, pad_token_id, output_logits, return_dict_in_generate)",
+    "transformers.GenerationConfig.eos_token_id",
+    "transformers.PreTrainedModel.generation_config",
+    "transformers.PreTrainedModel.config",
+    "transformers.PreTrainedModel.device",
+    "transformers.Qwen3Config.pad_token_id",  # a field of each model's config in transformers 5
+    "transformers.generation.utils.GenerateDecoderOnlyOutput.sequences",
+    "transformers.generation.utils.GenerateDecoderOnlyOutput.logits",
+    "torch.random.fork_rng(devices)",
+    "torch.inference_mode",
+    "torch.manual_seed(seed, /)",
+)
+"""What this module calls and reads in transformers and torch (``policy.upstream``: entry syntax
+there)."""
+
 
 class HFGenerateEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int | None = None) -> None:

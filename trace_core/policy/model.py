@@ -39,15 +39,26 @@ from transformers import (
 from trace_core.policy.checkpoint import CheckpointError, check_checkpoint, load_tokenizer
 
 UPSTREAM = (
-    "transformers.AutoModelForCausalLM.from_pretrained",
-    "transformers.AutoTokenizer.from_pretrained",
-    "transformers.PreTrainedModel.save_pretrained",
-    "transformers.Qwen3Config",
-    "transformers.Qwen3ForCausalLM",
-    "safetensors.torch.save_model",
-    "safetensors.torch.load_model",
+    # The auto class passes its keywords on to the model class's from_pretrained.
+    "transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, /)",
+    "transformers.PreTrainedModel.from_pretrained(use_safetensors, local_files_only, dtype)",
+    "transformers.PreTrainedModel.save_pretrained(save_directory, /, state_dict)",
+    "transformers.PreTrainedModel.generation_config",
+    "transformers.PreTrainedModel.dtype",
+    "transformers.PreTrainedTokenizerBase.save_pretrained(save_directory, /)",
+    "transformers.GenerationConfig.pad_token_id",
+    "transformers.GenerationConfig.eos_token_id",
+    "transformers.Qwen3Config(vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+    "num_attention_heads, num_key_value_heads, head_dim, max_position_embeddings, "
+    "rope_parameters, tie_word_embeddings, pad_token_id, eos_token_id, bos_token_id)",
+    "transformers.Qwen3ForCausalLM(config, /)",
+    "torch.random.fork_rng(devices)",
+    "torch.nn.Module.to",
+    "safetensors.torch.save_model(model, filename, /)",
+    "safetensors.torch.load_model(model, filename, /, strict)",
 )
-"""What this module calls in transformers and safetensors (``policy.upstream``)."""
+"""What this module calls in transformers, torch and safetensors (``policy.upstream``: entry
+syntax there)."""
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,16 @@ from transformers import PreTrainedModel
 from trace_core.policy.optimizer_state import read_optimizer_file, write_optimizer_file
 
 UPSTREAM = (
-    "torch.distributed.fsdp.fully_shard",
-    "torch.distributed.fsdp.MixedPrecisionPolicy",
-    "torch.distributed.checkpoint.state_dict.StateDictOptions",
-    "torch.distributed.checkpoint.state_dict.get_model_state_dict",
-    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict",
-    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict",
+    "torch.distributed.fsdp.fully_shard(module, /, mp_policy)",
+    "torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype, reduce_dtype)",
+    "torch.distributed.checkpoint.state_dict.StateDictOptions(full_state_dict, cpu_offload)",
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, /, options)",
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizers, /, "
+    "options)",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(model, optimizers, "
+    "optim_state_dict, /, options)",
 )
-"""What this module calls in torch (``policy.upstream``)."""
+"""What this module calls in torch (``policy.upstream``: entry syntax there)."""
 
 
 def shard_scorer(scorer: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:

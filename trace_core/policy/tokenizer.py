@@ -31,6 +31,17 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD, UNK, IM_START, IM_END)
 
+UPSTREAM = (
+    "transformers.PreTrainedTokenizerFast(tokenizer_object, pad_token, eos_token, "
+    "extra_special_tokens, clean_up_tokenization_spaces)",
+    # The special tokens a tokenizer takes by name (unk_token=...) and answers as <name>_id
+    # (pad_token_id, eos_token_id: its __getattr__): the names of this list.
+    "transformers.PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES(unk_token, pad_token, "
+    "eos_token)",
+    "transformers.PreTrainedTokenizerBase.chat_template",
+)
+"""What this module calls and reads in transformers (``policy.upstream``: entry syntax there)."""
+
 # Alternatives are tried left to right: a run of letters, else one digit, one whitespace
 # character, or any other single character (punctuation, operators, non-ASCII symbols).
 _PIECE = r"[A-Za-z]+|[0-9]|\s|[^A-Za-z0-9\s]"

@@ -70,20 +70,24 @@ _Wrapped = torch.nn.parallel.DistributedDataParallel
 """A scorer under data-parallel training (``train.trainer_group``)."""
 
 UPSTREAM = (
-    "torch.autocast",
-    "torch.utils.checkpoint.checkpoint",
+    "torch.autocast(device_type, /, dtype, enabled)",
+    "torch.utils.checkpoint.checkpoint(function, /, use_reentrant)",
     "torch.nn.parallel.DistributedDataParallel",
-    "torch.nn.utils.clip_grad_norm_",
-    "torch.optim.AdamW",
-    "torch.distributed.all_reduce",
-    "torch.distributed.ReduceOp.MAX",
-    "torch.distributed.get_backend",
-    "torch.distributed.get_world_size",
-    "torch.distributed.is_initialized",
-    "transformers.PreTrainedModel.get_output_embeddings",
+    "torch.nn.parallel.DistributedDataParallel.module",
+    "torch.nn.parallel.DistributedDataParallel.no_sync()",
+    "torch.nn.utils.clip_grad_norm_(parameters, max_norm, /)",
+    "torch.optim.AdamW(params, /, lr, weight_decay)",
+    "torch.optim.Optimizer.zero_grad(set_to_none)",
+    "torch.optim.Optimizer.step()",
+    "transformers.PreTrainedModel.get_output_embeddings()",
     "transformers.PreTrainedModel.base_model",
+    # The policies' decoder (Qwen3), called by name; its layers are what checkpointing wraps.
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Model.forward(input_ids, attention_mask, "
+    "use_cache)",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Model.layers",
 )
-"""What this module calls in torch and transformers (``policy.upstream``)."""
+"""What this module calls in torch and transformers (``policy.upstream``: entry syntax there;
+the collectives of a data-parallel update are ``policy.batching``'s)."""
 
 
 @dataclass(frozen=True)
@@ -323,7 +327,7 @@ def minibatch_gradients(
     mine = max(sum(int(p.loss_mask[1:].sum()) for p in paths), 1)  # this rank's tokens
     loss = kl = clipped = gap_sum = gap_max = tis_sum = 0.0
     tokens = tis_truncated = 0
-    no_sync = getattr(scorer, "no_sync", None)
+    no_sync = scorer.no_sync if isinstance(scorer, _Wrapped) else None  # DDP's; FSDP has none
     for _ in range(len(parts_of), passes):  # a rank with fewer micro-batches: zero-weight passes
         with contextlib.nullcontext() if no_sync is None else no_sync():
             padding_pass(scorer, paths[0], pad_id, device).backward()

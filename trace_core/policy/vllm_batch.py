@@ -33,6 +33,10 @@ from trace_core.policy.continuous import Request
 from trace_core.policy.engine import Completion
 from trace_core.policy.vllm_engine import VLLMEngine, vllm_sampling
 
+UPSTREAM = ("vllm.TokensPrompt(prompt_token_ids)",)
+"""What this module calls in vLLM (``policy.upstream``: entry syntax there; the sampling
+parameters are ``policy.vllm_engine``'s)."""
+
 
 class VLLMBatch:
     """Requests in flight in ``engine``'s vLLM engine; ``tag``: handed back with the answer."""

@@ -96,45 +96,42 @@ if TYPE_CHECKING:  # the default venv has no vllm
     from trace_core.policy.weight_sync import WeightPlan
 
 UPSTREAM = (
-    "vllm.AsyncEngineArgs",
-    "vllm.v1.engine.async_llm.AsyncLLM.from_engine_args",
-    "vllm.v1.engine.async_llm.AsyncLLM.generate",
-    "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc",
-    "vllm.v1.engine.async_llm.AsyncLLM.pause_generation",
-    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation",
-    "vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache",
-    "vllm.v1.engine.async_llm.AsyncLLM.shutdown",
-    "vllm.v1.metrics.loggers.StatLoggerBase.record",
-    "vllm.TokensPrompt",
-    "vllm.SamplingParams",
+    # The engine's settings (``_settings``, ``whole_prefills``, the model), by name.
+    "vllm.AsyncEngineArgs(model, skip_tokenizer_init, enable_prefix_caching, generation_config, "
+    "logprobs_mode, dtype, gpu_memory_utilization, seed, max_model_len, tensor_parallel_size, "
+    "enforce_eager, block_size, max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, "
+    "worker_extension_cls, disable_log_stats, enable_chunked_prefill, "
+    "distributed_executor_backend)",
+    "vllm.v1.engine.async_llm.AsyncLLM.from_engine_args(engine_args, /, stat_loggers)",
+    "vllm.v1.engine.async_llm.AsyncLLM.generate(prompt, sampling_params, request_id, /)",
+    "vllm.v1.engine.async_llm.AsyncLLM.collective_rpc(method, /, args)",
+    "vllm.v1.engine.async_llm.AsyncLLM.pause_generation(mode, clear_cache)",
+    "vllm.v1.engine.async_llm.AsyncLLM.resume_generation()",
+    "vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache()",
+    "vllm.v1.engine.async_llm.AsyncLLM.shutdown()",
+    "vllm.v1.engine.async_llm.AsyncLLM.output_handler",
+    # StepRows: vLLM builds it as StatLoggerBase's __init__ says and calls its record by name.
+    "vllm.v1.metrics.loggers.StatLoggerBase(vllm_config, engine_index)",
+    "vllm.v1.metrics.loggers.StatLoggerBase.record(scheduler_stats, iteration_stats, "
+    "mm_cache_stats, engine_idx)",
+    "vllm.v1.metrics.loggers.StatLoggerBase.log_engine_initialized()",
+    "vllm.v1.metrics.stats.IterationStats.num_generation_tokens",
+    "vllm.TokensPrompt(prompt_token_ids)",
+    "vllm.SamplingParams(n, temperature, top_p, max_tokens, stop_token_ids, ignore_eos, logprobs, "
+    "seed, detokenize, output_kind)",
     "vllm.sampling_params.RequestOutputKind.FINAL_ONLY",
-    "vllm.CompletionOutput",
-    "vllm.platforms.current_platform",
-    # The engine settings passed to AsyncEngineArgs by name: fields of its EngineArgs.
-    *(
-        f"vllm.engine.arg_utils.EngineArgs.{name}"
-        for name in (
-            "skip_tokenizer_init",
-            "enable_prefix_caching",
-            "generation_config",
-            "logprobs_mode",
-            "dtype",
-            "gpu_memory_utilization",
-            "seed",
-            "max_model_len",
-            "tensor_parallel_size",
-            "enforce_eager",
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_cache_memory_bytes",
-            "worker_extension_cls",
-            "disable_log_stats",
-        )
-    ),
+    "vllm.RequestOutput.outputs",
+    "vllm.RequestOutput.prompt_token_ids",
+    "vllm.RequestOutput.num_cached_tokens",
+    "vllm.RequestOutput.finished",
+    "vllm.CompletionOutput.token_ids",
+    "vllm.CompletionOutput.logprobs",
+    "vllm.CompletionOutput.finish_reason",
+    "vllm.CompletionOutput.stop_reason",
+    "vllm.logprobs.Logprob.logprob",
+    "vllm.platforms.current_platform.is_cpu()",
 )
-"""What this module and ``policy.vllm_worker`` call in vLLM (``policy.upstream`` checks that
-each exists in the installed release)."""
+"""What this module calls and reads in vLLM (``policy.upstream``: entry syntax there)."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +151,19 @@ class VLLMOptions:
     kv_cache_memory_bytes: int | None = None
     """KV-cache size in bytes; overrides ``gpu_memory_utilization`` (and on CPU the
     ``VLLM_CPU_KVCACHE_SPACE`` variable). None: vLLM's default."""
+    distributed_executor_backend: str | None = None
+    """How vLLM runs the ranks of a tensor-parallel engine: ``"ray"`` (one Ray actor per GPU of
+    the engine's placement group) or ``"mp"``. None: vLLM's default, which on CUDA first checks
+    that this process sees as many GPUs as ranks, a check an engine actor with no GPU of its own
+    fails under ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`` (``rollout.ray_worker.executor_backend``
+    sets ``"ray"`` there)."""
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):
+            raise ValueError(
+                "distributed_executor_backend must be ray, mp, uni or None, got "
+                f"{self.distributed_executor_backend!r}"
+            )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -237,6 +245,8 @@ class VLLMEngine:
             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
             worker_extension_cls="trace_core.policy.vllm_worker.PolicyReload",
         )
+        if options.distributed_executor_backend is not None:
+            self._settings["distributed_executor_backend"] = options.distributed_executor_backend
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
@@ -369,7 +379,7 @@ class VLLMEngine:
         llm = getattr(self, "_llm", None)
         if llm is not None:
             # The output handler first: it would take the stopped engine core for a crash.
-            self._loop.run(_cancel(getattr(llm, "output_handler", None)))
+            self._loop.run(_cancel(llm.output_handler))  # None until the loop started it
             llm.shutdown()
         self._loop.close()
 
@@ -416,7 +426,7 @@ def step_rows(engine: VLLMEngine) -> type:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
-            rows = getattr(iteration_stats, "num_generation_tokens", 0)
+            rows = iteration_stats.num_generation_tokens if iteration_stats is not None else 0
             if rows:
                 extra = engine.stats.extra
                 extra["decode_steps"] = extra.get("decode_steps", 0.0) + 1

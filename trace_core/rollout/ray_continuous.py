@@ -40,6 +40,14 @@ from trace_core.rollout.ray_stream import Pool
 from trace_core.rollout.routing import SubBatch
 from trace_core.rollout.worker_result import Collected
 
+UPSTREAM = (
+    "ray.get(object_refs, /)",
+    "ray.wait(ray_waitables, /, num_returns, timeout)",
+    "ray.exceptions.ActorDiedError",
+    "ray.exceptions.RayActorError",
+)
+"""What this module calls in Ray (``policy.upstream``: entry syntax there)."""
+
 Tag = TypeVar("Tag")
 
 WAIT_S = 1.0

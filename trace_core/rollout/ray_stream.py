@@ -39,6 +39,14 @@ from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.rollout.routing import SubBatch
 from trace_core.rollout.worker_result import SubBatchResult
 
+UPSTREAM = (
+    "ray.get(object_refs, /)",
+    "ray.wait(ray_waitables, /, num_returns)",
+    "ray.exceptions.RayActorError",
+    "ray.ObjectRef",
+)
+"""What this module calls in Ray (``policy.upstream``: entry syntax there)."""
+
 Tag = TypeVar("Tag")
 
 

@@ -29,6 +29,24 @@ from trace_core.rollout.worker_result import SubBatchResult
 if TYPE_CHECKING:
     from trace_core.policy.weight_sync import WeightPlan, WeightSink
 
+UPSTREAM = (
+    "ray.remote",
+    "ray._common.ray_option_utils.actor_options(concurrency_groups)",  # what @ray.remote takes
+    "ray.method(concurrency_group)",
+    "ray.util.get_current_placement_group()",
+    "ray.util.remove_placement_group(placement_group, /)",
+    "ray.kill(actor, /, no_restart)",
+    "ray.get_runtime_context()",
+    "ray.runtime_context.RuntimeContext.current_actor",
+    "ray.runtime_context.RuntimeContext.get_node_id()",
+    "ray.get_gpu_ids()",
+    "ray.nodes()",
+    "transformers.utils.logging.disable_progress_bar()",
+    "torch.set_num_threads",
+)
+"""What this module calls in Ray, transformers and torch (``policy.upstream``: entry syntax
+there)."""
+
 EngineKind = Literal["torch", "hf", "vllm"]
 
 
@@ -67,6 +85,22 @@ class WorkerSpec:
     """vLLM: weights' and arithmetic's dtype (auto: vLLM's choice)."""
     pool_workers: int = 1
     """Engine actors of the pool: on CPU, the most that may share this actor's node."""
+
+
+def executor_backend(spec: WorkerSpec) -> str | None:
+    """vLLM's executor for ``spec``'s engine: Ray for a tensor-parallel engine on GPUs, else
+    vLLM's own choice (None).
+
+    A tensor-parallel engine actor holds no GPU itself: its placement group's bundles do, one
+    per rank, and vLLM's Ray executor starts a worker in each. Left to choose, vLLM 0.33 takes
+    Ray only after checking that this process sees as many GPUs as ranks
+    (``vllm/config/parallel.py``), which holds only while Ray leaves ``CUDA_VISIBLE_DEVICES``
+    alone for a zero-GPU actor; under ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`` Ray empties it and
+    the engine fails with "World size (N) is larger than the number of available GPUs (0)".
+    Named explicitly, the check is not made."""
+    if spec.engine == "vllm" and spec.tensor_parallel > 1 and spec.device == "cuda":
+        return "ray"
+    return None
 
 
 CPU_KV_SHARE = 0.25
@@ -201,6 +235,7 @@ class EngineWorker:
                         kv_cache_memory_bytes=kv_cache_bytes,
                         max_num_seqs=spec.max_num_seqs,
                         max_num_batched_tokens=spec.max_num_batched_tokens,
+                        distributed_executor_backend=executor_backend(spec),
                     ),
                 )
         elif spec.engine == "hf":

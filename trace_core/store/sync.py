@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trace_core.store.artifacts import ObjectNotFound, open_store
+from trace_core.store.uri import is_remote
 
 
 def upload_folder(folder: str | os.PathLike[str], uri: str) -> int:
@@ -47,3 +48,18 @@ def download_folder(
         target.parent.mkdir(parents=True, exist_ok=True)
         store.get_file(obj.key, target)
     return len(objects)
+
+
+def local_copy(location: str, scratch: Path, name: str, folder: bool) -> str:
+    """A local copy of an input: the path itself, or its download (a folder, or one file)
+    into ``scratch / name``."""
+    if not is_remote(location):
+        return location
+    target = scratch / name
+    if folder:
+        download_folder(location, target)
+        return str(target)
+    parent, _, key = location.rstrip("/").rpartition("/")
+    target.mkdir(parents=True, exist_ok=True)
+    open_store(parent).get_file(key, target / key)
+    return str(target / key)

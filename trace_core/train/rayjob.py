@@ -30,6 +30,21 @@ from trace_core.store.sync import download_folder, upload_folder
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import PipelineConfig, StepCall
 
+UPSTREAM = (
+    "ray.job_submission.JobSubmissionClient(address, /)",
+    "ray.job_submission.JobSubmissionClient.submit_job(entrypoint, submission_id, runtime_env, "
+    "metadata)",
+    "ray.job_submission.JobSubmissionClient.stop_job(job_id, /)",
+    "ray.job_submission.JobSubmissionClient.get_job_info(job_id, /)",
+    "ray.job_submission.JobDetails.message",
+    "ray.job_submission.JobSubmissionClient.get_job_status(job_id, /)",
+    "ray.job_submission.JobSubmissionClient.get_job_logs(job_id, /)",
+    "ray.job_submission.JobStatus.SUCCEEDED",
+    "ray.job_submission.JobStatus.FAILED",
+    "ray.job_submission.JobStatus.STOPPED",
+)
+"""What this module calls in Ray's job client (``policy.upstream``: entry syntax there)."""
+
 PASSED_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT", "AWS_REGION")
 """Settings the job inherits from the submitting step (never credentials)."""
 _DONE = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -45,8 +45,28 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
+from trace_core.store.sync import local_copy
 from trace_core.store.uri import is_remote
 from trace_core.train.start_state import StartState
+
+UPSTREAM = (
+    "ray.remote",
+    "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
+    "ray._common.ray_option_utils.actor_options(num_cpus, num_gpus, namespace, lifetime, name)",
+    "ray.get_runtime_context()",
+    "ray.runtime_context.RuntimeContext.get_assigned_resources()",
+    "ray.util.get_node_ip_address()",
+    "ray.get(object_refs, /, timeout)",
+    "ray.put(value, /)",
+    "ray.get_actor(name, /, namespace)",
+    "ray.kill(actor, /, no_restart)",
+    "ray.exceptions.RayActorError",
+    "ray.exceptions.GetTimeoutError",
+    "torch.distributed.init_process_group(backend, /, init_method, rank, world_size)",
+    "torch.nn.parallel.DistributedDataParallel(module, /, device_ids)",
+    "torch.set_num_threads",
+)
+"""What this module calls in Ray and torch (``policy.upstream``: entry syntax there)."""
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"
@@ -479,23 +499,6 @@ class TrainerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def local_copy(location: str, scratch: Path, name: str, folder: bool) -> str:
-    """A local copy of an input: the path itself, or its download into ``scratch``."""
-    if not is_remote(location):
-        return location
-    from trace_core.store.artifacts import open_store
-    from trace_core.store.sync import download_folder
-
-    target = scratch / name
-    if folder:
-        download_folder(location, target)
-        return str(target)
-    parent, _, key = location.rstrip("/").rpartition("/")
-    target.mkdir(parents=True, exist_ok=True)
-    open_store(parent).get_file(key, target / key)
-    return str(target / key)
 
 
 def release_trainers(name: str, workers: int) -> int:
