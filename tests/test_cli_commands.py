@@ -274,6 +274,32 @@ def test_train_smoke_writes_log_and_plot(warmstarted: Warmstarted, tmp_path: Pat
     assert "trace" in done.stdout, done.stdout  # the query: iteration 2, strategy trace
 
 
+@pytest.mark.slow  # a short warm start and one iteration of one arm
+def test_a_comparison_never_starts_from_another_tasks_warm_start(tmp_path: Path) -> None:
+    """`compare --task calc`, then `compare --task calc-mix --first-seed 11` into the same
+    --output: the second is refused with one line naming what differs, before any arm starts,
+    and the first's warm start is left as it was."""
+    out = tmp_path / "compare"
+    small = (
+        "--strategies", "grpo", "--seeds", "1", "--iterations", "1", "--budget", "4",
+        "--prompts", "8", "--eval-tasks", "3", "--eval-k", "1", "--parallel", "1",
+        "--output", str(out), "--plot", str(tmp_path / "compare.png"),
+    )  # fmt: skip
+    first = trace_rl("compare", "--task", "calc", "--warmstart-steps", "20", *small, cwd=tmp_path)
+    assert first.returncode == 0, said(first)[-2000:]
+    record = (out / "warmstart" / "warmstart.json").read_bytes()
+    second = trace_rl("compare", "--task", "calc-mix", "--first-seed", "11", *small, cwd=tmp_path)
+    assert second.returncode == 2, said(second)[-2000:]
+    errors = [line for line in second.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {out / 'warmstart'} holds the warm start made with task calc, sft.steps 20; "
+        "this comparison (--task calc-mix) needs task calc-mix, sft.steps 2000: use another "
+        f"output folder, or remove {out / 'warmstart'}"
+    ], said(second)[-2000:]
+    assert not (out / "grpo" / "seed-11").exists()  # no arm started
+    assert (out / "warmstart" / "warmstart.json").read_bytes() == record
+
+
 @pytest.mark.cluster  # the session's MLflow server
 def test_compare_smoke_json_shape(
     warmstarted: Warmstarted, tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch

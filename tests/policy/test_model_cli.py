@@ -13,7 +13,7 @@ import pytest
 from support.models import IMPORT_COMMAND, smollm2_dir
 
 from trace_core.envs.calc import CalcSuite
-from trace_core.policy.importer import import_gguf
+from trace_core.policy.importer import gguf_identity, import_gguf, imported_from
 from trace_core.train.model_check import check_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +50,9 @@ def test_import_writes_a_checkpoint_the_loop_loads() -> None:
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
     assert config["vocab_size"] == 49152 and config["tie_word_embeddings"]
+    # It records the GGUF it came from, by content: a cache of it is checked against that.
+    record = imported_from(folder)
+    assert record == gguf_identity("smollm2") and record["file"].endswith(".gguf")
 
 
 def test_import_refuses_an_existing_folder_and_unknown_sources(tmp_path: Path) -> None:

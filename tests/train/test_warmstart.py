@@ -8,6 +8,7 @@ is what the env said) and replay it. Nothing here asserts on how long anything t
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +27,12 @@ from trace_core.policy.model import TinyPolicyConfig, create_policy, load_checkp
 from trace_core.policy.sft import SFTConfig, sft_train
 from trace_core.policy.tokenizer import build_word_tokenizer
 from trace_core.train.warmstart import (
+    RECORD,
     WarmstartConfig,
+    WarmstartMismatch,
     WarmstartReport,
     demonstration_sequences,
+    stored_warmstart,
     synthetic_suite,
     warmstart,
 )
@@ -379,3 +383,82 @@ def test_a_pretrained_init_warm_starts_with_its_template(tmp_path: Path) -> None
     assert report.success_all_before is not None
     _, saved = load_checkpoint(tmp_path / "out")
     assert saved.chat_template == tokenizer.chat_template  # the model's own, kept
+
+
+# --- a stored warm start is reused only for what it was made for -----------------------------
+def recipe(out: Path, **changes: object) -> WarmstartConfig:
+    """``tiny_run``'s config, with ``changes``."""
+    base = {
+        "task": "calc",
+        "output": out,
+        "demos": 200,
+        "sft": SFTConfig(steps=15, batch_size=8),
+        "policy": SMALL,
+        "eval_tasks": 9,
+        "eval_samples": 2,
+    }
+    return WarmstartConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_a_warm_start_records_what_made_it(tiny_run: Run) -> None:
+    record = json.loads((tiny_run.out / RECORD).read_text())
+    assert record["format"] == "trace.warmstart/1" and record["task"] == "calc"
+    assert record["sft"]["steps"] == 15 and record["demos"] == 200 and record["init"] is None
+    assert record["report"]["steps"] == 15
+    assert not tiny_run.out.with_name(f".{tiny_run.out.name}.partial").exists()
+
+
+def test_the_same_recipe_reuses_the_stored_warm_start(tiny_run: Run) -> None:
+    # The evaluation's settings change the report only: the weights are the same.
+    stored = stored_warmstart(tiny_run.out, recipe(tiny_run.out, eval_tasks=3), "a test")
+    assert stored == tiny_run.report
+
+
+@pytest.mark.parametrize(
+    ("changes", "held", "needed"),
+    [
+        ({"task": "calc-mix"}, "task calc", "task calc-mix"),
+        ({"sft": SFTConfig(steps=30, batch_size=8)}, "sft.steps 15", "sft.steps 30"),
+        ({"seed": 3, "demos": 100}, "seed 0, demos 200", "seed 3, demos 100"),
+    ],
+)
+def test_another_recipe_is_refused_naming_the_difference(
+    tiny_run: Run, changes: dict[str, object], held: str, needed: str
+) -> None:
+    with pytest.raises(WarmstartMismatch) as refused:
+        stored_warmstart(tiny_run.out, recipe(tiny_run.out, **changes), "this comparison")
+    message = str(refused.value)
+    assert message == (
+        f"{tiny_run.out} holds the warm start made with {held}; this comparison needs "
+        f"{needed}: use another output folder, or remove {tiny_run.out}"
+    )
+
+
+def test_a_folder_without_a_record_is_neither_reused_nor_written_over(tmp_path: Path) -> None:
+    folder = tmp_path / "policy"
+    assert stored_warmstart(folder, recipe(folder), "a test") is None  # nothing there: make it
+    folder.mkdir()
+    assert stored_warmstart(folder, recipe(folder), "a test") is None  # empty: make it
+    (folder / "config.json").write_text("{}")  # a policy of before the record, or a stranger's
+    with pytest.raises(WarmstartMismatch, match=r"holds files but no warmstart\.json"):
+        stored_warmstart(folder, recipe(folder), "a test")
+    with pytest.raises(WarmstartMismatch, match="is not empty"):
+        warmstart(recipe(folder))
+    assert [p.name for p in folder.iterdir()] == ["config.json"]
+
+
+def test_an_interrupted_warm_start_leaves_only_its_scratch_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "policy"
+    config = recipe(folder, sft=SFTConfig(steps=2, batch_size=4), eval_tasks=1, eval_samples=1)
+
+    def interrupt(what: str) -> None:  # the weights are written, the evaluation not run
+        if what.startswith("evaluating the warm-started policy"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        warmstart(config, stage=interrupt)
+    assert not folder.exists() and folder.with_name(".policy.partial").exists()
+    assert stored_warmstart(folder, config, "a test") is None  # so the next one makes it
+    report = warmstart(config)
+    assert stored_warmstart(folder, config, "a test") == report
+    assert not folder.with_name(".policy.partial").exists()

@@ -78,7 +78,13 @@ def warmstart_command(
     from trace_core.policy.checkpoint import check_checkpoint
     from trace_core.policy.sft import SFTConfig
     from trace_core.train.config import PRETRAINED
-    from trace_core.train.warmstart import PRETRAINED_SFT, WarmstartConfig, set_threads, warmstart
+    from trace_core.train.warmstart import (
+        PRETRAINED_SFT,
+        WarmstartConfig,
+        set_threads,
+        stored_warmstart,
+        warmstart,
+    )
 
     set_threads(threads)
     sft, max_tokens = SFTConfig(steps=steps, seed=seed), 48
@@ -107,14 +113,19 @@ def warmstart_command(
         init=init,
         max_tokens=max_tokens,
     )
-    with progress() as bar:
-        job = bar.add_task("warm start (SFT)", total=sft.steps)
-        report = warmstart(
-            config,
-            progress=lambda step, loss: bar.update(
-                job, completed=step + 1, description=f"warm start (SFT) loss {loss:.3f}"
-            ),
-        )
+    stored = stored_warmstart(output, config, "this warm start")
+    if stored is not None:
+        console.print(f"{output} already holds this warm start (same task and recipe): its report")
+        report = stored
+    else:
+        with progress() as bar:
+            job = bar.add_task("warm start (SFT)", total=sft.steps)
+            report = warmstart(
+                config,
+                progress=lambda step, loss: bar.update(
+                    job, completed=step + 1, description=f"warm start (SFT) loss {loss:.3f}"
+                ),
+            )
     table = Table(
         title=f"{task} warm start: {report.steps} steps in {report.train_seconds:.0f} s, "
         f"final loss {report.final_loss:.3f} → {report.checkpoint}"
@@ -147,14 +158,23 @@ def rollout_demo(
     from trace_core.policy.model import load_checkpoint
     from trace_core.policy.torch_engine import TorchEngine
     from trace_core.rollout.flat import rollout_flat
-    from trace_core.train.warmstart import WarmstartConfig, synthetic_suite, warmstart
+    from trace_core.train.warmstart import (
+        WarmstartConfig,
+        stored_warmstart,
+        synthetic_suite,
+        warmstart,
+    )
 
-    path = checkpoint or Path(f"build/policy/{task}")
     suite = synthetic_suite(task)
-    if not (path / "config.json").exists():
+    path = checkpoint or Path(f"build/policy/{task}")
+    made = WarmstartConfig(task=task, output=path)
+    # A --checkpoint given is the user's to choose; the default one is reused only when it is
+    # the warm start this command would make (task and recipe).
+    chosen = checkpoint is not None and checkpoint.exists()
+    if not chosen and stored_warmstart(path, made, f"rollout-demo --task {task}") is None:
         console.print(f"no policy at {path}: warm-starting one first")
         with console.status("warm start"):
-            warmstart(WarmstartConfig(task=task, output=path))
+            warmstart(made)
     model, tokenizer = load_checkpoint(path)
     fmt = TurnFormat(tokenizer, TurnStyle(suite.instructions))
     tasks = suite.tasks("eval")[:prompts]

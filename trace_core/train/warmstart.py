@@ -21,10 +21,13 @@ reported before and after, so a weak model such as SmolLM2 learns the grammar be
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +50,7 @@ from trace_core.policy.sft import SFTConfig, sft_train
 from trace_core.policy.tokenizer import build_word_tokenizer, padding_id
 from trace_core.policy.torch_engine import TorchEngine
 from trace_core.rollout.flat import rollout_flat
+from trace_core.rollout.weights import SOURCE
 from trace_core.train.config import PRETRAINED
 from trace_core.train.evaluate import parse_rate
 
@@ -197,13 +201,103 @@ def sampled_success(
     )
 
 
+RECORD = "warmstart.json"
+"""What made a warm start (``warmstart_record``) and its report, written into its folder last:
+a folder with it holds a complete warm start."""
+
+RECORD_FORMAT = "trace.warmstart/1"
+
+
+class WarmstartMismatch(ValueError):
+    """A folder that holds something other than the warm start asked for; the message names the
+    folder and the difference."""
+
+
+def warmstart_record(config: WarmstartConfig) -> dict[str, object]:
+    """Everything that decides a warm start's weights: task, seed, demonstrations, the SFT, the
+    tiny policy's shape (a fresh one) or the model it starts from (``init``: its folder, or the
+    URI it was downloaded from). The evaluation's settings change only the report."""
+    return {
+        "format": RECORD_FORMAT,
+        "task": config.task,
+        "seed": config.seed,
+        "demos": config.demos,
+        "sft": asdict(config.sft),
+        "policy": asdict(config.policy) if config.init is None else None,
+        "init": _init_identity(config.init),
+    }
+
+
+def _init_identity(init: Path | None) -> str | None:
+    if init is None:
+        return None
+    downloaded = init / SOURCE  # fetch_model's note of the URI the folder holds
+    return downloaded.read_text().strip() if downloaded.is_file() else str(init.resolve())
+
+
+def stored_warmstart(folder: Path, config: WarmstartConfig, purpose: str) -> WarmstartReport | None:
+    """The report of the warm start stored in ``folder`` when it is the one ``config`` would
+    make (reuse it); None when ``folder`` holds nothing yet (make it). Anything else raises
+    ``WarmstartMismatch`` naming the difference, ``purpose`` (what needs it) and the way out:
+    a stored warm start is never rebuilt over, nor reused for another task or recipe."""
+    record = folder / RECORD
+    if not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
+        return None
+    if not record.is_file():
+        raise WarmstartMismatch(
+            f"{folder} holds files but no {RECORD} saying what made them (a warm start written "
+            f"before warm starts recorded it, or an unfinished one): {purpose} cannot tell "
+            f"whether it fits; remove {folder}, or use another output folder"
+        )
+    try:
+        stored = json.loads(record.read_text())
+        wanted = warmstart_record(config)
+        made, report = {k: stored[k] for k in wanted}, WarmstartReport(**stored["report"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise WarmstartMismatch(f"{record}: not a warm start record ({err})") from None
+    differences = _differences(made, wanted)
+    if differences:
+        held = ", ".join(f"{key} {old}" for key, old, _ in differences)
+        needed = ", ".join(f"{key} {new}" for key, _, new in differences)
+        raise WarmstartMismatch(
+            f"{folder} holds the warm start made with {held}; {purpose} needs {needed}: "
+            f"use another output folder, or remove {folder}"
+        )
+    return report
+
+
+def _differences(
+    stored: Mapping[str, object], wanted: Mapping[str, object], prefix: str = ""
+) -> list[tuple[str, object, object]]:
+    """(dotted key, stored, wanted) for every leaf that differs."""
+    found = []
+    for key in wanted:
+        old, new = stored.get(key), wanted[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append((f"{prefix}{key}", old, new))
+    return found
+
+
 def warmstart(
     config: WarmstartConfig,
     progress: Callable[[int, float], None] | None = None,
     stage: Callable[[str], None] | None = None,
 ) -> WarmstartReport:
     """SFT on the task's demonstrations (``progress(step, loss)`` after each step), then the
-    held-out evaluation (``stage(what)`` before each evaluation)."""
+    held-out evaluation (``stage(what)`` before each evaluation). ``config.output`` must not
+    hold anything yet (``stored_warmstart`` says whether what it holds can be reused); the
+    record that says what made it (``RECORD``) is written last."""
+    target = config.output
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise WarmstartMismatch(
+            f"{target} is not empty: a warm start is written into a folder of its own"
+        )
+    # Built beside the target and renamed into place whole: an interrupted warm start leaves
+    # only its scratch folder, which the next one into the same target starts over.
+    scratch = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
     say = stage or (lambda _what: None)
     suite = synthetic_suite(config.task, config.seed)
     eval_tasks = suite.tasks("eval")[: config.eval_tasks]
@@ -231,13 +325,13 @@ def warmstart(
     start = time.perf_counter()
     losses = sft_train(model, sequences, masks, config.sft, padding_id(tokenizer), progress)
     seconds = time.perf_counter() - start
-    save_checkpoint(model, tokenizer, config.output, dtype=serving)
+    save_checkpoint(model, tokenizer, scratch, dtype=serving)
     engine = TorchEngine(model)
     say(f"evaluating the warm-started policy on {len(eval_tasks)} held-out tasks")
     after = sampled_success(
         engine, fmt, suite, eval_tasks, config.eval_samples, config.seed, config.max_tokens
     )
-    return WarmstartReport(
+    report = WarmstartReport(
         task=config.task,
         checkpoint=str(config.output),
         steps=len(losses),
@@ -250,6 +344,10 @@ def warmstart(
         success_all_before=before.overall if before else None,
         parse_rate_before=before.parse_rate if before else None,
     )
+    record = {**warmstart_record(config), "report": asdict(report)}
+    (scratch / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(scratch, target)  # over an empty folder, or none
+    return report
 
 
 def set_threads(threads: int | None) -> None:
