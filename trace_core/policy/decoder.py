@@ -56,6 +56,44 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+UPSTREAM = (
+    "transformers.PreTrainedModel.config",
+    "transformers.PreTrainedModel.device",
+    "transformers.PreTrainedModel.dtype",
+    "transformers.PreTrainedModel.state_dict",
+    # The configuration read by name; the fields are each architecture's own in transformers 5
+    # (which ones a class lacks is read with getattr and a default, above all rope_theta before
+    # rope_parameters, head_dim and the bias and sliding-window switches).
+    *(
+        f"transformers.{config}.{field}"
+        for config in ("Qwen3Config", "LlamaConfig")
+        for field in (
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "rope_parameters",
+            "hidden_act",
+            "head_dim",
+            "tie_word_embeddings",
+        )
+    ),
+    "torch.nn.functional.rms_norm(input, normalized_shape, /, eps)",
+    "torch.nn.functional.scaled_dot_product_attention(query, key, value, /, attn_mask, enable_gqa)",
+    "torch.nn.functional.silu",
+    "torch.nn.functional.embedding(input, weight, /)",
+    "torch.nn.functional.linear",
+    # torch's tensor functions (torch.addmm, torch.baddbmm, torch.cat, ...) are bound by a loop
+    # over torch._C in torch/__init__.py, which the static check cannot follow: not listed.
+    "torch.no_grad",
+)
+"""What the forward pass calls and reads in torch and transformers (``policy.upstream``: entry
+syntax there)."""
+
 ARCHITECTURES = ("qwen3", "llama")
 """HF ``model_type``s this forward pass runs."""
 

@@ -95,6 +95,15 @@ from trace_core.policy.engine import Completion, EngineStats, SamplingParams, ch
 from trace_core.policy.prefix_cache import Node, PrefixCache
 from trace_core.policy.sampling import prompt_seeds, request_keys
 
+UPSTREAM = (
+    "transformers.PreTrainedModel.config",
+    "transformers.PreTrainedModel.dtype",
+    "torch.nn.utils.rnn.pad_sequence(sequences, /, batch_first)",
+    "torch.nn.functional.pad(input, pad, /)",
+)
+"""What the engine calls in torch and transformers beside ``policy.decoder``'s
+(``policy.upstream``: entry syntax there)."""
+
 # Token slots of one prefill pass. Its activations, ~4 KB per token (the MLP's gate and up
 # halves are the widest), then stay in a core's 2 MB L2 between the elementwise kernels;
 # 512 ran the 64 × 32-token bench prefill in ≈0.8× the time of one 2048-token pass.

@@ -17,6 +17,8 @@ MODULES = (
     "trace_core.policy.sharding",
     "trace_core.policy.weight_sync",
     "trace_core.policy.hf_engine",
+    "trace_core.policy.decoder",
+    "trace_core.policy.torch_engine",
     "trace_core.policy.vllm_engine",
     "trace_core.policy.vllm_batch",
     "trace_core.policy.vllm_worker",
@@ -27,6 +29,7 @@ MODULES = (
     "trace_core.rollout.ray_continuous",
     "trace_core.train.trainer_group",
     "trace_core.train.rayjob",
+    "trace_core.train.steps.session",
 )
 """The modules of the GPU path that keep an ``UPSTREAM`` list."""
 

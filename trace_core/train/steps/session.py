@@ -52,6 +52,10 @@ from trace_core.train.steps.finish import eval_metrics
 from trace_core.train.steps.tracked import log_tracking, open_tracking
 from trace_core.train.tracking import write_tensorboard
 
+UPSTREAM = ("ray.get(object_refs, /)", "ray.actor.ActorMethod.remote")
+"""What the steps call in Ray directly (``policy.upstream``: entry syntax there); the session's
+actors are ``rollout.ray_pool``'s and ``train.trainer_group``'s."""
+
 STATE = "state.json"
 KIND = "trace.run-state"
 MASTER = "master.safetensors"
