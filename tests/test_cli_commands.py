@@ -280,15 +280,13 @@ def test_a_comparison_never_starts_from_another_tasks_warm_start(tmp_path: Path)
     --output: the second is refused with one line naming what differs, before any arm starts,
     and the first's warm start is left as it was."""
     out = tmp_path / "compare"
-    small = (
-        "--strategies", "grpo", "--seeds", "1", "--iterations", "1", "--budget", "4",
-        "--prompts", "8", "--eval-tasks", "3", "--eval-k", "1", "--parallel", "1",
-        "--output", str(out), "--plot", str(tmp_path / "compare.png"),
-    )  # fmt: skip
-    first = trace_rl("compare", "--task", "calc", "--warmstart-steps", "20", *small, cwd=tmp_path)
+    small = "--strategies grpo --seeds 1 --iterations 1 --budget 4 --prompts 8 --eval-tasks 3"
+    small += " --eval-k 1 --parallel 1"
+    small += f" --output {out} --plot {tmp_path / 'compare.png'}"
+    first = trace_rl(*f"compare --task calc --warmstart-steps 20 {small}".split(), cwd=tmp_path)
     assert first.returncode == 0, said(first)[-2000:]
     record = (out / "warmstart" / "warmstart.json").read_bytes()
-    second = trace_rl("compare", "--task", "calc-mix", "--first-seed", "11", *small, cwd=tmp_path)
+    second = trace_rl(*f"compare --task calc-mix --first-seed 11 {small}".split(), cwd=tmp_path)
     assert second.returncode == 2, said(second)[-2000:]
     errors = [line for line in second.stdout.splitlines() if line.startswith("error:")]
     assert errors == [

@@ -11,7 +11,6 @@ small contexts of its own (both fast). The GPU image's check needs vLLM: tests/v
 from __future__ import annotations
 
 import json
-import os
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -25,16 +24,10 @@ from support.image_context import (
     command,
     import_check,
     install_tree,
+    user_env,
 )
 
 DOCKERFILE = REPO / "images" / "trace" / "Dockerfile"
-
-
-def image_env(tmp_path: Path) -> dict[str, str]:
-    """A home of its own, as the image's user has (nothing mounted over it)."""
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    return {**os.environ, "HOME": str(home)}
 
 
 @pytest.mark.slow
@@ -44,7 +37,7 @@ def test_the_image_passes_its_own_import_check(
     venv = installed_image("trace")
     check = import_check(DOCKERFILE)  # RUN python -c "import trace_core.cli, ray, kfp, torch; ..."
     assert "trace_core.cli" in check[-1]
-    done = venv.run(check, cwd=tmp_path, env=image_env(tmp_path))
+    done = venv.run(check, cwd=tmp_path, env=user_env(tmp_path))
     assert done.returncode == 0, f"{check} in {venv.prefix}:\n{done.stderr[-3000:]}"
 
 
@@ -56,7 +49,7 @@ def test_the_image_runs_its_command(
     cmd = command(DOCKERFILE)
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert cmd[0] in scripts and (venv.prefix / "bin" / cmd[0]).is_file(), cmd
-    done = venv.run(cmd, cwd=tmp_path, env=image_env(tmp_path))
+    done = venv.run(cmd, cwd=tmp_path, env=user_env(tmp_path))
     assert done.returncode == 0, f"{cmd} in {venv.prefix}:\n{done.stderr[-3000:]}"
     assert "Usage:" in done.stdout and "run-local" in done.stdout, done.stdout
 
@@ -81,72 +74,75 @@ def test_the_image_installs_every_package_pyproject_ships(
 
 
 # --- .dockerignore, as docker reads it ------------------------------------------------------
-def sent(patterns: str, *paths: str) -> dict[str, bool]:
+def sent_paths(patterns: str, *paths: str) -> dict[str, bool]:
     """Path → whether the context sends it, under ``patterns``."""
     ignore = DockerIgnore.parse(patterns)
     return {path: not ignore.excluded(path) for path in paths}
 
 
+def sends(patterns: str, sent: list[str], dropped: list[str]) -> None:
+    """Under ``patterns``, the context sends every path of ``sent`` and none of ``dropped``."""
+    expected = {**dict.fromkeys(sent, True), **dict.fromkeys(dropped, False)}
+    assert sent_paths(patterns, *expected) == expected
+
+
 def test_an_allow_list_sends_only_what_it_names() -> None:
-    patterns = "*\n!pyproject.toml\n!trace_core/\n!requirements/constraints.txt\n**/__pycache__"
-    assert sent(
-        patterns,
-        "pyproject.toml", "trace_core/cli/app.py", "trace_core/__pycache__/a.pyc",
-        "trace_core/x/__pycache__/b.pyc", "requirements/constraints.txt", "requirements/scan.txt",
-        "pipelines/local.py", "tests/conftest.py", ".venv/bin/python",
-    ) == {
-        "pyproject.toml": True, "trace_core/cli/app.py": True,
-        "trace_core/__pycache__/a.pyc": False, "trace_core/x/__pycache__/b.pyc": False,
-        "requirements/constraints.txt": True, "requirements/scan.txt": False,
-        "pipelines/local.py": False, "tests/conftest.py": False, ".venv/bin/python": False,
-    }  # fmt: skip
+    sends(
+        "*\n!pyproject.toml\n!trace_core/\n!requirements/constraints.txt\n**/__pycache__",
+        sent=["pyproject.toml", "trace_core/cli/app.py", "requirements/constraints.txt"],
+        dropped=[
+            "trace_core/__pycache__/a.pyc",
+            "trace_core/x/__pycache__/b.pyc",
+            "requirements/scan.txt",
+            "pipelines/local.py",
+            "tests/conftest.py",
+            ".venv/bin/python",
+        ],
+    )
 
 
 def test_the_last_matching_line_decides() -> None:
     """Docker's own examples: an exception, then an exclusion it covers, and the reverse."""
-    paths = ("README.md", "README-secret.md", "notes.md", "x/README.md")
-    assert sent("*.md\n!README*.md\nREADME-secret.md", *paths) == {
-        "README.md": True, "README-secret.md": False, "notes.md": False, "x/README.md": True,
-    }  # fmt: skip
-    assert sent("*.md\nREADME-secret.md\n!README*.md", *paths)["README-secret.md"] is True
+    sends(
+        "*.md\n!README*.md\nREADME-secret.md",
+        sent=["README.md", "x/README.md"],
+        dropped=["README-secret.md", "notes.md"],
+    )
+    assert sent_paths("*.md\nREADME-secret.md\n!README*.md", "README-secret.md") == {
+        "README-secret.md": True
+    }
 
 
 def test_double_star_crosses_folders_and_star_does_not() -> None:
-    assert sent("**/*.go", "a.go", "x/a.go", "x/y/a.go", "a.gox") == {
-        "a.go": False, "x/a.go": False, "x/y/a.go": False, "a.gox": True,
-    }  # fmt: skip
-    assert sent("*/temp*", "temp", "somedir/temporary.txt", "somedir/temp/x", "a/b/temp") == {
-        "temp": True, "somedir/temporary.txt": False, "somedir/temp/x": False, "a/b/temp": True,
-    }  # fmt: skip
-    assert sent("temp?", "tempa", "tempab", "x/tempa") == {
-        "tempa": False, "tempab": True, "x/tempa": True,
-    }  # fmt: skip
-    assert sent("docs/**", "docs", "docs/a.md", "docs/x/y.md") == {
-        "docs": True, "docs/a.md": False, "docs/x/y.md": False,
-    }  # fmt: skip
-    assert not any(sent("**", "a", "x/y/z").values())
-    assert sent("a/**/b", "a/b", "a/x/b", "a/x/y/b", "a/xb") == {
-        "a/b": False, "a/x/b": False, "a/x/y/b": False, "a/xb": True,
-    }  # fmt: skip
+    sends("**/*.go", sent=["a.gox"], dropped=["a.go", "x/a.go", "x/y/a.go"])
+    sends(
+        "*/temp*",
+        sent=["temp", "a/b/temp"],
+        dropped=["somedir/temporary.txt", "somedir/temp/x"],
+    )
+    sends("temp?", sent=["tempab", "x/tempa"], dropped=["tempa"])
+    sends("docs/**", sent=["docs"], dropped=["docs/a.md", "docs/x/y.md"])
+    assert not any(sent_paths("**", "a", "x/y/z").values())
+    sends("a/**/b", sent=["a/xb"], dropped=["a/b", "a/x/b", "a/x/y/b"])
 
 
 def test_a_folder_excluded_excludes_its_contents_unless_put_back() -> None:
-    assert sent("build", "build", "build/x/y.txt", "builder/a") == {
-        "build": False, "build/x/y.txt": False, "builder/a": True,
-    }  # fmt: skip
-    assert sent("build/\n!build/keep/", "build/keep/a", "build/other/a", "build/top") == {
-        "build/keep/a": True, "build/other/a": False, "build/top": False,
-    }  # fmt: skip
+    sends("build", sent=["builder/a"], dropped=["build", "build/x/y.txt"])
+    sends(
+        "build/\n!build/keep/",
+        sent=["build/keep/a"],
+        dropped=["build/other/a", "build/top"],
+    )
 
 
 def test_lines_are_cleaned_as_docker_cleans_them() -> None:
     """Leading ``/`` and ``./`` dropped, ``..`` resolved, spaces trimmed; ``#`` in column 1
     only starts a comment."""
     for pattern in ("/docs", "./docs", "  docs/  ", "x/../docs", "//docs"):
-        assert sent(pattern, "docs/a.md", "src/docs") == {"docs/a.md": False, "src/docs": True}
-    assert sent("# docs\n", "# docs", "docs") == {"# docs": True, "docs": True}
-    assert sent(" # docs\n", "# docs") == {"# docs": False}
-    assert sent("\\*literal", "*literal", "xliteral") == {"*literal": False, "xliteral": True}
+        sends(pattern, sent=["src/docs"], dropped=["docs/a.md"])
+    assert sent_paths("# docs\n", "# docs", "docs") == {"# docs": True, "docs": True}
+    assert sent_paths(" # docs\n", "# docs") == {"# docs": False}
+    assert sent_paths("\\*literal", "*literal", "xliteral") == {"*literal": False, "xliteral": True}
     with pytest.raises(ValueError, match="illegal exclusion"):
         DockerIgnore.parse("!\n")
 
@@ -161,7 +157,7 @@ def test_the_walk_goes_into_an_excluded_folder_only_for_an_exception(tmp_path: P
 
 
 # --- COPY, replayed -------------------------------------------------------------------------
-def context(root: Path, dockerfile: str, dockerignore: str, *files: str) -> Path:
+def context(root: Path, dockerfile: str, dockerignore: str, files: list[str]) -> Path:
     for name in files:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(name)
@@ -173,12 +169,21 @@ def context(root: Path, dockerfile: str, dockerignore: str, *files: str) -> Path
 def test_copy_takes_a_folders_contents_into_dest_relative_to_workdir(tmp_path: Path) -> None:
     dockerfile = context(
         tmp_path / "context",
-        "FROM x AS build\nCOPY junk /junk\nFROM y\nWORKDIR /opt\nWORKDIR src\n"
+        dockerfile="FROM x AS build\nCOPY junk /junk\nFROM y\nWORKDIR /opt\nWORKDIR src\n"
         "COPY --from=build /junk /junk\nCOPY pkg pkg\nCOPY a.toml b.md ./\nCOPY c.txt conf\n"
-        "COPY [\"lib\", \"vendor/\"]\nRUN pip install --no-cache-dir '.[extra]'\nCOPY late late\n",
-        "*\n!pkg\n!*.toml\n!b.md\n!c.txt\n!lib\n**/*.pyc\n",
-        "pkg/__init__.py", "pkg/m.pyc", "a.toml", "b.md", "c.txt", "lib/l.py", "late", "junk",
-    )  # fmt: skip
+        'COPY ["lib", "vendor/"]\nRUN pip install --no-cache-dir \'.[extra]\'\nCOPY late late\n',
+        dockerignore="*\n!pkg\n!*.toml\n!b.md\n!c.txt\n!lib\n**/*.pyc\n",
+        files=[
+            "pkg/__init__.py",
+            "pkg/m.pyc",
+            "a.toml",
+            "b.md",
+            "c.txt",
+            "lib/l.py",
+            "late",
+            "junk",
+        ],
+    )
     tree = install_tree(dockerfile, tmp_path / "image", context=dockerfile.parent)
     assert tree == tmp_path / "image" / "opt" / "src"
     found = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file())
@@ -187,9 +192,11 @@ def test_copy_takes_a_folders_contents_into_dest_relative_to_workdir(tmp_path: P
 
 def test_copy_of_what_the_context_lacks_fails(tmp_path: Path) -> None:
     dockerfile = context(
-        tmp_path, "FROM x\nWORKDIR /src\nCOPY pkg pkg\nCOPY tools tools\nRUN pip install .\n",
-        "*\n!pkg/\n", "pkg/a.py", "tools/b.py",
-    )  # fmt: skip
+        tmp_path,
+        dockerfile="FROM x\nWORKDIR /src\nCOPY pkg pkg\nCOPY tools tools\nRUN pip install .\n",
+        dockerignore="*\n!pkg/\n",
+        files=["pkg/a.py", "tools/b.py"],
+    )
     with pytest.raises(NotInContext, match="COPY tools: not in the build context"):
         install_tree(dockerfile, tmp_path / "image", context=tmp_path)
 
@@ -213,6 +220,6 @@ def test_the_image_compiles_the_committed_pipeline(
     venv = installed_image("trace")
     output = tmp_path / "trace_training.yaml"
     cmd = ["trace-rl", "pipeline", "compile", "--output", str(output)]
-    done = venv.run(cmd, cwd=tmp_path, env=image_env(tmp_path))
+    done = venv.run(cmd, cwd=tmp_path, env=user_env(tmp_path))
     assert done.returncode == 0, f"{cmd} in {venv.prefix}:\n{done.stderr[-3000:]}"
     assert output.read_text() == (REPO / "pipelines/compiled/trace_training.yaml").read_text()

@@ -35,9 +35,8 @@ def test_every_entry_holds_in_the_gpu_images_releases(image: WheelSource) -> Non
         assert image.releases[package] == f"{package} {pins[package]}"
     checked = upstream.entries(platform="cuda")
     assert sum(e.parameters for e in checked) > 50
-    assert {e.name.split(".")[0] for e in checked} == {
-        "vllm", "torch", "transformers", "ray", "safetensors",
-    }  # fmt: skip
+    packages = {"vllm", "torch", "transformers", "ray", "safetensors"}
+    assert {e.name.split(".")[0] for e in checked} == packages
     assert unresolved(image) == []
 
 

@@ -13,5 +13,6 @@
 - ``image_context``: an image's build context as docker sends it, installed apart from the
   checkout (the images' import checks, the local pipeline's steps)
 - ``upstream_source``: the GPU image's pinned wheels, downloaded once, for the upstream check
+- ``locks``: one pytest worker at a time through a block (filling a cache under build/)
 - ``sync_worker``: an engine process for the weight-sync test
 """

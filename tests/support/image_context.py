@@ -420,6 +420,14 @@ class ImageVenv:
             raise RuntimeError(f"{self.python}: the checkout is on its path: {seen}")
 
 
+def user_env(tmp_path: Path) -> dict[str, str]:
+    """This environment with a home of its own under ``tmp_path``, as the image's user has
+    (nothing mounted over it)."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**os.environ, "HOME": str(home)}
+
+
 def image_venv(dockerfile: Path) -> ImageVenv:
     """The venv of ``dockerfile``'s package: from the cache when its install tree is the
     same, else built (under a lock) and checked."""
@@ -473,10 +481,8 @@ def _build(tree: Path, venv: ImageVenv, work: Path) -> None:
     _run([sys.executable, "-m", "venv", venv.prefix], work, env)
     install = [venv.python, "-m", "pip", "install", "--no-deps", "--no-index", wheel]
     _run(install, work, env)  # before the .pth: pip must not see this environment's trace-rl
-    site = Path(
-        _run([venv.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-             work, env).stdout.strip()
-    )  # fmt: skip
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([venv.python, "-c", purelib], work, env).stdout.strip())
     (site / "_image_requirements.pth").write_text(f"{SUITE_SITE}\n")
     _copy_scripts(venv)
 
@@ -519,10 +525,10 @@ def _copy_scripts(venv: ImageVenv) -> None:
 def _run(
     argv: Sequence[object], cwd: Path, env: Mapping[str, str]
 ) -> subprocess.CompletedProcess[str]:
+    command = [str(a) for a in argv]
     done = subprocess.run(
-        [str(a) for a in argv], cwd=cwd, env=dict(env), capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+        command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=600
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, argv))} failed:\n{done.stdout}\n{done.stderr}")
     return done

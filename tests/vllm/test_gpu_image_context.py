@@ -7,7 +7,6 @@ the image's CMD."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,18 +14,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from support.image_context import REPO, ImageVenv, command, import_check
+from support.image_context import REPO, ImageVenv, command, import_check, user_env
 
 pytestmark = pytest.mark.slow  # a wheel and a venv the first time; importing vLLM
 
 DOCKERFILE = REPO / "images" / "trace-gpu" / "Dockerfile"
-
-
-def image_env(tmp_path: Path) -> dict[str, str]:
-    """A home of its own, as the image's user has."""
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    return {**os.environ, "HOME": str(home)}
 
 
 def test_the_gpu_image_passes_its_own_import_check(
@@ -35,7 +27,7 @@ def test_the_gpu_image_passes_its_own_import_check(
     venv = installed_image("trace-gpu")
     check = import_check(DOCKERFILE)  # RUN python3 -c "import trace_core.cli, ray, vllm"
     assert "trace_core.cli" in check[-1] and "vllm" in check[-1]
-    done = venv.run(check, cwd=tmp_path, env=image_env(tmp_path), timeout=600)
+    done = venv.run(check, cwd=tmp_path, env=user_env(tmp_path), timeout=600)
     assert done.returncode == 0, f"{check} in {venv.prefix}:\n{done.stderr[-3000:]}"
 
 
@@ -45,6 +37,6 @@ def test_the_gpu_image_runs_its_command(
     venv = installed_image("trace-gpu")
     cmd = command(DOCKERFILE)  # CMD ["trace-rl", "--help"]
     assert (venv.prefix / "bin" / cmd[0]).is_file(), cmd
-    done = venv.run(cmd, cwd=tmp_path, env=image_env(tmp_path))
+    done = venv.run(cmd, cwd=tmp_path, env=user_env(tmp_path))
     assert done.returncode == 0, f"{cmd} in {venv.prefix}:\n{done.stderr[-3000:]}"
     assert "Usage:" in done.stdout, done.stdout
