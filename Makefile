@@ -128,10 +128,11 @@ push: ## Push both images (after make images)
 	$(call image_cmd,push $(TRACE_IMAGE))
 	$(call image_cmd,push $(TRACE_GPU_IMAGE))
 
-# After editing components/images.env: the kustomize images component, the compiled pipeline and the
+# After editing components/images.env (or with REGISTRY=registry.example.com/ml, which moves both
+# images there first): the kustomize images component, the compiled pipeline and the
 # Argo manifests name the new references (pipelines/regenerate.py).
-manifests: setup ## Rewrite everything that names the images from components/images.env
-	$(BIN)/python -m pipelines.regenerate
+manifests: setup ## Rewrite everything that names the images from components/images.env (REGISTRY=host/path: move them there first)
+	$(BIN)/python -m pipelines.regenerate $(if $(REGISTRY),--registry '$(REGISTRY)')
 
 bench: setup ## Benchmarks: allocator speed (DP vs fast), engine speed, allocation, storage, parsing
 	@mkdir -p $(OUT)

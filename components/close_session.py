@@ -6,7 +6,7 @@ from kfp.dsl import Artifact, Input, Metrics, Output
 from components.images import image
 
 
-@dsl.component(base_image=image("TRACE_IMAGE"), install_kfp_package=False)
+@dsl.component(base_image=image("TRACE_GPU_IMAGE"), install_kfp_package=False)
 def close_session(
     config_json: str,
     state: Input[Artifact],

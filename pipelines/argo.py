@@ -32,8 +32,10 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
   never backfills missed schedules (KFP's ``no_catchup``).
 - open-session and the iterations run in TRACE_GPU_IMAGE with ``nvidia.com/gpu`` limits on GPU
   nodes whose NVIDIA driver runs the image's CUDA 13 (``components.images.gpu_node_affinity``,
-  the rule and taint of ``manifests/base/gpu-nodes.yaml``); the others in
-  TRACE_IMAGE. With a Ray cluster (``ray_address`` or ``ray_jobs_url``) the GPUs are the
+  the rule and taint of ``manifests/base/gpu-nodes.yaml``); close-session in TRACE_GPU_IMAGE
+  too, without GPUs (it talks to Ray: the cluster's Python and Ray); the others in
+  TRACE_IMAGE. Every step's two scratch volumes come with an ephemeral-storage request of their
+  size. With a Ray cluster (``ray_address`` or ``ray_jobs_url``) the GPUs are the
   cluster's and the pods' idle: regenerate with ``ArgoOptions(gpus=0)`` for that setup.
 - Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``trace-s3`` and
   RAY_AUTH_TOKEN from ``trace-ray-auth`` (``valueFrom.secretKeyRef``); the S3 endpoint and region
@@ -85,6 +87,11 @@ RAY_SECRET = "trace-ray-auth"  # key auth_token (manifests/secrets/ray-auth)
 SETTINGS = "trace-rl-settings"  # ConfigMap: AWS_ENDPOINT_URL_S3, AWS_REGION (manifests/base)
 SERVICE_ACCOUNT = "trace-pipeline"  # may only report step outputs (manifests/base/rbac.yaml)
 GPU_STEPS = ("open-session", "iterate")
+RAY_STEPS = (*GPU_STEPS, "close-session")
+"""The steps that talk to the Ray cluster: they run its image (one Python and one Ray)."""
+SCRATCH = ("20Gi", "20Gi")
+"""The emptyDir sizes of a step's /tmp and $HOME; its ephemeral-storage request is their sum
+and 1 Gi for the container's logs and writable layer (the root filesystem is read-only)."""
 OUT = "/tmp/outputs"  # where steps write the small values Argo reads as output parameters
 
 # The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list),
@@ -207,7 +214,7 @@ def _container(
     gpus = options.gpus if gpu else 0
     return Container(
         name=name,
-        image=options.gpu_image if gpu else options.image,
+        image=options.gpu_image if name in RAY_STEPS else options.image,
         image_pull_policy="Always",
         annotations=CHECKOV_SKIPS,
         command=["trace-rl"],
@@ -224,6 +231,8 @@ def _container(
             memory_request=size.memory,
             memory_limit=size.memory_limit,
             gpus=gpus or None,
+            ephemeral_request=_ephemeral(),
+            ephemeral_limit=_ephemeral(),
         ),
         security_context=m.SecurityContext(
             run_as_non_root=True,
@@ -241,8 +250,8 @@ def _container(
             seccomp_profile=m.SeccompProfile(type="RuntimeDefault"),
         ),
         volumes=[
-            EmptyDirVolume(name="tmp", mount_path="/tmp", size_limit="20Gi"),
-            EmptyDirVolume(name="home", mount_path="/home/trace", size_limit="20Gi"),
+            EmptyDirVolume(name="tmp", mount_path="/tmp", size_limit=SCRATCH[0]),
+            EmptyDirVolume(name="home", mount_path="/home/trace", size_limit=SCRATCH[1]),
         ],
         affinity=m.Affinity(node_affinity=m.NodeAffinity.model_validate(gpu_node_affinity()))
         if gpus
@@ -253,6 +262,11 @@ def _container(
             else None
         ),
     )
+
+
+def _ephemeral() -> str:
+    """A step's ephemeral storage: its two scratch volumes and 1 Gi, in Gi."""
+    return f"{sum(int(size.removesuffix('Gi')) for size in SCRATCH) + 1}Gi"
 
 
 def _folders(*names: str, flag: str) -> list[str]:

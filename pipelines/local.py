@@ -122,7 +122,10 @@ def run_local(
     logging.getLogger("kfp").setLevel(logging.WARNING)  # the steps' own output still streams
     before = set(root.iterdir())
     options = PipelineOptions(
-        iterations=run.params.iterations, gpu_requests=False, s3_endpoint=run.s3_endpoint
+        iterations=run.params.iterations,
+        gpu_requests=False,
+        s3_endpoint=run.s3_endpoint,
+        ray_jobs_url="",  # the run names its own Ray head (ray_address), or none
     )
     pipeline = build_pipeline(options)
     p = run.params

@@ -67,13 +67,47 @@ from components import (
     report,
     warmstart,
 )
+from components.cluster import DEFAULT_S3_ENDPOINT, DEFAULT_STORE_URI
 from components.images import check_images, gpu_node_affinity
 from components.images import image as image_of
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
 GPU_NODE_AFFINITY = gpu_node_affinity()
-"""The run parameter gpu_node_affinity's default: GPU nodes whose driver runs the GPU image."""
+"""The run parameter gpu_node_affinity's default without a Ray cluster: GPU nodes whose driver
+runs the GPU image."""
+RAY_JOBS_URL = "http://trace-rl-head-svc.trace-rl.svc.cluster.local:8265"
+"""The dashboard of the RayCluster ``trace-rl`` in namespace ``trace-rl`` (manifests/base):
+KubeRay names the head's Service ``<cluster>-head-svc``; 8265 is Ray's job API."""
+
+
+@dataclass(frozen=True)
+class StepResources:
+    """A step pod's CPU and memory (Kubernetes quantities): requests, then limits."""
+
+    cpu: str
+    memory: str
+    cpu_limit: str
+    memory_limit: str
+
+
+STEP_RESOURCES: Mapping[str, StepResources] = {
+    # The run parameters → config and prompts: BFCL's 799 tasks and their ground truth in memory.
+    "prep": StepResources("500m", "1Gi", "1", "2Gi"),
+    # SFT of the tiny calc policy (0.37 M parameters, ≈ 2.5 min on 2 cores); a base model's warm
+    # start (warmstart_init) runs here too: up to SmolLM2-360M in fp32 with AdamW (16 bytes a
+    # parameter: 5.8 GB) and activations → 16 Gi. Larger base models warm-start elsewhere.
+    "warmstart": StepResources("2", "4Gi", "4", "16Gi"),
+    # References, not weights: the base model's tokenizer and config, the predictor (a few MB).
+    "load": StepResources("500m", "1Gi", "1", "2Gi"),
+    # The session's steps: with a Ray cluster they submit a Ray job and follow its log (an HTTP
+    # client: requests); without one, the run's actors live in the pod: the tiny policy's
+    # session (2 CPUs, 8 Gi, docs/deploy.md's sizing table) fits the limits.
+    "session": StepResources("500m", "1Gi", "2", "8Gi"),
+    # The HTML tree view and the summary from the last iteration's trees (one Parquet file).
+    "report": StepResources("500m", "1Gi", "1", "4Gi"),
+}
+"""Every step pod's requests and limits, by step (the session's steps share one entry)."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +116,22 @@ class PipelineOptions:
 
     iterations: int = 4
     """K: rollout → fit/update iterations, unrolled into the DAG."""
+    ray_jobs_url: str = RAY_JOBS_URL
+    """The run parameter ray_jobs_url's default: the Ray head the kfp overlay deploys, so a run
+    submitted without it trains on the cluster. Empty: runs start without a Ray cluster (each
+    step starts Ray in its own pod) unless a run names one. It also sets the GPU defaults: with
+    a cluster the GPUs are its workers', so the steps' run parameter ``gpus`` defaults to 0 and
+    ``gpu_node_affinity`` to none; without one, to 1 and a GPU node whose driver runs the GPU
+    image."""
+    store_uri: str = DEFAULT_STORE_URI
+    """The run parameter store_uri's default: where runs keep their checkpoints and trees."""
     gpu_requests: bool = True
     """Give open-session and the iterate steps the GPU request of the run parameters ``gpus``
     and ``accelerator``. KFP's local runner cannot resolve run parameters in a resource request
     (and ignores GPU requests anyway): ``run_local`` builds with False, nothing else differs."""
-    s3_endpoint: str = "http://seaweedfs.kubeflow:9000"
-    """AWS_ENDPOINT_URL_S3 of every step (KFP's SeaweedFS); empty: leave the variable alone."""
+    s3_endpoint: str = DEFAULT_S3_ENDPOINT
+    """AWS_ENDPOINT_URL_S3 of every step: KFP's SeaweedFS, at the address every supported KFP
+    release serves it on (``components.cluster``); empty: leave the variable alone."""
     s3_secret_keys: Mapping[str, str] = field(
         default_factory=lambda: {
             "accesskey": "AWS_ACCESS_KEY_ID",
@@ -106,7 +150,14 @@ class PipelineOptions:
     def __post_init__(self) -> None:
         if self.iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {self.iterations}")
+        if self.ray_jobs_url and not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", self.ray_jobs_url):
+            raise ValueError(
+                f"ray_jobs_url {self.ray_jobs_url!r}: expected http(s)://host:port (the Ray "
+                "head's dashboard), or empty for no cluster"
+            )
         check_images(self.image, self.gpu_image, self.image_pull_secrets)
+        if self.store_uri and not self.store_uri.startswith("s3://"):
+            raise ValueError(f"store_uri {self.store_uri!r}: expected s3://bucket/prefix")
         if self.s3_endpoint and not self.s3_endpoint.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint {self.s3_endpoint!r}: expected http(s)://host:port")
 
@@ -134,18 +185,18 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         seed: int = 0,
         checkpoint_every: int = 5,
         ray_address: str = "",
-        ray_jobs_url: str = "",
+        ray_jobs_url: str = opts.ray_jobs_url,
         engine: str = "torch",
         rollout_workers: int = 0,
         gpus_per_worker: float = 0.0,
         run_name: str = "",
-        store_uri: str = "",
+        store_uri: str = opts.store_uri,
         settings_json: str = "{}",
         mlflow_tracking_uri: str = "",
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
-        gpu_node_affinity: dict = GPU_NODE_AFFINITY,
+        gpu_node_affinity: dict = {} if opts.ray_jobs_url else GPU_NODE_AFFINITY,  # noqa: B006
         gpu_tolerations: list = [],  # noqa: B006
-        gpus: int = 1,
+        gpus: int = 0 if opts.ray_jobs_url else 1,
         accelerator: str = "nvidia.com/gpu",
         s3_secret: str = "mlpipeline-minio-artifact",
         ray_auth_secret: str = "trace-ray-auth",
@@ -154,7 +205,11 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
             task: PipelineTask, name: str, gpu: bool = False, uses_ray: bool = False
         ) -> PipelineTask:
             task.set_display_name(name)
-            task.set_container_image(opts.gpu_image if gpu else opts.image)
+            # The steps that talk to Ray run the cluster's image: one Python and one Ray.
+            task.set_container_image(opts.gpu_image if gpu or uses_ray else opts.image)
+            sizes = STEP_RESOURCES["session" if gpu or uses_ray else name]
+            task.set_cpu_request(sizes.cpu).set_memory_request(sizes.memory)
+            task.set_cpu_limit(sizes.cpu_limit).set_memory_limit(sizes.memory_limit)
             if opts.image_pull_secrets:
                 kubernetes.set_image_pull_secrets(task, list(opts.image_pull_secrets))
             kubernetes.use_secret_as_env(task, s3_secret, dict(opts.s3_secret_keys), True)

@@ -13,21 +13,19 @@ A command in the guide that no rule accounts for fails the test, so a new one ca
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from support.commands import commands
 from support.kfp_standin import API, StandIn, serving
+from support.printed import CLUSTER, HOST, KUSTOMIZE, RUN, S3_ENV, run_printed
 from support.repo_copy import REPO, repository_copy
 
 GUIDE = REPO / "docs" / "deploy.md"
-RUN, KUSTOMIZE, HOST, CLUSTER = "run", "kustomize", "host", "cluster"
 
 # (pattern, what the test does, why) for each command of the guide.
 RULES: list[tuple[str, str, str]] = [
@@ -39,7 +37,7 @@ RULES: list[tuple[str, str, str]] = [
     (r'echo "auth_token=\$\(openssl rand -hex 32\)" > \S+', RUN, ""),
     (
         r"kubectl -n kubeflow get secret mlpipeline-minio-artifact .*",
-        CLUSTER,
+        S3_ENV,
         "reads KFP's Secret from a cluster; here s3.env is made from its example",
     ),
     (r"kubectl apply -k (\S+)", KUSTOMIZE, "applies to a cluster; here built offline"),
@@ -76,18 +74,6 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     repo = repository_copy(tmp_path / "repo")
     home = tmp_path / "home"
     home.mkdir()
-    bin_dir = str(Path(sys.executable).parent)
-    env = {
-        "HOME": str(home),
-        "LANG": "C.UTF-8",
-        # The copy's code, not the checkout's the venv was installed from (the commands write
-        # beside their modules: manifests/argo, pipelines/compiled).
-        "PYTHONPATH": str(repo),
-        # The shell of a fresh terminal: the venv's scripts are not on PATH until activated.
-        "PATH": os.pathsep.join(
-            p for p in os.environ["PATH"].split(os.pathsep) if p and p != bin_dir
-        ),
-    }
     lines = commands(GUIDE.read_text())
     checkout = [
         REPO / "manifests/argo/workflowtemplate.yaml",
@@ -95,39 +81,18 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     ]
     before = [path.stat().st_mtime_ns for path in checkout]
     with serving(StandIn()) as kfp:
-        script = ["set -u"]
-        for n, command in enumerate(lines):
-            _, what, _ = rule_of(command)
-            if what == RUN:
-                script.append(command)
-            elif what == HOST:
-                script.append(f"export KFP_HOST={kfp.url}")
-            elif what == KUSTOMIZE:
-                folder = re.fullmatch(r"kubectl apply -k (\S+)", command)[1]  # type: ignore[index]
-                script.append(f"kubectl kustomize {folder} > build/kustomize-{n}.yaml")
-            elif "mlpipeline-minio-artifact" in command:
-                script.append("cp manifests/secrets/s3/s3.env.example manifests/secrets/s3/s3.env")
-            else:
-                script.append(":")
-            script.append(f'echo "@@ {n} $?"')
-        (repo / "build").mkdir(exist_ok=True)
-        done = subprocess.run(
-            ["bash", "-c", "\n".join(script)],
-            cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-    output = done.stdout + done.stderr
+        ran = run_printed(repo, lines, lambda command: rule_of(command)[1], kfp.url, home)
+    output = ran.output
     assert [path.stat().st_mtime_ns for path in checkout] == before, "wrote into the checkout"
-    status = {int(n): int(s) for n, s in re.findall(r"^@@ (\d+) (\d+)$", done.stdout, re.M)}
-    assert sorted(status) == list(range(len(lines))), output[-3000:]
     engine = shutil.which("buildah") or (
         shutil.which("docker")
         and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
     )
     for n, command in enumerate(lines):
         if command == "make images push" and not engine:
-            assert status[n] != 0 and "no container engine" in output, output[-3000:]
+            assert ran.status[n] != 0 and "no container engine" in output, output[-3000:]
         else:
-            assert status[n] == 0, (command, output[-3000:])
+            assert ran.status[n] == 0, (command, output[-3000:])
 
     # What the commands made: the Ray token, the compiled package with the pull secret, the
     # Argo manifests for the choices, the overlays' builds.

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import printed
 from support.commands import commands
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +36,7 @@ the pages."""
 RUN = "run as printed here"
 SMALLER = "the same command with smaller settings"
 CLUSTER = "needs a cluster: its part that runs here is tested"
+BLOCK = "run as printed, in the cluster block's order (test_the_cluster_block_runs)"
 
 # (pattern, how, the test that runs it, why not as printed in the suite)
 RULES: list[tuple[str, str, str, str]] = [
@@ -75,6 +77,12 @@ RULES: list[tuple[str, str, str, str]] = [
         "as printed",
         "policy/test_model_cli.py",
         "",
+    ),
+    (
+        r"trace-rl model upload build/models/smollm2 s3://\S+",
+        SMALLER,
+        "train/test_step_cli.py",
+        "the tiny policy, to the test's SeaweedFS; its printed --param runs as printed",
     ),
     (
         r"trace-rl prep --task calc --split train --output build/prompts/calc-train.parquet",
@@ -162,7 +170,16 @@ RULES: list[tuple[str, str, str, str]] = [
         "bench/test_store_bench.py",
         "1,000 trees and a 1M-node query",
     ),
+    (r"make manifests REGISTRY=\S+", BLOCK, "", ""),
+    (r"source \.venv/bin/activate", BLOCK, "", ""),
+    (r'echo "auth_token=\$\(openssl rand -hex 32\)" > \S+', BLOCK, "", ""),
     (r"make images push", CLUSTER, "images/test_dockerfiles.py", "a container engine, a registry"),
+    (
+        r"kubectl -n kubeflow get secret mlpipeline-minio-artifact .*",
+        CLUSTER,
+        "",
+        "reads KFP's Secret; the cluster block's test makes s3.env from its example",
+    ),
     (r"kubectl -n kubeflow port-forward .*", CLUSTER, "", "a cluster's service"),
     (r"set -a; \. manifests/secrets/s3/s3\.env; set \+a", CLUSTER, "", "the cluster's keys"),
     (r"export AWS_ENDPOINT_URL_S3=\S+", CLUSTER, "", "the port-forward above"),
@@ -172,10 +189,10 @@ RULES: list[tuple[str, str, str, str]] = [
         "store/test_inspect.py",
         "the test's bucket is on a SeaweedFS it starts",
     ),
-    (r"export KFP_HOST=\S+", CLUSTER, "docs/test_deploy_guide.py", "KFP there is a stand-in"),
+    (r"export KFP_HOST=\S+", CLUSTER, "", "the cluster block's test: a stand-in KFP"),
     (
         r"trace-rl pipeline (compile|upload|run|schedule|runs)( .*)?",
-        "as in the deploy guide",
+        "in the cluster block's order, or as in the deploy guide",
         "docs/test_deploy_guide.py",
         "against a stand-in KFP API",
     ),
@@ -243,3 +260,64 @@ def test_runs_as_printed(command: str, tmp_path: Path) -> None:
         command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+
+
+def cluster_block() -> list[str]:
+    """The commands of the README's "Running on a cluster" block, in order."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Running on a cluster") :]
+    return commands(section[: section.index("\n## ", 1)])
+
+
+def printed_how(command: str) -> str:
+    """What the cluster block's test does with ``command`` (``support.printed``)."""
+    if re.fullmatch(r"export KFP_HOST=\S+", command):
+        return printed.HOST
+    if re.fullmatch(r"kubectl apply -k \S+", command):
+        return printed.KUSTOMIZE
+    if "get secret mlpipeline-minio-artifact" in command:
+        return printed.S3_ENV
+    if command.startswith("kubectl "):
+        return printed.CLUSTER
+    return printed.RUN  # make images push too: it fails here naming what it cannot run
+
+
+@pytest.mark.slow
+def test_the_cluster_block_runs(tmp_path: Path) -> None:
+    """The block as printed, in a fresh terminal in a copy of the repository: up to the first
+    command that needs a cluster everything runs (the registry moved, the venv, the Ray token),
+    and past it what can run here does (the overlay built offline, upload, run and schedule
+    against a stand-in KFP API with the compiled package's defaults: the kfp overlay's Ray
+    cluster, no GPU in the step pods, KFP's store)."""
+    from support.kfp_standin import API, StandIn, serving
+    from support.repo_copy import repository_copy
+
+    from pipelines.trace_training import PipelineOptions
+
+    lines = cluster_block()
+    hows = [printed_how(command) for command in lines]
+    first = hows.index(printed.CLUSTER) if printed.CLUSTER in hows else len(lines)
+    assert "make manifests REGISTRY=" in lines[0] and first >= 3, lines
+    repo = repository_copy(tmp_path / "repo")
+    (tmp_path / "home").mkdir()
+    with serving(StandIn()) as kfp:
+        ran = printed.run_printed(repo, lines, printed_how, kfp.url, tmp_path / "home")
+    for n, command in enumerate(lines):
+        if command == "make images push":
+            assert ran.status[n] != 0 and "no container engine" in ran.output, ran.output[-3000:]
+        else:
+            assert ran.status[n] == 0, (command, ran.output[-1500:])
+    registry = re.search(r"REGISTRY=(\S+)", lines[0])[1]  # type: ignore[index]
+    images = (repo / "components/images.env").read_text()
+    assert f"TRACE_IMAGE={registry}/trace:" in images
+    assert f"TRACE_GPU_IMAGE={registry}/trace-gpu:" in images
+    assert f"{registry}/trace-gpu" in (repo / "pipelines/compiled/trace_training.yaml").read_text()
+    started = [r.body for r in kfp.requests if (r.method, r.path) == ("POST", f"{API}/runs")]
+    (run,) = started
+    sent = run["runtime_config"]["parameters"]  # type: ignore[index]
+    defaults = PipelineOptions()
+    uploaded = kfp.last("POST", f"{API}/pipelines/upload")
+    assert uploaded is not None
+    assert sent["run_name"] == "calc-1" and sent["budget"] == 64
+    assert defaults.ray_jobs_url and "ray_jobs_url" not in sent  # the package's default
+    assert kfp.last("POST", f"{API}/recurringruns") is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,19 +166,62 @@ def test_no_host_access(built: render.Builds, overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", render.OVERLAYS)
 def test_tokens_only_where_the_api_is_used(built: render.Builds, overlay: str) -> None:
-    """Only the Ray head (its autoscaler) and the Argo steps (their executor) get a token."""
+    """Only the Argo steps (their executor) get a token by automounting; the Ray head's
+    autoscaler gets its own by a volume (next test)."""
     accounts = {o["metadata"]["name"]: o for o in built[overlay] if o["kind"] == "ServiceAccount"}
-    assert accounts["trace-ray-worker"].get("automountServiceAccountToken") is False
+    for name in ("trace-ray-worker", "trace-ray-head"):
+        assert accounts[name].get("automountServiceAccountToken") is False, name
     for obj in built[overlay]:
         for pod in render.pod_templates(obj):
             mounted = pod.spec.get("automountServiceAccountToken")
             if mounted is None:
                 account = accounts.get(pod.spec.get("serviceAccountName", "default"), {})
                 mounted = account.get("automountServiceAccountToken", True)
-            uses_api = obj["kind"] in render.ARGO_KINDS or pod.source.endswith(", head")
-            assert mounted is False or uses_api, (
+            assert mounted is False or obj["kind"] in render.ARGO_KINDS, (
                 f"{overlay}: {pod.source} mounts a service account token it has no use for"
             )
+
+
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where Ray's autoscaler reads the token and the cluster's CA (ray/autoscaler/_private/kuberay/
+node_provider.py: IN_CLUSTER_TOKEN_PATH, IN_CLUSTER_CA_CERT_PATH)."""
+
+
+@pytest.mark.parametrize("overlay", render.OVERLAYS)
+def test_only_the_autoscaler_holds_the_heads_token(
+    built: render.Builds, ray_pods: Callable[..., Any], overlay: str
+) -> None:
+    """The jobs' drivers run in ray-head: no token there; the autoscaler sidecar (KubeRay adds
+    autoscalerOptions.volumeMounts to it alone) reads the token and CA where Ray reads them."""
+    (cluster,) = [o for o in built[overlay] if o["kind"] == "RayCluster"]
+    for pod in ray_pods(cluster):
+        assert pod.spec.get("automountServiceAccountToken") is False, pod.source
+        token_volumes = {
+            v["name"]
+            for v in pod.spec.get("volumes", [])
+            if any("serviceAccountToken" in s for s in v.get("projected", {}).get("sources", []))
+        }
+        holders = {
+            c["name"]: m["mountPath"]
+            for c in pod.spec["containers"]
+            for m in c.get("volumeMounts", [])
+            if m["name"] in token_volumes
+        }
+        if pod.group != "headgroup":
+            assert holders == {}, pod.source
+            continue
+        assert holders == {"autoscaler": TOKEN_PATH}, f"{overlay}: {pod.source}: {holders}"
+        (volume,) = [v for v in pod.spec["volumes"] if v["name"] in token_volumes]
+        files = {
+            item["path"]
+            for source in volume["projected"]["sources"]
+            for item in (
+                [source["serviceAccountToken"]]
+                if "serviceAccountToken" in source
+                else (source.get("configMap") or source.get("downwardAPI") or {}).get("items", [])
+            )
+        }
+        assert {"token", "ca.crt"} <= files, files
 
 
 @pytest.mark.parametrize("overlay", render.OVERLAYS)

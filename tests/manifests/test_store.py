@@ -138,11 +138,12 @@ def test_store_serves_its_bucket_to_the_secret_only(
         assert time.monotonic() < deadline, "the store never became ready"
         time.sleep(0.3)
 
-    # The bucket the settings name exists (``-bucket``), for the Secret's key only.
+    # The bucket of the Argo runs' store_uri exists (``-bucket``), for the Secret's key only.
     bucket = "trace-rl"
     assert f"-bucket={bucket}" in container["args"]
-    settings = next(o for o in built["dev"] if o["kind"] == "ConfigMap")["data"]
-    assert settings["TRACE_STORE_URI"].startswith(f"s3://{bucket}/")
+    (template,) = [o for o in built["standalone"] if o["kind"] == "WorkflowTemplate"]
+    parameters = {p["name"]: p.get("value") for p in template["spec"]["arguments"]["parameters"]}
+    assert parameters["store_uri"].startswith(f"s3://{bucket}/")
     client = Minio(
         f"127.0.0.1:{port}",
         access_key=env["AWS_ACCESS_KEY_ID"],

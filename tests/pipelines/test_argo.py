@@ -202,12 +202,19 @@ def test_gpu_steps_ask_for_gpus_and_the_gpu_image() -> None:
     assert set(argo.GPU_STEPS) <= set(by_name)
     for name, container in by_name.items():
         limits = container["resources"]["limits"]
+        ray = name in argo.RAY_STEPS  # talks to Ray: the cluster's image
+        assert container["image"] == image("TRACE_GPU_IMAGE" if ray else "TRACE_IMAGE"), name
         if name in argo.GPU_STEPS:
-            assert container["image"] == image("TRACE_GPU_IMAGE")
             assert int(limits["nvidia.com/gpu"]) >= 1, name
         else:
-            assert container["image"] == image("TRACE_IMAGE")
             assert "nvidia.com/gpu" not in limits, name
+        # The scratch volumes' sizes and the container's own layer, requested and bounded.
+        (pod_spec,) = [t for t in template["spec"]["templates"] if t["name"] == name]
+        scratch = sum(
+            int(v["emptyDir"]["sizeLimit"].removesuffix("Gi")) for v in pod_spec["volumes"]
+        )
+        for side in ("requests", "limits"):
+            assert container["resources"][side]["ephemeral-storage"] == f"{scratch + 1}Gi", name
 
 
 def test_credentials_come_only_from_the_secret() -> None:
@@ -313,7 +320,8 @@ def test_cron_workflow_references_the_template_and_resumes() -> None:
 
 
 def test_parameters_and_iterations_match_the_kfp_pipeline() -> None:
-    """Same names and defaults as the KFP run parameters (store_uri aside), same K."""
+    """Same names and defaults as the KFP run parameters (the store and the Ray cluster aside:
+    the KFP package defaults to KFP's store and the kfp overlay's head), same K."""
     from pipelines.client import DEFAULT_PACKAGE, read_package
     from pipelines.trace_training import PipelineOptions
 
@@ -322,7 +330,7 @@ def test_parameters_and_iterations_match_the_kfp_pipeline() -> None:
     for name, value in argo.PARAMETERS.items():
         assert name in kfp, name
         default = kfp[name].default
-        if name == "store_uri":  # KFP's is empty: KFP has its own artifact store
+        if name in ("store_uri", "ray_jobs_url"):  # KFP's: its store, the kfp overlay's head
             continue
         if isinstance(default, float):  # KFP writes every number as a float: 128.0
             assert float(value) == default, name

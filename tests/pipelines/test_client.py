@@ -37,6 +37,7 @@ from pipelines.client import (
     schedule,
     upload,
 )
+from pipelines.trace_training import PipelineOptions
 from trace_core.cli import app
 
 TOKEN = "s3cr3t-t0ken-value"
@@ -118,8 +119,10 @@ def test_the_committed_pipeline_resumes_by_run_name() -> None:
     package = read_package(DEFAULT_PACKAGE)
     assert package.name == "trace-training"
     assert package.parameters[RUN_NAME_PARAM].type == "STRING"
+    # The package keeps runs in KFP's store by default; emptied, a named run is refused.
+    assert package.parameters["store_uri"].default == PipelineOptions().store_uri
     with pytest.raises(SubmitError, match="--param store_uri: needed with a run name"):
-        build_params(package, [], "nightly")
+        build_params(package, ["store_uri="], "nightly")
     params = build_params(
         package,
         ["store_uri=s3://mlpipeline/trace", "budget=64", 'gpu_node_selector={"gpu": "h100"}'],

@@ -76,8 +76,12 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
             "container"
         ]
         gpu = kind in ("open-session", "iterate")
-        assert container["image"] == images["TRACE_GPU_IMAGE" if gpu else "TRACE_IMAGE"], name
+        ray = gpu or kind in ("close-session", "release-session")  # one Python and Ray: the cluster's
+        assert container["image"] == images["TRACE_GPU_IMAGE" if ray else "TRACE_IMAGE"], name
         assert ("accelerator" in container.get("resources", {})) == gpu, name
+        sizes = container["resources"]  # every step pod is sized: requests and limits
+        for key in ("CpuRequest", "CpuLimit", "MemoryRequest", "MemoryLimit"):
+            assert sizes[f"resource{key}"], (name, key)
         cached = task.get("cachingOptions", {}).get("enableCache", False)
         if kind not in ("warmstart", "report"):  # the registry, the actors: not pure functions
             assert not cached, f"{name} must not be cached"
@@ -139,6 +143,8 @@ def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path
     defaults = inspect.signature(pipeline_compile).parameters
     assert defaults["iterations"].default == PipelineOptions().iterations
     assert defaults["s3_endpoint"].default == PipelineOptions().s3_endpoint
+    assert defaults["ray_jobs_url"].default == PipelineOptions().ray_jobs_url
+    assert defaults["store_uri"].default == PipelineOptions().store_uri
     refused = CliRunner().invoke(app, [*args, "--s3-endpoint", "minio:9000"])
     assert refused.exit_code == 2 and "s3_endpoint 'minio:9000'" in refused.output
 
@@ -173,3 +179,27 @@ def test_compile_command_takes_the_images_and_pull_secrets(tmp_path: Path) -> No
     assert refused.exit_code == 2 and "'Corp_Registry': not a Kubernetes Secret name" in (
         refused.output
     )
+
+
+def test_the_cluster_is_the_default_and_its_gpus_are_the_workers(
+    docs: list[dict], tmp_path: Path
+) -> None:
+    """The committed pipeline's runs submit to the kfp overlay's Ray head unless told
+    otherwise, and then ask for no GPU in their own pods; compiled without a cluster, the
+    session's steps ask for one GPU on a node whose driver runs the GPU image."""
+    from pipelines.trace_training import GPU_NODE_AFFINITY, RAY_JOBS_URL
+
+    def defaults(spec: dict) -> dict[str, object]:
+        parameters = spec["root"]["inputDefinitions"]["parameters"]
+        return {name: p.get("defaultValue") for name, p in parameters.items()}
+
+    committed = defaults(docs[0])
+    assert committed["ray_jobs_url"] == RAY_JOBS_URL == PipelineOptions().ray_jobs_url
+    assert committed["gpus"] == 0.0 and committed["gpu_node_affinity"] == {}
+    build = PipelineOptions(ray_jobs_url="")
+    path = compile_pipeline(tmp_path / "alone.yaml", build)
+    alone = defaults(next(yaml.safe_load_all(path.read_text())))
+    assert alone["ray_jobs_url"] == "" and alone["gpus"] == 1.0
+    assert alone["gpu_node_affinity"] == GPU_NODE_AFFINITY
+    with pytest.raises(ValueError, match="ray_jobs_url 'trace-rl-head:8265'"):
+        PipelineOptions(ray_jobs_url="trace-rl-head:8265")

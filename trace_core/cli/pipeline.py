@@ -118,14 +118,28 @@ def pipeline_compile(
             help="AWS_ENDPOINT_URL_S3 of every step: your cluster's S3 or MinIO service "
             "(empty: leave the variable to the cluster)."
         ),
-    ] = "http://seaweedfs.kubeflow:9000",
+    ] = "http://seaweedfs.kubeflow.svc.cluster.local:8333",
+    ray_jobs_url: Annotated[
+        str,
+        typer.Option(
+            help="The run parameter ray_jobs_url's default: the Ray head's dashboard the steps "
+            "submit to (the kfp overlay's RayCluster); empty: no cluster unless a run names one."
+        ),
+    ] = "http://trace-rl-head-svc.trace-rl.svc.cluster.local:8265",
+    store_uri: Annotated[
+        str,
+        typer.Option(
+            help="The run parameter store_uri's default: the s3:// prefix runs keep their "
+            "checkpoints and trees under (KFP's bucket, a prefix a profile may write)."
+        ),
+    ] = "s3://mlpipeline/shared/trace-rl",
     image: StepImage = None,
     gpu_image: GpuStepImage = None,
     image_pull_secrets: PullSecrets = None,
 ) -> None:
     """Compile the training pipeline to KFP IR YAML (what `upload` and the KFP UI take). The
-    iteration count, the steps' S3 endpoint, their images and pull secrets are fixed here, not
-    run parameters."""
+    iteration count, the steps' S3 endpoint, their images and pull secrets are fixed here; the
+    Ray cluster and the store are the defaults of run parameters of the same names."""
     from pipelines.client import DEFAULT_PACKAGE, read_package
     from pipelines.trace_training import PipelineOptions, compile_pipeline
 
@@ -133,6 +147,8 @@ def pipeline_compile(
         options = PipelineOptions(
             iterations=iterations,
             s3_endpoint=s3_endpoint,
+            ray_jobs_url=ray_jobs_url,
+            store_uri=store_uri,
             **_images(image, gpu_image, image_pull_secrets),
         )
     except ValueError as err:
