@@ -6,6 +6,7 @@ from components.iterate import iterate
 from components.load import load
 from components.open_session import open_session
 from components.prep import prep
+from components.release_session import release_session
 from components.report import report
 from components.warmstart import warmstart
 
@@ -15,6 +16,7 @@ __all__ = [
     "load",
     "open_session",
     "prep",
+    "release_session",
     "report",
     "warmstart",
 ]

@@ -1,4 +1,5 @@
-"""Load the starting policy: the run's latest registry checkpoint (resume) or the base model."""
+"""Load where the run starts, as references: the run's latest registry checkpoint (resume) or
+the base model. No weights pass through this step's pod or its artifacts."""
 
 from kfp import dsl
 from kfp.dsl import Artifact, Metrics, Model, Output
@@ -14,7 +15,9 @@ def load(
     optimizer: Output[Artifact],
     metrics: Output[Metrics],
 ) -> None:
-    """Policy folder (HF checkpoint, and its log when resuming), predictor, optimizer state."""
+    """Policy: ``reference.json`` naming the base model or the checkpoint's policy/;
+    optimizer: ``optimizer.json`` and, resuming, the reference to the checkpoint's optimizer
+    state; predictor: the fresh one, or the checkpoint's (a few MB)."""
     from pathlib import Path
 
     from trace_core.train.contract import PipelineConfig
@@ -25,5 +28,5 @@ def load(
     for key, value in result.items():
         metrics.log_metric(key, value)
     policy.metadata.update(
-        {"framework": "transformers", "iteration": int(result["resumed_iteration"])}
+        {"format": "trace.reference", "iteration": int(result["resumed_iteration"])}
     )

@@ -19,6 +19,8 @@ def open_session(
 ) -> str:
     """The trainers load the starting policy and optimizer state and keep them; the engine
     actors boot from it; a new run's starting policy is evaluated (iteration 0 of the log).
+    Where load's artifacts hold references, the actors read the weights where those name
+    (``train.dispatch.start_point``); with ``ray_jobs_url`` this pod only submits the job.
     Returns that evaluation as JSON; ``state`` is what the iterations pass on (a few MB)."""
     from pathlib import Path
 

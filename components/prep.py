@@ -28,9 +28,10 @@ def prep(
     store_uri: str,
     settings_json: str,
     mlflow_tracking_uri: str,
+    pipeline_run_id: str,
     prompts: Output[Dataset],
 ) -> NamedTuple("PrepOutputs", config_json=str, start=str, start_iteration=int):
-    """The parameters → the run's config; its prompts; where it starts (warmstart | load)."""
+    """Parameters → the config (its session named after the KFP run), prompts, the start."""
     from pathlib import Path
 
     from trace_core.train.contract import PipelineParameters
@@ -44,6 +45,6 @@ def prep(
         run_name=run_name, store_uri=store_uri, settings_json=settings_json,
         mlflow_tracking_uri=mlflow_tracking_uri,
     )  # fmt: skip
-    result = prep_step(parameters, Path(prompts.path))
+    result = prep_step(parameters, Path(prompts.path), pipeline_run_id=pipeline_run_id)
     prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})
     return result.config_json, result.start, result.start_iteration  # PrepOutputs, in order

@@ -14,7 +14,8 @@ def warmstart(
     optimizer: Output[Artifact],
     metrics: Output[Metrics],
 ) -> None:
-    """The starting policy (HF checkpoint), the predictor before its first fit, an empty
+    """The starting policy (HF checkpoint, as the artifact: the tiny policy's few MB, or with
+    ``warmstart_init`` the fine-tuned base model), the predictor before its first fit, an empty
     optimizer state."""
     from pathlib import Path
 

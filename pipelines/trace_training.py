@@ -64,6 +64,7 @@ from components import (
     load,
     open_session,
     prep,
+    release_session,
     report,
     warmstart,
 )
@@ -194,7 +195,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         settings_json: str = "{}",
         mlflow_tracking_uri: str = "",
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the default; it is never mutated)
-        gpu_node_affinity: dict = {} if opts.ray_jobs_url else GPU_NODE_AFFINITY,  # noqa: B006
+        gpu_node_affinity: dict = {} if opts.ray_jobs_url else GPU_NODE_AFFINITY,
         gpu_tolerations: list = [],  # noqa: B006
         gpus: int = 0 if opts.ray_jobs_url else 1,
         accelerator: str = "nvidia.com/gpu",
@@ -227,80 +228,96 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 )
             return task
 
-        prepped = place(
-            prep(
-                task=task,
-                dataset_uri=dataset_uri,
-                base_model_uri=base_model_uri,
-                strategy=strategy,
-                budget=budget,
-                continuations=continuations,
-                iterations=opts.iterations,
-                seed=seed,
-                checkpoint_every=checkpoint_every,
+        # The exit handler's task runs however the run ends: after report, after a failed
+        # step, on a cancel. It can take no task's output, so it finds the session by the name
+        # prep gives it (run_name and the KFP run's id) and frees what the run still holds: its
+        # Ray jobs, its trainer and engine actors and their GPUs.
+        released = place(
+            release_session(
+                run_name=run_name,
                 ray_address=ray_address,
                 ray_jobs_url=ray_jobs_url,
-                engine=engine,
-                rollout_workers=rollout_workers,
-                gpus_per_worker=gpus_per_worker,
-                run_name=run_name,
-                store_uri=store_uri,
-                settings_json=settings_json,
-                mlflow_tracking_uri=mlflow_tracking_uri,
+                pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             ),
-            "prep",
+            "release-session",
+            uses_ray=True,
         ).set_caching_options(False)
-        config = prepped.outputs["config_json"]
-        first = prepped.outputs["start_iteration"]
-        prompts = prepped.outputs["prompts"]
-
-        def iterations(start: PipelineTask) -> None:
-            """The session from ``start``'s policy, K iterations on it, its close, the report."""
-            opened = place(
-                open_session(
-                    config_json=config,
-                    start_iteration=first,
-                    prompts=prompts,
-                    policy=start.outputs["policy"],
-                    predictor=start.outputs["predictor"],
-                    optimizer=start.outputs["optimizer"],
+        with dsl.ExitHandler(released, name="run"):
+            prepped = place(
+                prep(
+                    task=task,
+                    dataset_uri=dataset_uri,
+                    base_model_uri=base_model_uri,
+                    strategy=strategy,
+                    budget=budget,
+                    continuations=continuations,
+                    iterations=opts.iterations,
+                    seed=seed,
+                    checkpoint_every=checkpoint_every,
+                    ray_address=ray_address,
+                    ray_jobs_url=ray_jobs_url,
+                    engine=engine,
+                    rollout_workers=rollout_workers,
+                    gpus_per_worker=gpus_per_worker,
+                    run_name=run_name,
+                    store_uri=store_uri,
+                    settings_json=settings_json,
+                    mlflow_tracking_uri=mlflow_tracking_uri,
+                    pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 ),
-                "open-session",
-                gpu=True,
+                "prep",
             ).set_caching_options(False)
-            state = opened.outputs["state"]
-            for i in range(1, opts.iterations + 1):
-                step = place(
-                    iterate(
+            config = prepped.outputs["config_json"]
+            first = prepped.outputs["start_iteration"]
+            prompts = prepped.outputs["prompts"]
+
+            def iterations(start: PipelineTask) -> None:
+                """The session from ``start``'s policy, K iterations, its close, the report."""
+                opened = place(
+                    open_session(
                         config_json=config,
-                        iteration=i,
                         start_iteration=first,
                         prompts=prompts,
-                        state=state,
+                        policy=start.outputs["policy"],
+                        predictor=start.outputs["predictor"],
+                        optimizer=start.outputs["optimizer"],
                     ),
-                    f"iterate-{i}",
+                    "open-session",
                     gpu=True,
                 ).set_caching_options(False)
-                state = step.outputs["new_state"]
-            closed = place(
-                close_session(config_json=config, state=state), "close-session", uses_ray=True
-            ).set_caching_options(False)
-            place(
-                report(
-                    config_json=config,
-                    trees=step.outputs["trees"],
-                    state=state,
-                    start_eval=opened.outputs["Output"],
-                    final_eval=closed.outputs["Output"],
-                ),
-                "report",
-            )
+                state = opened.outputs["state"]
+                for i in range(1, opts.iterations + 1):
+                    step = place(
+                        iterate(
+                            config_json=config,
+                            iteration=i,
+                            start_iteration=first,
+                            prompts=prompts,
+                            state=state,
+                        ),
+                        f"iterate-{i}",
+                        gpu=True,
+                    ).set_caching_options(False)
+                    state = step.outputs["new_state"]
+                closed = place(
+                    close_session(config_json=config, state=state), "close-session", uses_ray=True
+                ).set_caching_options(False)
+                place(
+                    report(
+                        config_json=config,
+                        trees=step.outputs["trees"],
+                        state=state,
+                        start_eval=opened.outputs["Output"],
+                        final_eval=closed.outputs["Output"],
+                    ),
+                    "report",
+                )
 
-        with dsl.If(prepped.outputs["start"] == "warmstart", name="warmstart"):
-            iterations(place(warmstart(config_json=config), "warmstart"))
-        with dsl.Else(name="load"):
-            loaded = place(load(config_json=config), "load")
-            iterations(loaded.set_caching_options(False))
+            with dsl.If(prepped.outputs["start"] == "warmstart", name="warmstart"):
+                iterations(place(warmstart(config_json=config), "warmstart"))
+            with dsl.Else(name="load"):
+                loaded = place(load(config_json=config), "load")
+                iterations(loaded.set_caching_options(False))
 
     return trace_training
 

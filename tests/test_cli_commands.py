@@ -174,6 +174,63 @@ def test_warmstart_checkpoint_feeds_the_rollout_demo(warmstarted: Warmstarted) -
     assert "calc-eval-00000" in text and "calc-eval-00001" in text
 
 
+# --- trace-rl model upload ----------------------------------------------------------------------
+
+
+@pytest.mark.cluster  # the session's SeaweedFS
+def test_model_upload_puts_the_folder_once_and_refuses_what_base_model_uri_cannot_read(
+    tmp_path: Path, s3_env: dict[str, str]
+) -> None:
+    """Every file to the prefix and the ``--param`` line that names it (a step takes it as
+    printed: train/test_step_cli.py); again to the same prefix, a folder with pickled weights,
+    a folder without config.json: one error line each, and nothing stored or overwritten."""
+    import shutil
+
+    from trace_core.envs.calc import CalcSuite
+    from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
+    from trace_core.policy.tokenizer import build_word_tokenizer
+    from trace_core.store.artifacts import open_store
+
+    model = tmp_path / "model"
+    tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
+    small = TinyPolicyConfig(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32
+    )
+    save_checkpoint(create_policy(tokenizer, small, seed=0), tokenizer, model)
+    uri = f"s3://trace/cli-upload-{os.getpid()}/model"
+    run = trace_rl("model", "upload", str(model), uri, cwd=tmp_path)
+    assert run.returncode == 0, said(run)
+    files = {p.relative_to(model).as_posix(): p.stat().st_size for p in model.rglob("*")}
+    stored = {o.key: o.size for o in open_store(uri).list_objects("")}
+    assert stored == files and "model.safetensors" in stored
+    assert f"uploaded {len(files)} files " in said(run) and f" to {uri}" in said(run)
+    assert f"\n  --param base_model_uri={uri}\n" in run.stdout
+
+    again = trace_rl("model", "upload", str(model), uri, cwd=tmp_path)
+    pickled = tmp_path / "pickled"
+    shutil.copytree(model, pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"pickle")
+    no_config = tmp_path / "no-config"
+    shutil.copytree(model, no_config)
+    (no_config / "config.json").unlink()
+    cases = [
+        (again, f"error: {uri} already holds {len(files)} file(s)"),
+        (
+            trace_rl("model", "upload", str(pickled), f"{uri}-2", cwd=tmp_path),
+            f"error: DIR {pickled} holds pickled weights (pytorch_model.bin)",
+        ),
+        (
+            trace_rl("model", "upload", str(no_config), f"{uri}-2", cwd=tmp_path),
+            f"error: {no_config} is not a model checkpoint: it has no config.json",
+        ),
+    ]
+    for refused, line in cases:
+        assert refused.returncode == 2 and "Traceback" not in said(refused), said(refused)
+        assert said(refused).startswith(line), said(refused)
+    assert {o.key: o.size for o in open_store(uri).list_objects("")} == stored
+    assert open_store(f"{uri}-2").list_objects("") == []
+
+
 # --- trace-rl bench engine -----------------------------------------------------------------------
 
 

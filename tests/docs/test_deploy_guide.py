@@ -12,6 +12,7 @@ A command in the guide that no rule accounts for fails the test, so a new one ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -45,6 +46,11 @@ RULES: list[tuple[str, str, str]] = [
     (r"kubectl -n kubeflow port-forward .*", CLUSTER, "forwards a port of a cluster's service"),
     (r"export KFP_HOST=\S+", HOST, "KFP here is a stand-in on 127.0.0.1"),
     (r"trace-rl pipeline (compile|upload|run|schedule|runs|argo)( .*)?", RUN, ""),
+    (
+        r"trace-rl model upload /data/models/\S+ s3://\S+",
+        CLUSTER,
+        "a model folder of the user's and the cluster's store (test_cli_commands.py runs it)",
+    ),
     (r"argo submit .*", CLUSTER, "submits to a cluster's Argo controller"),
 ]
 
@@ -111,9 +117,10 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     calls = kfp.calls()
     assert ("POST", f"{API}/pipelines/upload") in calls
     started = [r.body for r in kfp.requests if (r.method, r.path) == ("POST", f"{API}/runs")]
-    assert len(started) == 2
+    assert len(started) == 3  # the smoke test, the real run, Qwen3-8B
     smoke = started[0]["runtime_config"]["parameters"]  # type: ignore[index]
-    assert smoke["run_name"] == "smoke" and smoke["budget"] == 8 and smoke["gpus"] == 0
+    assert smoke["run_name"] == "smoke" and smoke["budget"] == 8 and smoke["ray_jobs_url"] == ""
+    assert "gpus" not in smoke  # the package's default: 0 (the GPUs are the Ray cluster's)
     assert json.loads(smoke["settings_json"]) == {
         "prompts": 16, "eval_tasks": 8, "eval_k": 1, "warmstart_steps": 20,
     }  # fmt: skip
@@ -121,3 +128,57 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     assert scheduled["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *"  # type: ignore[index]
     assert ("GET", f"{API}/runs") in calls
     assert "started run 'smoke-" in output
+
+
+GPU_MEMORY_GIB = 80 * 10**9 / 2**30
+"""The GPU the guide's shapes assume: 80 GB (H100 and A100 80 GB)."""
+
+
+def test_the_qwen3_8b_parameter_set_fits_the_kfp_overlay(tmp_path: Path) -> None:
+    """The guide's Qwen3-8B command: its parameters are the pipeline's and make a valid run
+    config, and what they ask fits the rendered kfp overlay's RayCluster (GPUs of the group the
+    engines and trainers land on, a pod's host memory) and an 80 GB GPU (the update's estimate
+    sharded over the FSDP ranks; an engine's bf16 weights)."""
+    import shlex
+
+    from support import render
+
+    from pipelines.client import DEFAULT_PACKAGE, build_params, read_package
+    from pipelines.trace_training import PipelineOptions
+    from trace_core.policy.memory import GIB, QWEN3, estimate_update
+    from trace_core.train.contract import PipelineParameters
+
+    (command,) = [c for c in commands(GUIDE.read_text()) if "--run-name qwen3-8b" in c]
+    words = shlex.split(command)
+    assignments = [words[i + 1] for i, word in enumerate(words) if word == "--param"]
+    sent = build_params(read_package(DEFAULT_PACKAGE), assignments, "qwen3-8b-bfcl")
+    fields = {f.name for f in dataclasses.fields(PipelineParameters)}
+    config = PipelineParameters(**{k: v for k, v in sent.items() if k in fields}).config()
+    train, engine = config.train, config.train.engine
+    assert sent["ray_jobs_url"] == PipelineOptions().ray_jobs_url and sent["gpus"] == 0
+    assert config.store.startswith("s3://mlpipeline/shared/")
+    assert str(train.init).startswith(config.store) and engine.engine == "vllm"
+    assert train.train_gpus and train.train_fsdp and train.update.checkpointing
+
+    (cluster,) = [o for o in render.build_all(tmp_path)["kfp"] if o["kind"] == "RayCluster"]
+    (gpu,) = [g for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == "gpu"]
+    (container,) = gpu["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert engine.tensor_parallel == 1 and int(limits["nvidia.com/gpu"]) == 1  # the gpu group
+    asked = engine.workers * engine.gpus_per_worker + train.train_workers
+    assert asked <= gpu["maxReplicas"], (asked, gpu["maxReplicas"])
+
+    shape = QWEN3["8B"]
+    update = estimate_update(shape, train.update.micro_tokens or 4096, checkpointing=True)
+    sharded = update.weights + update.gradients + update.optimizer + update.cast
+    per_gpu = sharded / train.train_workers + update.activations + update.head
+    assert per_gpu / GIB < 0.9 * GPU_MEMORY_GIB, per_gpu / GIB
+    assert 2 * shape.parameters / GIB < 0.5 * GPU_MEMORY_GIB  # bf16 weights: half for KV cache
+    shm = [v for v in gpu["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    pod = _gibibytes(limits["memory"]) - _gibibytes(shm[0]["emptyDir"]["sizeLimit"])
+    assert 12 * shape.parameters / GIB < pod  # rank 0 gathers fp32 weights and AdamW state
+
+
+def _gibibytes(quantity: str) -> float:
+    units = {"Gi": 1.0, "Mi": 1 / 1024, "Ti": 1024.0}
+    return float(quantity[:-2]) * units[quantity[-2:]]

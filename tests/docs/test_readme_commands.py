@@ -184,7 +184,7 @@ RULES: list[tuple[str, str, str, str]] = [
     (r"set -a; \. manifests/secrets/s3/s3\.env; set \+a", CLUSTER, "", "the cluster's keys"),
     (r"export AWS_ENDPOINT_URL_S3=\S+", CLUSTER, "", "the port-forward above"),
     (
-        r"trace-rl inspect (summary|html) s3://mlpipeline/trace-rl.*",
+        r"trace-rl inspect (summary|html) s3://mlpipeline/shared/trace-rl.*",
         SMALLER,
         "store/test_inspect.py",
         "the test's bucket is on a SeaweedFS it starts",

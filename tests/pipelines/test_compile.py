@@ -48,7 +48,8 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
         env = {e.env_var for secret in config.secret_as_env for e in secret.key_to_env}
         assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= env, name
         gpu = name.startswith(("exec-open-session", "exec-iterate"))
-        assert ("RAY_AUTH_TOKEN" in env) == (gpu or name.startswith("exec-close-session")), name
+        ray = gpu or name.startswith(("exec-close-session", "exec-release-session"))
+        assert ("RAY_AUTH_TOKEN" in env) == ray, name
         assert bool(config.tolerations) == gpu and config.HasField("node_selector") == gpu
         assert len(config.node_affinity) == gpu, name  # the run parameter gpu_node_affinity
 
@@ -76,7 +77,7 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
             "container"
         ]
         gpu = kind in ("open-session", "iterate")
-        ray = gpu or kind in ("close-session", "release-session")  # one Python and Ray: the cluster's
+        ray = gpu or kind in ("close-session", "release-session")  # the cluster's Python, Ray
         assert container["image"] == images["TRACE_GPU_IMAGE" if ray else "TRACE_IMAGE"], name
         assert ("accelerator" in container.get("resources", {})) == gpu, name
         sizes = container["resources"]  # every step pod is sized: requests and limits

@@ -49,8 +49,9 @@ def test_the_kfp_pipeline_signature_is_the_run_parameters() -> None:
 
 
 def test_prep_takes_every_run_parameter_in_order() -> None:
-    """prep builds ``PipelineParameters(*args)`` positionally: same names, same order."""
-    assert list(prep.component_spec.inputs) == list(FIELDS)
+    """prep builds ``PipelineParameters(*args)`` positionally: same names, same order; then
+    the KFP run's id, which names the run's session."""
+    assert list(prep.component_spec.inputs) == [*FIELDS, "pipeline_run_id"]
 
 
 def test_argo_parameters_are_the_run_parameters() -> None:

@@ -2,7 +2,8 @@
 component, run by KFP's local runner) submits a Ray job to a real Ray head, the job runs
 `trace-rl step ...` there against a real SeaweedFS S3 server, and the step's output artifacts
 carry the job's results. The trainer and engine actors one job starts are found by the next.
-A job that fails fails the step, with its log.
+A job that fails fails the step, with its log; a step that gets SIGTERM stops its job, and the
+run's exit handler stops the run's jobs still running and kills its actors.
 
 The head (``start_ray_head`` in tests/conftest.py) runs with the dashboard on (job submission
 goes through it), token auth off (loopback only), and the SeaweedFS credentials in its
@@ -12,6 +13,12 @@ environment, as a KubeRay cluster's pods would get them from a Secret; it is sto
 # No ``from __future__ import annotations``: KFP reads the test pipeline's annotations as types.
 import hashlib
 import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -144,9 +151,12 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
         state = opened.outputs["state"]
         for i in (1, 2):
             step = iterate(
-                config_json=config_json, iteration=i, start_iteration=0, prompts=prompts,
+                config_json=config_json,
+                iteration=i,
+                start_iteration=0,
+                prompts=prompts,
                 state=state,
-            )  # fmt: skip
+            )
             state = step.outputs["new_state"]
         close_session(config_json=config_json, state=state)
 
@@ -187,7 +197,10 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
         ]  # fmt: skip
         assert len(actors) == 1, actors  # one process for the whole run, found by every job
         assert actors[0].state == "DEAD"  # close session stopped it
-        assert actors[0].required_resources == {"CPU": 1.0}
+        asked = {  # a trainer's CPU is its placement group's: CPU_group_<id> (and bundle_...)
+            k.split("_group_")[0]: v for k, v in actors[0].required_resources.items()
+        }
+        assert {k: v for k, v in asked.items() if k != "bundle"} == {"CPU": 1.0}
 
 
 @pytest.mark.usefixtures("client_env")
@@ -240,3 +253,99 @@ def test_trace_rl_step_sends_a_session_step_on_s3_folders_as_a_ray_job(
     execute_cli_step("close-session", 0, state, {"result": f"{prefix}/result"}, config.to_json())
     download_folder(f"{prefix}/result", tmp_path / "result")
     assert json.loads((tmp_path / "result" / EVAL_FILE).read_text())["iteration"] == 0
+
+
+HOLDER = """
+import sys, time, ray
+from ray.util.placement_group import placement_group
+session = sys.argv[1]
+ray.init()
+@ray.remote(num_cpus=0)
+class Held:
+    def placement(self): return None
+    def shutdown(self): pass
+group = placement_group([{"CPU": 0.1}], name=f"{session}-trainer", lifetime="detached")
+ray.get(group.ready())
+held = [Held.options(name=name, namespace=namespace, lifetime="detached").remote()
+        for name, namespace in ((f"{session}-trainer-0", "trace-trainers"),
+                                (f"{session}-0", "trace-engines"))]
+ray.get([h.placement.remote() for h in held])
+print("holding", flush=True)
+time.sleep(600)
+"""
+"""A step's Ray job as the run's actors see it: it starts a trainer and an engine actor (detached,
+named after the session, one in a placement group of its own) and runs on."""
+
+
+def _until(done: Callable[[], bool], what: str) -> None:
+    for _ in range(600):
+        if done():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not {what} in 120 s")
+
+
+@pytest.mark.usefixtures("client_env")
+def test_a_cancelled_step_stops_its_job_and_the_exit_handler_frees_the_runs_jobs_and_actors(
+    ray_dashboard: str,
+) -> None:
+    """SIGTERM to a step that follows its Ray job (what Kubernetes sends when the run is
+    cancelled) stops the job before the step exits. The run's exit handler, given only the
+    jobs URL and the session's name, stops the run's job still running and kills the actors it
+    started, with their placement group; released again, there is nothing left."""
+    from ray.job_submission import JobSubmissionClient
+    from ray.util.state import list_actors, list_placement_groups
+
+    from trace_core.train.release import release_session
+
+    client = JobSubmissionClient(ray_dashboard)
+    tag = uuid.uuid4().hex[:8]
+
+    def status(job: str) -> str:
+        return str(client.get_job_status(job).value)
+
+    def submitted(job: str) -> bool:
+        return any(j.submission_id == job for j in client.list_jobs())
+
+    step = f"trace-cancelled-{tag}"
+    follow = (
+        "import sys\nfrom ray.job_submission import JobSubmissionClient\n"
+        "from trace_core.train.rayjob import run_job\n"
+        "run_job(JobSubmissionClient(sys.argv[1]), sys.argv[2], 'sleep 600', None, {}, print, 0.2)"
+    )
+    cancelled = subprocess.Popen(
+        [sys.executable, "-c", follow, ray_dashboard, step], stdout=subprocess.PIPE, text=True
+    )
+    _until(lambda: submitted(step) and status(step) == "RUNNING", f"{step} running")
+    cancelled.send_signal(signal.SIGTERM)
+    out, _ = cancelled.communicate(timeout=120)
+    assert cancelled.returncode == 128 + signal.SIGTERM, out
+    assert f"SIGTERM: stopped Ray job {step}" in out
+    _until(lambda: status(step) in ("STOPPED", "SUCCEEDED", "FAILED"), f"{step} ended")
+    assert status(step) == "STOPPED"
+
+    session = f"held-{tag}"
+    job = f"trace-held-{tag}-open-session-0000-{tag}"
+    client.submit_job(
+        entrypoint=shlex.join(["python3", "-c", HOLDER, session]),
+        submission_id=job,
+        metadata={"trace.session": session},
+    )
+    holding = lambda: "holding" in client.get_job_logs(job).splitlines()  # noqa: E731
+    _until(holding, f"{job} holding its actors")  # (the log's first line is the command)
+    assert release_session(session, ray_jobs_url=ray_dashboard) == [
+        f"released Ray job {job} (stopped)",
+        f"released trainer actor {session}-trainer-0",
+        f"released engine actor {session}-0",
+    ]
+    assert status(job) == "STOPPED"
+    named = [("name", "=", f"{session}-trainer-0")], [("name", "=", f"{session}-0")]
+    for filters in named:
+        (actor,) = list_actors(address=ray_dashboard, filters=filters)  # type: ignore[arg-type]
+        assert actor.state == "DEAD"
+    _until(
+        lambda: {g.state for g in list_placement_groups(
+            address=ray_dashboard, filters=[("name", "=", f"{session}-trainer")])} == {"REMOVED"},
+        "the placement group removed",
+    )  # fmt: skip
+    assert release_session(session, ray_jobs_url=ray_dashboard) == []

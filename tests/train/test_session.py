@@ -1,13 +1,17 @@
 """The pipeline's iterations on a run's session (``train.steps.session``), on a loopback Ray head
 and the test SeaweedFS: the steps chained by hand give the record, log, trees and weights that
 ``trace-rl train`` gives on the same seed, move no policy or optimizer bytes through S3 except
-checkpoints, and survive a lost trainer or engine actor as the issue of each case says."""
+checkpoints, and survive a lost trainer or engine actor as the issue of each case says; a
+retried iteration is not applied twice, a second run of a run_name is refused and one that does
+not fit holds nothing, and a failed run's exit handler frees what it held."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -25,7 +29,8 @@ from trace_core.rollout.ray_worker import KEPT_NAMESPACE
 from trace_core.store.artifacts import open_store
 from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
-from trace_core.train.contract import PipelineConfig, PipelineParameters
+from trace_core.train.contract import PipelineConfig, PipelineParameters, StepCall
+from trace_core.train.dispatch import start_point
 from trace_core.train.loop import train
 from trace_core.train.record import read_log
 from trace_core.train.steps.finish import report_step
@@ -33,7 +38,6 @@ from trace_core.train.steps.session import (
     STATE,
     RunState,
     SessionLostError,
-    StartPoint,
     close_session,
     iterate_step,
     open_session_step,
@@ -83,18 +87,23 @@ def store(seaweed) -> Iterator[str]:  # type: ignore[no-untyped-def]
             os.environ[key] = value
 
 
-def pipeline_config(init: Path, root: Path, head: str, store: str, name: str) -> PipelineConfig:
+def pipeline_config(
+    init: Path, root: Path, head: str, store: str, name: str, kfp_run: str = "", **settings: object
+) -> PipelineConfig:
     """prep's config of the run, on the loopback head (the address the local pipeline gives its
-    steps), with its session's name."""
+    steps), with its session's name: ``name``, or prep's from the KFP run's id ``kfp_run``."""
     params = PipelineParameters(
         task="calc", base_model_uri=str(init), budget=6, iterations=3, checkpoint_every=2,
-        run_name=name, store_uri=store, rollout_workers=1, settings_json=json.dumps(SETTINGS),
+        run_name=name, store_uri=store, rollout_workers=1,
+        settings_json=json.dumps({**SETTINGS, **settings}),
     )  # fmt: skip
-    prep = prep_step(params, root / "prompts", suite=parity.ParitySuite())  # type: ignore[arg-type]
+    prep = prep_step(params, root / "prompts", suite=parity.ParitySuite(), pipeline_run_id=kfp_run)  # type: ignore[arg-type]
     config = PipelineConfig.from_json(prep.config_json)
     engine = replace(config.train.engine, keep_alive_s=ENGINE.keep_alive_s)
     return replace(
-        config, train=replace(config.train, engine=engine, ray_address=head), engine_name=name
+        config,
+        train=replace(config.train, engine=engine, ray_address=head),
+        engine_name=config.engine_name if kfp_run else name,
     )
 
 
@@ -104,9 +113,9 @@ def chain(config: PipelineConfig, root: Path, iterations: range) -> Chain:
     metrics: dict[int, dict[str, float]] = {}
     if iterations.start == 1:
         load_step(config, root / "policy-0", root / "predictor-0", root / "optimizer-0")
-        start = StartPoint(
-            str(root / "policy-0"), str(root / "predictor-0"), str(root / "optimizer-0")
-        )
+        folders = {name: str(root / f"{name}-0") for name in ("policy", "predictor", "optimizer")}
+        opening = {"prompts": str(root / "prompts"), **folders}  # load's references, resolved
+        start = start_point(StepCall("open-session", 0, opening, {"state": str(root / "state-0")}))
         metrics[0] = open_session_step(config, root / "prompts", start, root / "state-0", suite)  # type: ignore[arg-type]
     for i in iterations:
         metrics[i] = iterate_step(
@@ -283,3 +292,94 @@ def test_a_killed_ray_head_leaves_the_registry_and_the_run_goes_on_from_its_chec
     parity.same_run_but_rounding(
         read_log(tmp_path / "state-3"), read_log(unbroken.root / "state-3")
     )
+
+
+def _held(head: str, prefix: str) -> list[str]:
+    """The live trainer and engine actors, and the placement groups not removed, whose names
+    start with ``prefix``, looked up without calling them."""
+    from ray.util.placement_group import placement_group_table
+
+    with ray.init(address=head, logging_level="error"):
+        actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        table = placement_group_table().values()
+        groups = [f"group {g['name']}" for g in table if g["state"] != "REMOVED"]
+    return sorted(n for n in actors + groups if n.startswith((prefix, f"group {prefix}")))
+
+
+def test_a_failed_run_is_released_and_runs_side_by_side_are_whole_or_refused(
+    init: Path, head: str, store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run's session named from its KFP run's id: its retried iteration is not applied twice;
+    while it holds the head's two CPUs (a trainer, an engine), a second run of its run_name is
+    refused, and a run of another name cannot place its trainers, so it stops with the
+    shortfall, holding nothing. The first run then fails (no close-session): the exit handler's
+    release, from the run's name and KFP run id alone, frees all it held."""
+    from trace_core.rollout.placement import PlacementError
+    from trace_core.train.steps.release import release_step
+
+    kfp_run = "0a1b2c3d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
+    first = pipeline_config(init, tmp_path, head, store, "freed", kfp_run)
+    assert first.engine_name == "freed-0a1b2c3d"
+    chain(first, tmp_path, range(1, 2))
+    # Iteration 1 again (a KFP retry of a step whose first attempt reached the update): the
+    # trainers are stopped and rebuilt from the start, the iteration runs as it first did.
+    retried = tmp_path / "retried"
+    iterate_step(
+        first,
+        1,
+        tmp_path / "prompts",
+        tmp_path / "state-0",
+        retried / "state",
+        retried / "trees",
+        parity.ParitySuite(),
+    )  # type: ignore[arg-type]
+    assert "iteration 1's update already reached the run's trainers" in capsys.readouterr().out
+    parity.same_run_but(
+        read_log(retried / "state"),
+        read_log(tmp_path / "state-1"),
+        parity.ROUNDING | parity.ARRIVAL_ORDER,
+    )
+    assert _held(head, "freed-") == [
+        "freed-0a1b2c3d-0",
+        "freed-0a1b2c3d-trainer-0",
+        "group freed-0a1b2c3d-trainer",
+    ]
+
+    second = pipeline_config(init, tmp_path / "second", head, store, "freed", "9f8e7d6c-0000")
+    with pytest.raises(RuntimeError, match="run_name 'freed' is in use") as refused:
+        chain(second, tmp_path / "second", range(1, 1))
+    assert "trace_core.train.release freed-0a1b2c3d --ray-address" in str(refused.value)
+    other = pipeline_config(
+        init,
+        tmp_path / "other",
+        head,
+        store,
+        "crowded",
+        "1b2c3d4e-0000",
+        engine={"ready_timeout_s": 2},
+    )
+    with pytest.raises(PlacementError) as crowded:
+        chain(other, tmp_path / "other", range(1, 1))
+    assert "the trainers crowded-1b2c3d4e-trainer (train_workers=1): 1 bundle(s) of 1 CPU" in (
+        str(crowded.value)
+    )
+    assert "the cluster has 0 CPU free of 2 CPU" in str(crowded.value)
+    assert _held(head, "crowded-") == []  # never half-placed
+
+    # The refusal's release command, run as printed (the image's python3: this venv's here).
+    printed = str(refused.value).split("release it: ", 1)[1]
+    assert printed == f"python3 -m trace_core.train.release freed-0a1b2c3d --ray-address {head}"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path}
+    done = subprocess.run(printed, shell=True, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "released trainer actor freed-0a1b2c3d-trainer-0",
+        "released engine actor freed-0a1b2c3d-0",
+    ]
+    for _ in range(300):  # Ray removes the group asynchronously
+        if not _held(head, "freed-"):
+            break
+        time.sleep(0.2)
+    assert _held(head, "freed-") == []
+    assert release_step("freed", kfp_run, ray_address=head) == []  # nothing left: no error

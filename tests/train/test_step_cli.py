@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -30,9 +31,13 @@ from safetensors.torch import load_file
 from trace_core.envs.prompts import read_prompts
 from trace_core.envs.suites import make_suite
 from trace_core.store.artifacts import file_sha256, open_store
+from trace_core.store.reference import REFERENCE, Reference, read_reference
 from trace_core.store.registry import CheckpointRegistry
 from trace_core.store.schema import read_trees
 from trace_core.store.sync import download_folder
+from trace_core.train.contract import StepCall
+from trace_core.train.dispatch import start_point
+from trace_core.train.steps.session import StartPoint
 
 pytestmark = pytest.mark.slow
 
@@ -178,8 +183,9 @@ def check_eval(result: Path, iteration: int) -> dict[str, object]:
 
 
 # --- the chain -------------------------------------------------------------------------------
-def chain(f: Folders, store: str, cwd: Path) -> None:
-    """The whole workflow on ``f``'s folders, checking what each step promised."""
+def chain(f: Folders, store: str, cwd: Path, base: Path, model_uri: str) -> None:
+    """The whole workflow on ``f``'s folders, from the HF folder ``base`` uploaded to
+    ``model_uri``, checking what each step promised."""
     logs = f.scratch / "logs"
     params = {
         "task": "calc",
@@ -193,6 +199,18 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
         "settings_json": json.dumps(SETTINGS),
     }
 
+    # model upload: the base model where base_model_uri reads it; prep takes the parameter
+    # line it prints as printed (``--param NAME=VALUE`` is ``Step.argv``'s form).
+    upload = [str(BIN / "trace-rl"), "model", "upload", str(base), model_uri]
+    env = {**STEP_ENV, **os.environ, "COLUMNS": "200"}
+    done = subprocess.run(upload, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (printed,) = [line for line in done.stdout.splitlines() if line.startswith("  --param ")]
+    flag, param = shlex.split(printed)
+    name, value = param.split("=", 1)
+    assert (flag, name, value) == ("--param", "base_model_uri", model_uri)
+    params[name] = value
+
     # prep: the config every later step gets, where the policy starts, and the prompts.
     ok(cwd, logs, Step("prep", params=params, outputs=f.named("prompts", result="prep")))
     assert f.keys("prep") == {"config.json", "start", "start_iteration"}
@@ -204,8 +222,8 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     train = config["train"]
     assert (train["task"], train["budget"], train["continuations"]) == ("calc", BUDGET, 2)
     assert (train["iterations"], train["eval_tasks"], train["warmstart_steps"]) == (1, 8, 20)
-    assert train["update"]["weight_decay"] == 0.1
-    assert (prep / "start").read_text() == "warmstart"
+    assert (train["update"]["weight_decay"], train["init"]) == (0.1, model_uri)
+    assert (prep / "start").read_text() == "load"
     assert (prep / "start_iteration").read_text() == "0"
     prompts = f.local("prompts")
     suite = make_suite("calc", None, 0)
@@ -223,21 +241,21 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
     ) -> Step:
         return Step(name, config_json, iteration, inputs or {}, outputs or {})
 
-    # warmstart: the SFT'd tiny policy, the fresh predictor, an empty optimizer state.
+    # load: a reference to the base model instead of its weights, the fresh predictor, an
+    # empty optimizer state.
     start = {"policy": f["start/policy"], "predictor": f["start/predictor"]}
-    ok(cwd, logs, step("warmstart", outputs={**start, "optimizer": f["start/optimizer"]}))
+    ok(cwd, logs, step("load", outputs={**start, "optimizer": f["start/optimizer"]}))
+    assert f.keys("start/policy") == {REFERENCE, "metrics.json"}
+    assert read_reference(start["policy"]) == Reference(model_uri, 0)
     assert f.keys("start/optimizer") == {"optimizer.json"}
-    policy_files = {"config.json", "model.safetensors", "tokenizer.json", "metrics.json"}
-    assert policy_files <= f.keys("start/policy")
     assert {"predictor.json", "predictor.safetensors"} <= f.keys("start/predictor")
-    policy0, predictor0 = f.local("start/policy"), f.local("start/predictor")
-    warm = read_json(policy0 / "metrics.json")
-    assert warm["warmstart_steps"] == 20.0 and 0.0 <= float(warm["warmstart_success"]) <= 1.0
-    weights0 = load_file(str(policy0 / "model.safetensors"))
+    predictor0 = f.local("start/predictor")
+    weights0 = load_file(str(base / "model.safetensors"))
     predictor0_sha = sha(predictor0, "predictor.safetensors")
 
-    # open-session: without a Ray cluster, Ray in the step's own process; the state it passes
-    # on holds the log with iteration 0 (the start's evaluation), the predictor, no weights.
+    # open-session: without a Ray cluster, Ray in the step's own process; its trainer and
+    # engine read the base model at model_uri. The state it passes on holds the log with
+    # iteration 0 (the start's evaluation), the predictor, no weights.
     opened = f.named(state="state-0")
     begin = {**f.named("prompts"), **start, "optimizer": f["start/optimizer"]}
     ok(cwd, logs, step("open-session", inputs=begin, outputs=opened))
@@ -322,32 +340,37 @@ def chain(f: Folders, store: str, cwd: Path) -> None:
         "optimizer": f["run-2/start/optimizer"],
     }
     ok(cwd, logs, step("load", outputs=resume))
-    loaded, loaded_predictor = f.local("run-2/start/policy"), f.local("run-2/start/predictor")
-    assert sha(loaded, "model.safetensors") == sha(registered / "policy", "model.safetensors")
-    loaded_optimizer = f.local("run-2/start/optimizer")
-    assert sha(loaded_optimizer, "optimizer.safetensors") == sha(
-        registered, "optimizer.safetensors"
-    )
+    # References to the registered checkpoint's policy and optimizer state (its predictor, a
+    # few MB, copied), which open session resolves to where they lie, at iteration 1.
+    folder = registry.store.uri(checkpoint.key)
+    assert f.keys("run-2/start/policy") == {REFERENCE, "metrics.json"}
+    assert f.keys("run-2/start/optimizer") == {REFERENCE, "optimizer.json"}
+    assert read_reference(resume["policy"]) == Reference(f"{folder}/policy", 1)
+    assert read_reference(resume["optimizer"]) == Reference(folder, 1)
+    loaded_predictor = f.local("run-2/start/predictor")
     assert sha(loaded_predictor, "predictor.safetensors") == sha(
         state1 / "predictor", "predictor.safetensors"
     )
-    assert read_json(loaded / "metrics.json")["resumed_iteration"] == 1.0
-    assert [r["iteration"] for r in log_lines(loaded)] == [0, 1]  # the log travels with it
+    assert read_json(f.local("run-2/start/policy") / "metrics.json")["resumed_iteration"] == 1.0
+    inputs = {"prompts": f["run-2/prompts"], **resume}
+    call = StepCall("open-session", 1, inputs, {"state": f["run-2/state-0"]})
+    assert start_point(call) == StartPoint(f"{folder}/policy", resume["predictor"], folder, 1)
+    assert [r["iteration"] for r in log_lines(registered / "policy")] == [0, 1]  # travels along
 
 
 @pytest.mark.cluster
 @pytest.mark.long  # every session step starts Ray in its own process
 def test_steps_chained_on_s3_folders(
-    s3_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+    init: Path, s3_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """Every folder and the checkpoint store an s3:// prefix: nothing goes through local disk
-    but each step's own scratch space."""
+    """Every folder, the checkpoint store and the base model an s3:// prefix: nothing goes
+    through local disk but each step's own scratch space."""
     root = f"s3://trace/step-cli-{os.getpid()}-{request.node.name}"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     folders = Folders(f"{root}/staging", tmp_path / "fetched")
     folders.scratch.mkdir()
-    chain(folders, f"{root}/store", cwd)
+    chain(folders, f"{root}/store", cwd, init, f"{root}/models/base")
     assert not any(cwd.iterdir()), "a step wrote into its working directory"
     keys = {o.key for o in open_store(root).list_objects("")}
     assert {
@@ -355,6 +378,7 @@ def test_steps_chained_on_s3_folders(
         "staging/iter-1/trees/trees.parquet",
         "staging/state-1/state.json",
         "staging/report/summary.md",
+        "models/base/model.safetensors",
         f"store/checkpoints/{RUN}/latest.json",
     } <= keys
 
@@ -376,6 +400,14 @@ def test_prep_takes_every_workflow_parameter_at_its_default(tmp_path: Path) -> N
     assert (tmp_path / "prep" / "start").read_text() == "warmstart"
     config = json.loads((tmp_path / "prep" / "config.json").read_text())
     assert (config["run_name"], config["ray_jobs_url"], config["train"]["init"]) == ("", "", None)
+
+    # The warm start that start names: the tiny policy (weights: a few MB), its fresh
+    # predictor and an empty optimizer state, as the Argo workflow's warmstart container runs it.
+    config["train"]["warmstart_steps"] = 5
+    start = {name: str(tmp_path / "start" / name) for name in ("policy", "predictor", "optimizer")}
+    ok(tmp_path, tmp_path / "logs", Step("warmstart", json.dumps(config), outputs=start))
+    assert {"config.json", "model.safetensors"} <= {p.name for p in Path(start["policy"]).iterdir()}
+    assert json.loads(Path(start["optimizer"], "optimizer.json").read_text())["iteration"] == 0
 
 
 def one_error_line(result: Done) -> str:

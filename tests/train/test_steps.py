@@ -1,11 +1,13 @@
 """The pipeline's start steps without KFP: the config JSON round-trips and names what is
-wrong, prep gives every run a session of its own, the warm start of a base model, prep on the
-command line. (The iterations on the run's session: tests/train/test_session.py.)"""
+wrong, prep gives every run a session of its own, the warm start of a base model, load's
+references to a base model, prep on the command line. (The iterations on the run's session:
+tests/train/test_session.py; load resuming a registry checkpoint: test_step_cli.py.)"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,62 @@ def test_a_pretrained_base_model_gets_the_pretrained_defaults(tmp_path: Path) ->
     assert (train_config.update.lr, train_config.update.micro_tokens) == (3e-6, 4096)
     assert train_config.max_tokens == PRETRAINED["max_tokens"]
     assert prep.start == "load"
+
+
+def test_load_refers_to_the_base_model_and_reads_only_its_config_and_tokenizer(
+    init: Path, tmp_path: Path, s3_env: dict[str, str], request: pytest.FixtureRequest
+) -> None:
+    """A base model on S3 (as ``trace-rl model upload`` puts it): load reads its config and
+    tokenizer files and nothing else, writes no weights, and its references resolve to the
+    model for open session (an empty optimizer); a local one is referred to by its path."""
+    from trace_core.policy.checkpoint import CheckpointError
+    from trace_core.store.artifacts import TRAFFIC, open_store
+    from trace_core.store.reference import REFERENCE
+    from trace_core.store.sync import upload_folder
+    from trace_core.train.base_model import light_file, upload_model
+    from trace_core.train.contract import StepCall
+    from trace_core.train.dispatch import start_point
+    from trace_core.train.steps.start import load_step
+
+    uri = f"s3://trace/{request.node.name}/base"
+    upload_model(init, uri)
+    prep = prep_step(
+        params(init, base_model_uri=uri, store_uri=str(tmp_path / "s")), tmp_path / "prompts"
+    )
+    assert prep.start == "load"
+    config = PipelineConfig.from_json(prep.config_json)
+    out = {name: tmp_path / name for name in ("policy", "predictor", "optimizer")}
+    before = TRAFFIC.counts()[0]
+    assert load_step(config, *out.values()) == {"resumed_iteration": 0.0}
+    light = sum(p.stat().st_size for p in init.iterdir() if light_file(p.name))
+    assert TRAFFIC.counts()[0] - before == light < (init / "model.safetensors").stat().st_size
+    assert {p.name for p in out["policy"].iterdir()} == {REFERENCE, "metrics.json"}
+    assert {p.name for p in out["optimizer"].iterdir()} == {"optimizer.json"}
+    assert (out["predictor"] / "predictor.json").is_file()  # the fresh one, beside no weights
+    assert {p.parent for p in tmp_path.rglob("*.safetensors")} == {out["predictor"]}
+    inputs = {"prompts": str(tmp_path / "prompts"), **{k: str(v) for k, v in out.items()}}
+    call = StepCall("open-session", 0, inputs, {"state": str(tmp_path / "state")})
+    start = start_point(call)
+    assert (start.policy, start.predictor, start.optimizer) == (
+        uri,
+        inputs["predictor"],
+        inputs["optimizer"],
+    )
+    with pytest.raises(ValueError, match=r"policy/reference.json: a start after iteration 0, "):
+        start_point(StepCall("open-session", 3, inputs, call.outputs))
+
+    local = replace(config, train=replace(config.train, init=f"file://{init}"))
+    load_step(local, *(tmp_path / "local" / name for name in out))
+    inputs["policy"] = str(tmp_path / "local" / "policy")
+    assert start_point(StepCall("open-session", 0, inputs, call.outputs)).policy == str(init)
+    # A prefix without config.json is named before anything is written.
+    broken = f"s3://trace/{request.node.name}/no-config"
+    upload_folder(init, broken)
+    open_store(broken).delete("config.json")
+    bad = replace(config, train=replace(config.train, init=broken))
+    with pytest.raises(CheckpointError, match=f"{broken} is not a model checkpoint: it has no"):
+        load_step(bad, *(tmp_path / "bad" / name for name in out))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_cli_prep_writes_what_argo_reads(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The resident trainer group on an in-process Ray (gloo on CPU): two trainer actors reproduce
 the in-process update, their weights reach every engine actor by broadcast, an engine actor
-replaced between syncs receives the current weights, and a checkpoint holds what they hold."""
+replaced between syncs receives the current weights, and a checkpoint holds what they hold;
+idle detached trainers stop themselves and free their devices."""
 
 from __future__ import annotations
 
@@ -128,3 +129,32 @@ def test_a_bf16_policy_is_synced_in_bf16_from_fp32_master_weights(setup, tmp_pat
         assert {b.dtype for b in trainers.plan.buckets} == {"bfloat16"}
         assert trainers.plan.nbytes == sum(p.numel() for p in model.parameters()) * 2
     del policy
+
+
+def test_idle_trainers_stop_themselves_and_free_their_devices(setup):  # type: ignore[no-untyped-def]
+    """A run's detached trainers hold a lease: found again, they tell which update they applied
+    last (its seed); with no call for ``idle_exit_s`` they stop themselves, and the placement
+    group that reserved their devices goes with them."""
+    from trace_core.rollout.placement import named_groups
+    from trace_core.train.trainer_group import TRAINER_NAMESPACE
+
+    policy, trees, _, _ = setup
+    spec = TrainerSpec(CONFIG, workers=2, idle_exit_s=1.0)
+    started = TrainerGroup(spec, StartState(str(policy)), name="idle-trainer", detached=True)
+    assert len(named_groups("idle-trainer")) == 1  # both ranks' devices, reserved as one
+    started.update(trees, seed=7)
+    found = TrainerGroup.find(spec, "idle-trainer")
+    assert found is not None and found.update_seed == 7
+
+    def held() -> list[str]:  # looked up without calling them (a call renews the lease)
+        names = ray.util.list_named_actors(all_namespaces=True)
+        return [a["name"] for a in names if a["namespace"] == TRAINER_NAMESPACE]
+
+    assert sorted(held()) == ["idle-trainer-0", "idle-trainer-1"]
+    for _ in range(600):  # until they are gone and every CPU is free again
+        free = ray.available_resources().get("CPU")
+        if not held() and not named_groups("idle-trainer") and free == 4.0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"still held: {held()}, {ray.available_resources()}")

@@ -1,8 +1,10 @@
-"""Pretrained models: ``trace-rl model import`` (GGUF in, HF directory out) and ``trace-rl model
-check`` (what a model will do in the loop, before a GPU cluster is paid for).
+"""Pretrained models: ``trace-rl model import`` (GGUF in, HF directory out), ``trace-rl model
+check`` (what a model will do in the loop, before a GPU cluster is paid for) and ``trace-rl
+model upload`` (an HF directory to the S3 prefix a pipeline's ``base_model_uri`` names).
 
     trace-rl model import smollm2 --output models/smollm2
     trace-rl model check models/smollm2 --task calc --json build/model-check.json
+    trace-rl model upload models/smollm2 s3://mlpipeline/models/smollm2
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from rich.table import Table
 from trace_core.cli.output import console, write_json
 from trace_core.envs.suites import TASK_HELP
 
-app = typer.Typer(help="Pretrained models: import a GGUF file, check a model before training.")
+app = typer.Typer(
+    help="Pretrained models: import a GGUF file, check a model before training, upload one."
+)
 
 
 @app.command("import")
@@ -92,3 +96,36 @@ def check_command(
         table.add_row(name, value)
     console.print(table)
     write_json(json_path, report.to_json())
+
+
+@app.command("upload")
+def upload_command(
+    folder: Annotated[
+        Path, typer.Argument(metavar="DIR", help="HF model directory (safetensors weights).")
+    ],
+    uri: Annotated[
+        str, typer.Argument(metavar="URI", help="s3://bucket/prefix holding nothing yet.")
+    ],
+) -> None:
+    """Upload an HF directory (config, tokenizer, safetensors) where a pipeline's
+    base_model_uri reads it; a prefix that holds files is refused, never written over."""
+    from trace_core.cli.output import progress
+    from trace_core.train.base_model import upload_model
+    from trace_core.train.progress import LineProgress
+
+    megabytes = max(1, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) >> 20)
+    lines = None if console.is_terminal else LineProgress("upload", megabytes, "MB")
+    with progress() as bar:
+        task = bar.add_task(f"uploading {folder}", total=megabytes)
+
+        def sent(done: int, total: int) -> None:
+            bar.update(task, completed=done >> 20)
+            if lines is not None:
+                lines(min(megabytes, done >> 20) if done < total else megabytes)
+
+        files, size = upload_model(folder, uri, sent)
+    where = uri.rstrip("/")
+    said = {"markup": False, "highlight": False, "soft_wrap": True}
+    console.print(f"uploaded {files} files ({size / 1e6:.1f} MB) from {folder} to {where}", **said)
+    console.print("the pipeline's parameter (trace-rl pipeline run, schedule, step prep):")
+    console.print(f"  --param base_model_uri={where}", **said)

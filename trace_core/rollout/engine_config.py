@@ -79,7 +79,8 @@ class EngineConfig:
     evaluation stops them, and an actor left without a call for this many seconds (a run that
     failed) stops itself. Set it above the longest update (the gap between two rollouts).
     While kept, the actors hold their GPUs: the run's trainer actors need GPUs of their
-    own. 0: every step starts and stops its own engines."""
+    own. A pipeline run's trainer actors hold the same lease (``train.lease``; a running step
+    renews it). 0: every step starts and stops its own engines."""
     driver: str = "auto"
     """Ray engine pools: how ``grow_trees`` drives the workers. continuous: each turn joins its
     engine's running batch as soon as its env step is done and comes back the step it

@@ -10,9 +10,12 @@ them. The KFP pipeline (``pipelines/trace_training.py``), the Argo workflows
 
 Folders (the KFP artifacts; local paths or s3:// prefixes):
     prompts/    train.parquet, eval.parquet (``envs.prompts``; eval holds the first eval_tasks)
-    policy/     HF checkpoint (+ log.jsonl when resuming): where the run's session starts
+    policy/     where the run's session starts: an HF checkpoint (warmstart), or load's
+                reference.json naming the base model or the registry checkpoint's policy
+                (``store.reference``: weights never travel between steps)
     optimizer/  optimizer.json (the iteration its state is after) + optimizer.safetensors
-                (AdamW's moments) and master.safetensors when resuming
+                (AdamW's moments) and master.safetensors, or, when resuming, a reference.json
+                to the registry folder that holds them
     predictor/  a saved ``SharedPredictor`` (before the first fit: the run's fresh one)
     state/      the run's state between the session's steps (``train.steps.session``):
                 state.json, log.jsonl, predictor/, tokenizer/ (open-session's: eval.json too)
@@ -205,6 +208,20 @@ class PipelineConfig:
     def run_id(self) -> str:
         """The ``run_id`` of the trees this run grows."""
         return self.run_name or "pipeline"
+
+
+def session_name(run_name: str, pipeline_run_id: str = "") -> str:
+    """A run's session name (``PipelineConfig.engine_name``): ``<run_id>-<8 hex>``, the hex
+    from the pipeline run's id (KFP's run id, a UUID: its first 8 hex digits; any other id:
+    its hash's) when given, so the run's exit handler finds the session by the same id; else
+    random. ``run_id``: ``run_name``, or ``pipeline`` (``PipelineConfig.run_id``)."""
+    import hashlib
+    import uuid
+
+    tag = pipeline_run_id[:8].lower()
+    if pipeline_run_id and not re.fullmatch(r"[0-9a-f]{8}", tag):
+        tag = hashlib.sha256(pipeline_run_id.encode()).hexdigest()[:8]
+    return f"{run_name or 'pipeline'}-{tag or uuid.uuid4().hex[:8]}"
 
 
 def in_ray_job(config: PipelineConfig) -> bool:

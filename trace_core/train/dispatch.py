@@ -5,6 +5,9 @@
 
 A step's folders may be local paths or s3:// prefixes: remote inputs are downloaded into a
 scratch folder first, remote outputs written there and uploaded once the step has succeeded.
+Open session's policy, predictor and optimizer are not: the session's actors read them where
+they lie, at the URIs the load step's references name (``start_point``): a KFP pod that only
+submits the step as a Ray job (``ray_jobs_url``) holds those references, never the weights.
 The steps themselves are ``train.steps``; their folders and config are ``train.contract``.
 """
 
@@ -17,6 +20,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import (
@@ -32,6 +36,9 @@ from trace_core.train.contract import (
 )
 from trace_core.train.steps.finish import report_step
 from trace_core.train.steps.start import load_step, prep_step, warmstart_step
+
+if TYPE_CHECKING:
+    from trace_core.train.steps.session import StartPoint
 
 
 def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
@@ -49,9 +56,9 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
 def execute_step(call: StepCall, config: PipelineConfig) -> None:
     """Run ``call`` (a step on the run's session) in this process: only its small folders
     (prompts, state) are fetched; the starting policy, predictor and optimizer state are read
-    where they lie, by the actors; the outputs are published once the step has succeeded."""
+    where they lie, by the actors (``start_point``); the outputs are published once the step
+    has succeeded."""
     from trace_core.train.steps.session import (
-        StartPoint,
         close_session_step,
         iterate_step,
         open_session_step,
@@ -65,12 +72,7 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
     ):
         match call.step:
             case "open-session":
-                where = {name: call.input_uris.get(name) or call.inputs[name] for name in
-                         ("policy", "predictor", "optimizer")}  # fmt: skip
-                start = StartPoint(
-                    where["policy"], where["predictor"], where["optimizer"], call.iteration
-                )
-                open_session_step(config, local["prompts"], start, out["state"])
+                open_session_step(config, local["prompts"], start_point(call), out["state"])
             case "iterate":
                 iterate_step(
                     config, call.iteration, local["prompts"], local["state"], out["state"],
@@ -78,6 +80,35 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
                 )  # fmt: skip
             case "close-session":
                 close_session_step(config, local["state"], out["result"])
+
+
+def start_point(call: StepCall) -> StartPoint:
+    """Where open-session's ``call`` starts: for each of its policy, predictor and optimizer
+    inputs, the folder its ``reference.json`` names (the load step's: the base model, or a
+    registry checkpoint's folders), else the input itself (the warm start's folders), at its
+    object-storage URI when it has one (a KFP artifact's, which actors on any node read).
+    ``file://`` becomes a path. A reference of another iteration than the call's is refused.
+
+    Nothing is downloaded: a reference is read where the step was given the input (a KFP
+    pod's local copy, else one small object)."""
+    from trace_core.store.reference import REFERENCE, plain, read_reference
+    from trace_core.train.steps.session import StartPoint
+
+    where: dict[str, str] = {}
+    for name in ("policy", "predictor", "optimizer"):
+        given = call.inputs[name]
+        reference = read_reference(given)
+        if reference is None:
+            where[name] = plain(call.input_uris.get(name) or given)
+            continue
+        if reference.iteration != call.iteration:
+            raise ValueError(
+                f"{given}/{REFERENCE}: a start after iteration {reference.iteration}, but "
+                f"open-session starts after iteration {call.iteration} (start_iteration): "
+                "run prep and load again"
+            )
+        where[name] = reference.uri
+    return StartPoint(where["policy"], where["predictor"], where["optimizer"], call.iteration)
 
 
 @contextlib.contextmanager

@@ -15,16 +15,25 @@ workflow's steps, is written there by the job). The staging prefix is kept (the 
 Only non-secret S3 settings (endpoint, region) go into the job's ``runtime_env``, since Ray
 shows it in its dashboard: the Ray cluster's pods must get the credentials themselves (the same
 Kubernetes Secret the pipeline's steps read).
+
+A step that ends before its job (an error, Ctrl-C, or the SIGTERM Kubernetes sends when the run
+is cancelled or the pod goes) stops the job first (``run_job``). The job's metadata names the
+run's session (``trace.session``), by which the run's exit handler stops whatever of it still
+runs (``train.release``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from trace_core.store.sync import download_folder, upload_folder
 from trace_core.store.uri import is_remote
@@ -52,6 +61,13 @@ _DONE = ("SUCCEEDED", "FAILED", "STOPPED")
 
 class RayJobFailed(RuntimeError):
     """The job ended FAILED or STOPPED; the message has Ray's reason and the log's last lines."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived while a job ran (``run_job``); the process exits with 128 + 15."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
 
 
 def step_command(call: StepCall, config: PipelineConfig) -> str:
@@ -94,18 +110,18 @@ def submit_step(
     remote = StepCall(call.step, call.iteration, inputs, outputs)
     client = JobSubmissionClient(config.ray_jobs_url)
     env = {name: os.environ[name] for name in PASSED_ENV if os.environ.get(name)}
-    client.submit_job(
-        entrypoint=step_command(remote, config),
-        submission_id=job_id,
-        runtime_env={"env_vars": env} if env else None,
-        metadata={"trace.step": call.step, "trace.iteration": str(call.iteration)},
+    metadata = {"trace.step": call.step, "trace.iteration": str(call.iteration)}
+    metadata |= {"trace.run": config.run_id, "trace.session": config.engine_name}
+    status, tail = run_job(
+        client,
+        job_id,
+        step_command(remote, config),
+        {"env_vars": env} if env else None,
+        metadata,
+        write,
+        poll_seconds,
+        where=config.ray_jobs_url,
     )
-    write(f"submitted Ray job {job_id} to {config.ray_jobs_url}\n")
-    try:
-        status, tail = _follow(client, job_id, write, poll_seconds)
-    except BaseException:
-        client.stop_job(job_id)  # the step was cancelled (or this process is going): stop it
-        raise
     if status != "SUCCEEDED":
         message = client.get_job_info(job_id).message or ""
         raise RayJobFailed(
@@ -115,6 +131,56 @@ def submit_step(
         if uri != call.outputs[name]:
             download_folder(uri, call.outputs[name])
     return job_id
+
+
+def run_job(
+    client: Any,
+    job_id: str,
+    entrypoint: str,
+    runtime_env: Mapping[str, Any] | None,
+    metadata: Mapping[str, str],
+    write: Callable[[str], None],
+    poll_seconds: float = 1.0,
+    where: str = "",
+) -> tuple[str, str]:
+    """Submit ``entrypoint`` as the Ray job ``job_id`` and stream its log until it ends; its
+    final status and the log's last lines. If this process stops first (an exception,
+    KeyboardInterrupt, or SIGTERM, which raises ``Terminated`` meanwhile when this is the main
+    thread), the job is stopped before it goes on."""
+    with _sigterm_raises():
+        try:
+            client.submit_job(
+                entrypoint=entrypoint,
+                submission_id=job_id,
+                runtime_env=dict(runtime_env) if runtime_env else None,
+                metadata=dict(metadata),
+            )
+            write(f"submitted Ray job {job_id}{f' to {where}' if where else ''}\n")
+            return _follow(client, job_id, write, poll_seconds)
+        except BaseException as stopped:
+            why = "SIGTERM" if isinstance(stopped, Terminated) else type(stopped).__name__
+            with contextlib.suppress(Exception):  # perhaps never submitted, or done already
+                client.stop_job(job_id)
+                write(f"\n{why}: stopped Ray job {job_id}\n")
+            raise
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``Terminated`` (so ``finally`` and ``except``
+    blocks run); the handler before is put back after. Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _follow(

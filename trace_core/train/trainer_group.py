@@ -22,6 +22,12 @@ Checkpoints (``save``) are written by trainer rank 0 in the layout ``trace-rl tr
 pipeline use (an HF folder in the serving dtype, ``optimizer.safetensors``, and
 ``master.safetensors`` when the serving dtype rounds the master weights) into a local folder or
 straight to an ``s3://`` prefix; under FSDP every rank gathers and rank 0 writes.
+
+The trainers' devices (one CPU, and one GPU with ``use_gpu``, each) are reserved as one
+placement group, all or nothing (``rollout.placement.reserve``): a group that does not fit
+within ``place_timeout_s`` is removed and the error names the shortfall. Detached trainers (a
+pipeline run's) hold a lease (``train.lease``): each call renews it, and with ``idle_exit_s``
+they stop themselves, their group with them, once their run is gone.
 """
 
 from __future__ import annotations
@@ -40,19 +46,25 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
+from trace_core.rollout.placement import in_bundle, named_groups, reserve
 from trace_core.store.sync import local_copy
 from trace_core.store.uri import is_remote
+from trace_core.train.lease import Lease, leased
 from trace_core.train.start_state import StartState
+from trace_core.train.sync_source import LocalSource, build_sync  # noqa: F401 (weights')
 
 UPSTREAM = (
     "ray.remote",
     "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
-    "ray._common.ray_option_utils.actor_options(num_cpus, num_gpus, namespace, lifetime, name)",
+    "ray._common.ray_option_utils.actor_options(num_cpus, num_gpus, namespace, lifetime, name, "
+    "scheduling_strategy)",
+    "ray.util.placement_group.remove_placement_group(placement_group, /)",
     "ray.get_runtime_context()",
     "ray.runtime_context.RuntimeContext.get_assigned_resources()",
     "ray.util.get_node_ip_address()",
@@ -84,6 +96,10 @@ class TrainerSpec:
     """Shard the policy and AdamW's state across the trainers (``policy.sharding``)."""
     bucket_bytes: int = BUCKET_BYTES
     """Size of one weight-sync broadcast."""
+    idle_exit_s: float = 0.0
+    """> 0: a trainer without a call for this long stops itself (``train.lease``)."""
+    place_timeout_s: float = 1800.0
+    """How long the group waits for its devices, reserved together (``rollout.placement``)."""
 
 
 WRITTEN = "written.json"
@@ -104,8 +120,10 @@ def read_written(folder: str) -> dict[str, tuple[int, str]] | None:
 
 
 @ray.remote
+@leased
 class TrainerRank:
-    """One training device's rank (see the module docstring)."""
+    """One training device's rank (see the module docstring). Every call renews its lease
+    (``train.lease``): with ``idle_exit_s``, it stops itself once its run is gone."""
 
     def __init__(self, rank: int, spec: TrainerSpec) -> None:
         import torch
@@ -116,8 +134,18 @@ class TrainerRank:
         self._store: Any = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._saving: Future[dict[str, tuple[int, str]]] | None = None
+        self.update_seed: int | None = None  # the last update's: its iteration's own
         threads = int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
         torch.set_num_threads(max(1, threads))
+        self._lease = Lease()
+        self._lease.watch(spec.idle_exit_s, self._writing)
+
+    def renew(self) -> None:
+        """Nothing but the call: the lease of a step that runs (``lease.renewing``)."""
+
+    def _writing(self) -> bool:
+        """Whether a checkpoint is being written in the background (the lease holds)."""
+        return self._saving is not None and not self._saving.done()
 
     def pid(self) -> int:
         return os.getpid()
@@ -141,7 +169,12 @@ class TrainerRank:
         import torch
         import torch.distributed as dist
 
-        from trace_core.policy.model import load_checkpoint, load_for_training, load_master
+        from trace_core.policy.model import (
+            MASTER,
+            load_checkpoint,
+            load_for_training,
+            load_master,
+        )
         from trace_core.policy.sharding import load_sharded_optimizer, shard_scorer
         from trace_core.policy.tokenizer import padding_id
         from trace_core.policy.update import TokenScorer, load_optimizer, make_optimizer
@@ -161,8 +194,9 @@ class TrainerRank:
         )
         self.pad_id = padding_id(tokenizer)
         self.tokenizer = tokenizer
-        if start.master:
-            load_master(self.model, self._local(start.master, "master"))
+        if start.master:  # the one file, not the checkpoint folder that holds it
+            master = self._local(f"{start.master.rstrip('/')}/{MASTER}", "master", folder=False)
+            load_master(self.model, Path(str(master)).parent)
         self.reference = None
         if start.reference and spec.update.kl_coef > 0:
             self.reference, _ = load_checkpoint(
@@ -189,12 +223,14 @@ class TrainerRank:
     def info(self) -> dict[str, object]:
         """What a driver needs of a running rank (one that finds the group again, too)."""
         params = sum(p.numel() for p in self.model.parameters())
-        return {"parameters": params, "serving": str(self.serving).removeprefix("torch.")}
+        serving = str(self.serving).removeprefix("torch.")
+        return {"parameters": params, "serving": serving, "update_seed": self.update_seed}
 
     def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
         from trace_core.policy.update import update_policy
 
         self._wait_saving()  # the checkpoint being written holds these weights
+        self.update_seed = seed  # before any step: a failed update is not one to apply again
         return update_policy(
             self.scorer,
             self.optimizer,
@@ -366,16 +402,23 @@ class TrainerGroup:
             raise ValueError(f"workers must be >= 1, got {spec.workers}")
         if detached and not name:
             raise ValueError("detached trainers need a name (the next step finds them by it)")
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.ranks = spec, name, []
+        device = {"CPU": 1.0, **({"GPU": 1.0} if spec.use_gpu else {})}
+        what = f"the trainers{f' {name}' if name else ''} (train_workers={spec.workers})"
+        self.reserved = reserve(
+            [device] * spec.workers, name, detached, spec.place_timeout_s, what
+        )  # all of them or none: two runs never each hold part of the devices
         options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if spec.use_gpu else 0}
         if name:  # found by name: one run's trainers serve no other
             options |= {"namespace": TRAINER_NAMESPACE}
         if detached:
             options |= {"lifetime": "detached"}
         self.ranks = [
-            TrainerRank.options(**options, **({"name": f"{name}-{r}"} if name else {})).remote(  # type: ignore[attr-defined]
-                r, spec
-            )
+            TrainerRank.options(  # type: ignore[attr-defined]
+                **options,
+                scheduling_strategy=in_bundle(self.reserved, r),
+                **({"name": f"{name}-{r}"} if name else {}),
+            ).remote(r, spec)
             for r in range(spec.workers)
         ]
         try:
@@ -389,6 +432,9 @@ class TrainerGroup:
     def _attached(self, info: dict[str, object]) -> None:
         self.parameters = int(info["parameters"])  # type: ignore[call-overload]
         self.serving = str(info["serving"])
+        self.update_seed: int | None = info.get("update_seed")  # type: ignore[assignment]
+        """The seed of the last update the trainers applied (``draws.draw_iteration``'s, so
+        it names its iteration); None before the first."""
         self._plan: WeightPlan | None = None
         self._members: list[int] = []  # the engines' pids the sync group was built with
         self.sync_seconds = 0.0
@@ -404,7 +450,7 @@ class TrainerGroup:
             except ValueError:
                 break
         group = cls.__new__(cls)
-        group.spec, group.name, group.ranks = spec, name, ranks
+        group.spec, group.name, group.ranks, group.reserved = spec, name, ranks, None
         if len(ranks) < spec.workers or not group.alive():
             group.close()
             return None
@@ -437,7 +483,7 @@ class TrainerGroup:
         members = [*pids, os.getpid() if local is not None else 0]
         if members != self._members:
             source = ray.get(self.ranks[0].sync_device.remote())
-            self._group = _build_sync(
+            self._group = build_sync(
                 self.ranks[0].open_sync, self.ranks[0].join_sync, engines, local is not None,
                 source=source,
             )  # fmt: skip
@@ -489,10 +535,14 @@ class TrainerGroup:
         return True
 
     def close(self) -> None:
+        """Stop the trainers and free the devices their group reserved."""
         for rank in getattr(self, "ranks", []):
             with contextlib.suppress(Exception):
                 ray.kill(rank, no_restart=True)
         self.ranks = []
+        groups = [self.reserved] if getattr(self, "reserved", None) is not None else []
+        _remove([*groups, *(named_groups(self.name) if self.name else [])])
+        self.reserved = None
 
     def __enter__(self) -> TrainerGroup:
         return self
@@ -502,90 +552,18 @@ class TrainerGroup:
 
 
 def release_trainers(name: str, workers: int) -> int:
-    """Stop the detached trainer actors of ``name`` (the run's last step); how many ran."""
+    """Stop the detached trainer actors of ``name`` (the run's last step) and free their
+    group's devices; how many ran."""
     stopped = 0
     for r in range(workers):
         with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(f"{name}-{r}", namespace=TRAINER_NAMESPACE), no_restart=True)
             stopped += 1
+    _remove(named_groups(name))
     return stopped
 
 
-class LocalSource:
-    """This process's model as the sync source (the update ran here, the engines are actors):
-    this process hosts the store and is rank 0 of the sync group."""
-
-    def __init__(self, model: Any, serving: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
-        from trace_core.policy.weight_sync import weight_plan
-
-        self.model = model
-        self.plan = weight_plan(model, serving, bucket_bytes)
-        self._members: list[int] = []
-        self._store: Any = None
-        self._backend = "gloo"
-        self.sync_seconds = 0.0
-
-    def sync(self, engines: Sequence[Any], pids: Sequence[int], label: str) -> float:
-        from trace_core.policy.weight_sync import device_id, send_weights, staging_device
-
-        start = time.perf_counter()
-        device = next(self.model.parameters()).device
-        if list(pids) != self._members:
-            self._group = _build_sync(
-                self._open, self._join, engines, False, here=True, source=device_id(device)
-            )
-            self._members = list(pids)
-        receives = [e.receive.remote(self.plan, label) for e in engines]
-        send_weights(self.model, self.plan, self._group, staging_device(self._backend, device))
-        ray.get(receives)
-        seconds = time.perf_counter() - start
-        self.sync_seconds += seconds
-        return seconds
-
-    def _open(self, size: int) -> tuple[str, int]:
-        from trace_core.policy.weight_sync import open_store
-
-        host = ray.util.get_node_ip_address()
-        self._store = open_store(host, size)
-        return host, int(self._store.port)
-
-    def _join(self, host: str, port: int, size: int, backend: str) -> Any:
-        from trace_core.policy.weight_sync import sync_group
-
-        self._backend = backend
-        return sync_group(host, port, 0, size, backend, store=self._store)
-
-
-def _build_sync(
-    open_sync: Any,
-    join_sync: Any,
-    engines: Sequence[Any],
-    local: bool,
-    here: bool = False,
-    source: str | None = None,
-) -> Any:
-    """A new sync group: rank 0 is the source (``open_sync``/``join_sync``: an actor's remote
-    methods, or with ``here`` this process's; ``source``: its GPU's UUID, None on a CPU), then
-    the engine actors' processes (one per actor, or each of a vLLM engine's workers) and, with
-    ``local``, this process last. Its backend follows where they all are (``choose_backend``:
-    NCCL, CUDA IPC or gloo). Every member joins at once; returns this process's group."""
-    from trace_core.policy.weight_sync import choose_backend, sync_group
-
-    per_engine: list[list[str | None]] = ray.get([e.sync_devices.remote() for e in engines])
-    devices = [source, *(d for members in per_engine for d in members)]
-    size = len(devices) + int(local)
-    backend = choose_backend(devices + [None] * int(local))  # this process receives on CPU
-    if here:
-        host, port = open_sync(size)
-    else:
-        host, port = ray.get(open_sync.remote(size))
-    joins = [] if here else [join_sync.remote(host, port, size, backend)]
-    first = 1
-    for engine, members in zip(engines, per_engine, strict=True):
-        joins.append(engine.join_sync.remote(host, port, first, size, backend))
-        first += len(members)
-    group = join_sync(host, port, size, backend) if here else None
-    if local:
-        group = sync_group(host, port, size - 1, size, backend)
-    ray.get(joins)
-    return group
+def _remove(groups: Sequence[Any]) -> None:
+    for group in groups:
+        with contextlib.suppress(Exception):  # removed already
+            remove_placement_group(group)

@@ -28,6 +28,9 @@ MODULES = (
     "trace_core.rollout.ray_stream",
     "trace_core.rollout.ray_continuous",
     "trace_core.train.trainer_group",
+    "trace_core.train.sync_source",
+    "trace_core.train.lease",
+    "trace_core.train.release",
     "trace_core.train.rayjob",
     "trace_core.train.steps.session",
 )

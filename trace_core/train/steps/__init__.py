@@ -9,6 +9,8 @@
 - ``session``: open-session (the run's trainer and engine actors), iterate (rollout, predictor
   fit ∥ update, weights to the engines, evaluation), close-session (the last checkpoint)
 - ``finish``: report (every iteration's trees, the summary)
+- ``release``: the exit handler's (whatever the run ended with): its Ray jobs still running
+  stopped, its trainer and engine actors killed (``train.release``)
 
 The folders each step reads and writes, and the config they all receive, are the contract in
 ``train.contract``; running a step here, as a Ray job or from the command line is

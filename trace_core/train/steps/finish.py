@@ -18,7 +18,7 @@ from typing import Any
 
 from trace_core.algo.tree import ROOT, RolloutTree, leaf_counts, success_counts
 from trace_core.train.contract import TREES, PipelineConfig
-from trace_core.train.record import read_log
+from trace_core.train.record import IterationRecord, read_log
 from trace_core.train.steps.tracked import end_tracking
 
 
@@ -136,3 +136,16 @@ def mixedness(tree: RolloutTree) -> float:
     leaves = float(leaf_counts(tree)[ROOT])
     wins = float(success_counts(tree)[ROOT])
     return min(wins, leaves - wins) / leaves if leaves else 0.0
+
+
+def record_metrics(record: IterationRecord) -> dict[str, float]:
+    """An iteration's figures as the step's KFP metrics (flat name → number)."""
+    metrics = {"iteration": float(record.iteration), "tokens": float(record.tokens)}
+    metrics |= {k: float(v) for k, v in record.rollout.items() if isinstance(v, int | float)}
+    metrics |= {
+        f"update_{k}": float(v) for k, v in record.update.items() if isinstance(v, int | float)
+    }
+    metrics |= {f"seconds_{k}": float(v) for k, v in record.seconds.items()}
+    if record.eval:
+        metrics |= eval_metrics({**record.eval, "iteration": record.iteration})
+    return metrics

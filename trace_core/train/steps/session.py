@@ -47,8 +47,9 @@ from trace_core.train.contract import (
     write_draws,
     write_metrics,
 )
+from trace_core.train.lost import SessionLostError, lost_line, stop_if_updated
 from trace_core.train.record import LOG, IterationRecord, read_log
-from trace_core.train.steps.finish import eval_metrics
+from trace_core.train.steps.finish import eval_metrics, record_metrics
 from trace_core.train.steps.tracked import log_tracking, open_tracking
 from trace_core.train.tracking import write_tensorboard
 
@@ -59,11 +60,6 @@ actors are ``rollout.ray_pool``'s and ``train.trainer_group``'s."""
 STATE = "state.json"
 KIND = "trace.run-state"
 MASTER = "master.safetensors"
-
-
-class SessionLostError(RuntimeError):
-    """The run's trainers are gone with state no checkpoint holds; the message says how the run
-    resumes."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +189,9 @@ def open_session_step(
                 f"{start.policy}: its log does not hold iterations 0..{start.iteration} in order"
             )
         mlflow_run = open_tracking(config, records)  # a bad server fails before the session
-        with _Session(config, prompts_dir, state, tokenizer, predictor, suite) as session:
+        with _Session(
+            config, prompts_dir, state, tokenizer, predictor, suite, first=True
+        ) as session:
             from trace_core.train.phases import eval_dict, evaluate, start_record
 
             if not records:
@@ -222,7 +220,10 @@ def iterate_step(
     its trees and metrics to ``trees_out``, the state after it to ``state_out``. The metrics
     include ``s3_bytes``, what this step and the session's actors read and wrote through
     object storage besides checkpoints, and ``checkpoint_bytes``, the files of the checkpoints
-    this step committed (its own, and one written in the background since the step before)."""
+    this step committed (its own, and one written in the background since the step before).
+    A retry whose first attempt reached the update never applies it twice: the trainers start
+    again from the newest checkpoint if it holds the weights before it (the iteration then runs
+    as it first did), else the step stops with one line (``train.lost``)."""
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.schema import write_trees
@@ -280,7 +281,9 @@ def iterate_step(
         done = replace(lost, pending=None, pending_folder=None)
         return _checkpointed(done, lost.pending, uri, files)
 
-    with _Session(config, prompts_dir, state, tokenizer, predictor, suite, adopt) as session:
+    with _Session(
+        config, prompts_dir, state, tokenizer, predictor, suite, adopt, iteration
+    ) as session:
         state = session.state  # with a checkpoint written in the background committed, if adopted
         before = session.traffic()
         committed = sum(adopted)
@@ -324,7 +327,7 @@ def iterate_step(
         records[-1] = replace(records[-1], storage=storage)  # TensorBoard's, MLflow's figures
         write_state(state_out, new, records, predictor, tokenizer)
         log_tracking(config, new.mlflow_run, records)
-    metrics = {**_record_metrics(outcome.record), **storage}
+    metrics = {**record_metrics(outcome.record), **storage}
     write_metrics(trees_out, metrics)
     return metrics
 
@@ -402,12 +405,18 @@ class _Session:
         predictor: Any,
         suite: TaskSuite | None,
         adopt: Callable[[RunState], RunState] | None = None,
+        iteration: int | None = None,
+        first: bool = False,
     ) -> None:
         """``adopt``: when the trainers are gone, the state with the checkpoint they were
-        writing in the background committed, if they finished it."""
+        writing in the background committed, if they finished it. ``iteration``: the one this
+        step runs; trainers that already applied its update (a retried step) are not updated
+        again: they start again from the newest checkpoint if it holds the weights before it,
+        else the step stops with one line. ``first``: open-session (no other session of the
+        run's ``run_name`` may run: ``release.refuse_second_run``)."""
         self.config, self.prompts_dir, self.state = config, prompts_dir, state
         self.tokenizer, self.predictor, self.suite = tokenizer, predictor, suite
-        self.adopt = adopt
+        self.adopt, self.iteration, self.first = adopt, iteration, first
 
     def __enter__(self) -> _Session:
         import contextlib
@@ -420,7 +429,9 @@ class _Session:
         from trace_core.rollout.ray_pool import ray_session
         from trace_core.train import iteration
         from trace_core.train.contract import worker_address
+        from trace_core.train.lease import renewing
         from trace_core.train.phases import Run
+        from trace_core.train.release import refuse_second_run
         from trace_core.train.start_state import StartState
         from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
         from trace_core.train.weights import Weights
@@ -434,16 +445,29 @@ class _Session:
         self._stack.__enter__()
         try:
             self._stack.enter_context(ray_session(address))
+            if self.first:
+                refuse_second_run(config)
+            keep = train.engine.keep_alive_s  # the trainers' lease too (``train.lease``)
             spec = TrainerSpec(
-                train.update, train.train_workers, train.train_gpus, train.train_fsdp
+                train.update,
+                train.train_workers,
+                train.train_gpus,
+                train.train_fsdp,
+                idle_exit_s=keep,
+                place_timeout_s=train.engine.ready_timeout_s,
             )
             name = f"{state.session}-trainer"
             trainers = TrainerGroup.find(spec, name)
+            retried = stop_if_updated(trainers, config, self.iteration, len(train_tasks))
+            trainers = None if retried is not None else trainers
             if trainers is None and state.pending is not None and self.adopt is not None:
                 state = self.state = self.adopt(state)
             if trainers is None:
                 if state.checkpoint != state.iteration:
-                    raise SessionLostError(_lost(config, state))
+                    why = lost_line(
+                        config, state.checkpoint, state.iteration, state.policy, retried
+                    )
+                    raise SessionLostError(why)
                 start = StartState(state.policy, state.optimizer, state.master, state.reference)
                 trainers = TrainerGroup(spec, start, name=name, detached=True)
             session = self._stack.enter_context(
@@ -462,6 +486,7 @@ class _Session:
                 checkpoint_at=lambda i: state.policy.rsplit("/policy", 1)[0], total_tokens=0,
             )  # fmt: skip
             self.trainers = trainers
+            self._stack.enter_context(renewing(lambda: self.run.weights.trainers.ranks, keep))
         except BaseException:
             self._stack.__exit__(None, None, None)
             raise
@@ -562,32 +587,3 @@ def _optimizer_files(folder: str) -> tuple[str | None, str | None]:
         has = lambda name: Path(folder, name).is_file()  # noqa: E731
     optimizer = f"{folder}/{OPTIMIZER}" if has(OPTIMIZER) else None
     return optimizer, (folder if has(MASTER) else None)
-
-
-def _lost(config: PipelineConfig, state: RunState) -> str:
-    where = f"iteration {state.checkpoint}'s checkpoint ({state.policy.rsplit('/policy', 1)[0]})"
-    if state.checkpoint == 0:
-        where = f"its start ({state.policy})"
-    how = (
-        f"submit the run again with run_name {config.run_name}: it resumes from there"
-        if config.run_name
-        else "the run has no run_name, so it cannot resume: submit it again with one"
-    )
-    return (
-        f"the run's trainers are gone (the Ray cluster restarted or a trainer actor died) with "
-        f"the training state of iterations {state.checkpoint + 1}-{state.iteration}; the newest "
-        f"checkpoint is {where}; {how}"
-    )
-
-
-def _record_metrics(record: IterationRecord) -> dict[str, float]:
-    """An iteration's figures as the step's KFP metrics (flat name → number)."""
-    metrics = {"iteration": float(record.iteration), "tokens": float(record.tokens)}
-    metrics |= {k: float(v) for k, v in record.rollout.items() if isinstance(v, int | float)}
-    metrics |= {
-        f"update_{k}": float(v) for k, v in record.update.items() if isinstance(v, int | float)
-    }
-    metrics |= {f"seconds_{k}": float(v) for k, v in record.seconds.items()}
-    if record.eval:
-        metrics |= eval_metrics({**record.eval, "iteration": record.iteration})
-    return metrics

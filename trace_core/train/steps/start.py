@@ -3,6 +3,11 @@ then warmstart (the synthetic tasks' tiny policy from scratch, or a base model f
 task's reference solutions with ``warmstart_init``) or load (a base model, or the run's latest
 registered checkpoint to resume from).
 
+The warm start's policy is small (a few MB) and travels as the step's output folders. Load's
+outputs hold references instead (``store.reference``: ``reference.json`` naming the base model
+or the checkpoint's folders), so no step downloads into its pod weights it does not compute
+on: open session's trainers and engines read them where they lie (``train.dispatch``).
+
     prep = prep_step(PipelineParameters(task="calc", iterations=2), Path("prompts"))
     config = PipelineConfig.from_json(prep.config_json)
     warmstart_step(config, Path("policy-0"), Path("predictor-0"), Path("optimizer-0"))
@@ -24,25 +29,24 @@ from typing import TYPE_CHECKING
 
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import SYNTHETIC
-from trace_core.store.uri import is_remote
 from trace_core.train.contract import (
     OPTIMIZER,
     PROMPTS_EVAL,
     PROMPTS_TRAIN,
     PipelineConfig,
     PipelineParameters,
+    session_name,
     write_metrics,
     write_optimizer_info,
 )
 
 if TYPE_CHECKING:
-    from trace_core.store.registry import CheckpointRegistry
+    from trace_core.store.registry import Checkpoint, CheckpointRegistry
 
 
 log = logging.getLogger(__name__)
 
 BASE_MODEL = "base_model"
-MASTER = "master.safetensors"
 """The registry metadata that records what a run started from (its ``base_model_uri``)."""
 
 
@@ -58,13 +62,17 @@ class PrepResult:
 
 
 def prep_step(
-    params: PipelineParameters, prompts_dir: Path, suite: TaskSuite | None = None
+    params: PipelineParameters,
+    prompts_dir: Path,
+    suite: TaskSuite | None = None,
+    pipeline_run_id: str = "",
 ) -> PrepResult:
-    """Validate the parameters into the run's config, write its prompts, decide the start."""
+    """Validate the parameters into the run's config, write its prompts, decide the start.
+    ``pipeline_run_id``: the KFP run's id, which names the run's session (``with_session``)."""
     from trace_core.envs.prompts import write_prompts
     from trace_core.envs.suites import make_suite
 
-    config = with_session(_base_model_defaults(params.config(), params))
+    config = with_session(_base_model_defaults(params.config(), params), pipeline_run_id)
     train = config.train
     suite = suite or make_suite(train.task, train.data, train.seed)
     train_tasks = suite.tasks("train")
@@ -85,9 +93,13 @@ SESSION_KEEP_ALIVE_S = 1800.0
 came (a failed run); they stop sooner when it ends."""
 
 
-def with_session(config: PipelineConfig) -> PipelineConfig:
+def with_session(config: PipelineConfig, pipeline_run_id: str = "") -> PipelineConfig:
     """The config with what a run's session needs (``train.steps.session``): a name of its own,
-    at least one trainer and one kept engine actor, and a store for its checkpoints."""
+    at least one trainer and one kept engine actor, and a store for its checkpoints. The name
+    is ``<run_id>-<8 hex>`` (``contract.session_name``): from ``pipeline_run_id`` (the KFP
+    run's id) when given, so the run's exit handler, which has that id but no step's output,
+    finds the session (``train.release``); else random. The trainers and engines stop
+    themselves after the engine's ``keep_alive_s`` without a call (30 min by default)."""
     if not config.store:
         raise ValueError("store_uri is empty: the run's checkpoints are written there")
     train = config.train
@@ -99,7 +111,7 @@ def with_session(config: PipelineConfig) -> PipelineConfig:
             keep_alive_s=engine.keep_alive_s or SESSION_KEEP_ALIVE_S,
         )
     train = dataclasses.replace(train, engine=engine, train_workers=train.train_workers or 1)
-    name = f"{config.run_id}-{uuid.uuid4().hex[:8]}"
+    name = session_name(config.run_name, pipeline_run_id)
     return dataclasses.replace(config, train=train, engine_name=name)
 
 
@@ -184,39 +196,43 @@ def warmstart_step(
 def load_step(
     config: PipelineConfig, policy_dir: Path, predictor_dir: Path, optimizer_dir: Path
 ) -> dict[str, float]:
-    """The starting policy, predictor and optimizer state: the run's latest registry
-    checkpoint when it has one (resume), else the base model (``train.init``), a fresh
-    predictor and an empty optimizer state."""
-    from trace_core.policy.model import load_checkpoint
-    from trace_core.store.sync import download_folder
+    """Where the run's session starts, as references (``store.reference``): no weights are
+    read or written here, since the session's trainers and engines read them where they lie.
+
+    Resuming (the run's latest registry checkpoint): ``policy_dir`` refers to the checkpoint's
+    ``policy/`` (its log travels with it), ``optimizer_dir`` to the folder that holds its
+    ``optimizer.safetensors`` (and ``master.safetensors``), each with the iteration; its
+    predictor (a few MB) is copied into ``predictor_dir``. Else the base model
+    (``train.init``): ``policy_dir`` refers to it, only its config and tokenizer files are
+    read (to build the fresh predictor), and the optimizer starts empty (``optimizer.json`` of
+    iteration 0, no reference)."""
+    from trace_core.store.reference import Reference, write_reference
+    from trace_core.train.base_model import check_source, local_path, source_tokenizer
     from trace_core.train.iteration import new_predictor
 
     registry = open_registry(config)
     checkpoint = registry.latest(config.run_name, say=log.warning) if config.run_name else None
     if checkpoint is not None:
-        staging = policy_dir.parent / f".resume-{uuid.uuid4().hex[:8]}"
-        registry.download(checkpoint, staging)
-        _move(staging / "policy", policy_dir)
-        _move(staging / "predictor", predictor_dir)
-        optimizer_dir.mkdir(parents=True, exist_ok=True)
-        if (staging / OPTIMIZER).is_file():  # a session's checkpoint, as its trainers wrote it
-            os.replace(staging / OPTIMIZER, optimizer_dir / OPTIMIZER)
-        elif (staging / "optimizer" / OPTIMIZER).is_file():
-            os.replace(staging / "optimizer" / OPTIMIZER, optimizer_dir / OPTIMIZER)
-        elif (policy_dir / OPTIMIZER).is_file():  # checkpoints registered before the split
-            os.replace(policy_dir / OPTIMIZER, optimizer_dir / OPTIMIZER)
-        if (staging / MASTER).is_file():  # fp32 weights the serving dtype rounds
-            os.replace(staging / MASTER, optimizer_dir / MASTER)
+        root = registry.store.uri(checkpoint.key)
+        paths = {f.path for f in checkpoint.files}
+        for part in ("policy", "predictor"):
+            if not any(p.startswith(f"{part}/") for p in paths):
+                raise FileNotFoundError(f"{root}: the checkpoint has no {part}/ folder")
+        _copy_predictor(registry, checkpoint, predictor_dir)
+        write_reference(policy_dir, Reference(f"{root}/policy", checkpoint.iteration))
+        optimizer = _optimizer_folder(paths)
+        if optimizer is not None:
+            where = f"{root}/{optimizer}" if optimizer else root
+            write_reference(optimizer_dir, Reference(where, checkpoint.iteration))
         write_optimizer_info(optimizer_dir, checkpoint.iteration)
-        shutil.rmtree(staging)
         metrics = {"resumed_iteration": float(checkpoint.iteration)}
     elif config.train.init:
         source = str(config.train.init)
-        if is_remote(source):
-            download_folder(source, policy_dir)
-        else:
-            shutil.copytree(source.removeprefix("file://"), policy_dir, dirs_exist_ok=True)
-        _, tokenizer = load_checkpoint(policy_dir)
+        check_source(source, "base_model_uri")
+        tokenizer = source_tokenizer(source, "base_model_uri")
+        local = local_path(source)
+        uri = source if local is None else str(local.absolute())
+        write_reference(policy_dir, Reference(uri, 0))
         new_predictor(config.train, tokenizer).save(predictor_dir)
         write_optimizer_info(optimizer_dir, 0)
         metrics = {"resumed_iteration": 0.0}
@@ -226,18 +242,35 @@ def load_step(
     return metrics
 
 
+def _optimizer_folder(paths: set[str]) -> str | None:
+    """The checkpoint's folder (relative; "" its root) holding its optimizer state, in each
+    layout registered: a session's (beside ``policy/``), ``optimizer/``, or ``policy/`` (before
+    the optimizer state was an artifact of its own); None: it has none."""
+    for folder in ("", "optimizer", "policy"):
+        if f"{folder}/{OPTIMIZER}".lstrip("/") in paths:
+            return folder
+    return None
+
+
+def _copy_predictor(registry: CheckpointRegistry, checkpoint: Checkpoint, target: Path) -> None:
+    """The checkpoint's ``predictor/`` into ``target`` (its files checked against the
+    manifest), whole or not at all."""
+    only = dataclasses.replace(
+        checkpoint, files=tuple(f for f in checkpoint.files if f.path.startswith("predictor/"))
+    )
+    staging = target.parent / f".predictor-{uuid.uuid4().hex[:8]}"
+    try:
+        registry.download(only, staging)
+        if target.exists():
+            target.rmdir()  # a fresh output folder: empty
+        os.replace(staging / "predictor", target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def open_registry(config: PipelineConfig) -> CheckpointRegistry:
     """The checkpoint registry below the run's store."""
     from trace_core.store.artifacts import open_store
     from trace_core.store.registry import CheckpointRegistry
 
     return CheckpointRegistry(open_store(config.store))
-
-
-def _move(source: Path, target: Path) -> None:
-    if not source.is_dir():
-        raise FileNotFoundError(f"{source}: the checkpoint has no {source.name}/ folder")
-    if target.exists():
-        shutil.rmtree(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(source, target)
