@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -24,6 +22,7 @@ import ray
 
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.weight_sync import SYNCED
+from trace_core.rollout.lease import Lease
 from trace_core.rollout.worker_result import SubBatchResult
 
 if TYPE_CHECKING:
@@ -34,10 +33,7 @@ UPSTREAM = (
     "ray._common.ray_option_utils.actor_options(concurrency_groups)",  # what @ray.remote takes
     "ray.method(concurrency_group)",
     "ray.util.get_current_placement_group()",
-    "ray.util.remove_placement_group(placement_group, /)",
-    "ray.kill(actor, /, no_restart)",
     "ray.get_runtime_context()",
-    "ray.runtime_context.RuntimeContext.current_actor",
     "ray.runtime_context.RuntimeContext.get_node_id()",
     "ray.get_gpu_ids()",
     "ray.nodes()",
@@ -136,8 +132,8 @@ class EngineWorker:
     def __init__(
         self, spec: WorkerSpec, checkpoint: str, idle_exit_s: float = 0.0, started_by: str = ""
     ) -> None:
-        """``idle_exit_s`` > 0: a kept actor (``_exit_when_idle``); ``started_by``: the pool
-        that created it (``state``)."""
+        """``idle_exit_s`` > 0: a kept actor, on a lease (``rollout.lease``); ``started_by``:
+        the pool that created it (``state``)."""
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -156,44 +152,17 @@ class EngineWorker:
         self.engine: Engine | None = None
         self.checkpoint = ""
         self.started_by = started_by
-        self._lock = threading.Lock()
-        self._busy, self._last_call = 0, time.monotonic()
+        self._lease = Lease()
         self._loop: Any = None  # a BatchLoop once the continuous driver submits
         self.load(checkpoint)
-        if idle_exit_s > 0:
-            threading.Thread(target=self._exit_when_idle, args=(idle_exit_s,), daemon=True).start()
-
-    @contextlib.contextmanager
-    def _call(self) -> Iterator[None]:
-        """A call that keeps a kept engine alive (``_exit_when_idle``)."""
-        with self._lock:
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._last_call = time.monotonic()
-
-    def _exit_when_idle(self, idle_s: float) -> None:
-        """A kept actor outlives the job that started it: after ``idle_s`` seconds without a
-        call (its run failed before releasing it) it stops its engine and itself."""
-        while True:
-            time.sleep(min(idle_s, 5.0))
-            with self._lock:
-                if self._busy == 0 and time.monotonic() - self._last_call >= idle_s:
-                    self._busy = 1  # refuse what might still come in
-                    break
-        self.shutdown()
-        group = ray.util.get_current_placement_group()
-        if group is not None:  # a tensor-parallel engine's GPUs: the group goes with it
-            ray.util.remove_placement_group(group)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        # A kept actor outlives the job that started it: after idle_exit_s seconds without a
+        # call (its run failed before releasing it) it stops its engine and itself.
+        self._lease.watch(idle_exit_s, before_exit=self.shutdown)
 
     def load(self, checkpoint: str) -> float:
         """Swap in the weights of ``checkpoint`` (the prefix cache is dropped); returns the
         seconds it took, the download to this node included."""
-        with self._call(), self._idle():
+        with self._lease.call(), self._idle():
             return self._load(checkpoint)
 
     def _idle(self) -> contextlib.AbstractContextManager[None]:
@@ -268,7 +237,7 @@ class EngineWorker:
         checkpoint: str,
     ) -> SubBatchResult:
         """``params.n`` completions per prompt, each prompt sampled with its seed."""
-        with self._call():
+        with self._lease.call():
             if checkpoint != self.checkpoint:
                 self._catch_up(checkpoint)
             assert self.engine is not None
@@ -301,7 +270,7 @@ class EngineWorker:
         with this process's pid (a restarted actor has lost what an earlier one held)."""
         from trace_core.rollout.batch_loop import BatchLoop
 
-        with self._call():
+        with self._lease.call():
             if checkpoint != self.checkpoint:
                 self._catch_up(checkpoint)
             assert self.engine is not None
@@ -315,7 +284,7 @@ class EngineWorker:
         """This process's pid and the turns answered since the last call
         (``BatchLoop.collect``; None before any ``submit``); waits up to ``wait_s`` for the
         first."""
-        with self._call():
+        with self._lease.call():
             loop = self._loop
             if loop is None:
                 time.sleep(min(wait_s, 0.05))  # a submit on its way: the caller asks again
@@ -359,7 +328,7 @@ class EngineWorker:
         then serves them as ``label``. Returns the seconds it took."""
         from trace_core.policy.weight_sync import ModuleSink, apply_weights
 
-        with self._call(), self._idle():
+        with self._lease.call(), self._idle():
             start = time.perf_counter()
             engine: Any = self.engine
             if self.spec.engine == "vllm":
@@ -400,7 +369,7 @@ class EngineWorker:
     def state(self) -> tuple[WorkerSpec, str, str]:
         """The engine's settings, its checkpoint and the pool that started it (what a pool
         finding a kept actor checks); a call, so the actor's idle time starts again."""
-        with self._call():
+        with self._lease.call():
             return self.spec, self.checkpoint, self.started_by
 
     @ray.method(concurrency_group="control")

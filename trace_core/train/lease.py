@@ -1,6 +1,6 @@
-"""The lease a run holds on its trainer actors: detached, they outlive the step that started them,
-so they must go by themselves once their run is gone (a failed or cancelled run never reaches
-close-session), as kept engine actors do after ``keep_alive_s`` without a call.
+"""The lease a run holds on its trainer actors (``rollout.lease``, as the kept engine actors
+hold theirs): detached, they outlive the step that started them, so they must go by themselves
+once their run is gone (a failed or cancelled run never reaches close-session).
 
     @ray.remote
     @leased                                   # every public method renews the lease
@@ -21,62 +21,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import ray
-
-UPSTREAM = (
-    "ray.util.get_current_placement_group()",
-    "ray.util.remove_placement_group(placement_group, /)",
-    "ray.get_runtime_context()",
-    "ray.runtime_context.RuntimeContext.current_actor",
-    "ray.kill(actor, /, no_restart)",
-    "ray.actor.ActorMethod.remote",
-)
+UPSTREAM = ("ray.actor.ActorMethod.remote",)
 """What this module calls in Ray (``policy.upstream``: entry syntax there)."""
 
 T = TypeVar("T")
-
-
-class Lease:
-    """An actor's lease: the end of its last call, and how many calls run now."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy, self._last = 0, time.monotonic()
-
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """A call, which renews the lease when it ends."""
-        with self._lock:
-            self._busy += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._last = time.monotonic()
-
-    def watch(self, idle_s: float, working: Callable[[], bool] = lambda: False) -> None:
-        """From now on, stop this actor (and its placement group) after ``idle_s`` seconds
-        without a call while ``working()`` is false; ``idle_s`` <= 0: never."""
-        if idle_s > 0:
-            threading.Thread(target=self._expire, args=(idle_s, working), daemon=True).start()
-
-    def _expire(self, idle_s: float, working: Callable[[], bool]) -> None:
-        while True:
-            time.sleep(min(idle_s, 5.0))
-            with self._lock:
-                idle = self._busy == 0 and time.monotonic() - self._last >= idle_s
-                if idle and not working():
-                    self._busy = 1  # what comes in from now on waits for the end
-                    break
-        group = ray.util.get_current_placement_group()
-        if group is not None:  # its devices, and the group's other actors with them
-            ray.util.remove_placement_group(group)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
 def leased(cls: type[T]) -> type[T]:

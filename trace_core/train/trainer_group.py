@@ -52,10 +52,11 @@ from trace_core.algo.tree import RolloutTree
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
+from trace_core.rollout.lease import Lease
 from trace_core.rollout.placement import in_bundle, named_groups, reserve
 from trace_core.store.sync import local_copy
 from trace_core.store.uri import is_remote
-from trace_core.train.lease import Lease, leased
+from trace_core.train.lease import leased
 from trace_core.train.start_state import StartState
 from trace_core.train.sync_source import LocalSource, build_sync  # noqa: F401 (weights')
 

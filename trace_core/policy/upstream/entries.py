@@ -25,6 +25,7 @@ MODULES = (
     "trace_core.rollout.ray_pool",
     "trace_core.rollout.placement",
     "trace_core.rollout.ray_worker",
+    "trace_core.rollout.lease",
     "trace_core.rollout.ray_stream",
     "trace_core.rollout.ray_continuous",
     "trace_core.train.trainer_group",
