@@ -191,21 +191,24 @@ def test_a_vllm_actor_takes_new_weights_and_survives_being_killed(
 def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
     head: Any, node_cache: Path, tmp_path: Path
 ) -> None:
-    """open session, one iteration and close session, each a Ray job, engine vllm: the job's
-    vLLM engine actor boots from the policy the job staged on S3 (into the node's cache), the
-    trainer broadcasts each new policy into it, and the trees come back."""
+    """open session, one iteration and close session, each a Ray job, engine vllm, from a base
+    model on S3: load passes a reference, not weights, and the job's vLLM engine actor boots
+    from the model where it lies on S3 (into the node's cache), the trainer broadcasts each new
+    policy into it, and the trees come back."""
     from kfp import dsl, local
     from kfp.dsl import Artifact, Dataset, Model
     from ray.job_submission import JobSubmissionClient
 
     from components import close_session, iterate, open_session
+    from trace_core.store.sync import upload_folder
     from trace_core.train.contract import PipelineConfig, PipelineParameters
     from trace_core.train.steps.start import load_step, prep_step
 
-    base = save_sharpened_policy(tmp_path / "base", 0, SUITE.vocabulary())
+    model_uri = "s3://trace/vllm-test-models/base"
+    upload_folder(save_sharpened_policy(tmp_path / "base", 0, SUITE.vocabulary()), model_uri)
     parameters = PipelineParameters(
         task="calc",
-        base_model_uri=str(base),
+        base_model_uri=model_uri,
         budget=6,
         continuations=2,
         iterations=1,
@@ -253,9 +256,8 @@ def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
     (job,) = [j for j in jobs if "-open-session-" in (j.submission_id or "")]
     (actor,) = engine_actors(head, job.job_id)
     assert actor.required_resources == {"CPU": 1.0}
-    # ...and read the starting policy's weights from the job's staged input on S3, into the
-    # node's cache; later policies came by broadcast from the trainer.
+    # ...and read the starting policy's weights from the base model on S3 (the reference load
+    # passed), into the node's cache; later policies came by broadcast from the trainer.
     (copy,) = [p for p in node_cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     source = (copy / "source.txt").read_text().strip()
-    assert "/staging/trace-" in source and "-open-session-0000-" in source
-    assert source.endswith("/in/policy") and (copy / "model.safetensors").is_file()
+    assert source == model_uri and (copy / "model.safetensors").is_file()
