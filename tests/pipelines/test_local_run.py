@@ -13,15 +13,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 from support import parity
@@ -199,75 +195,3 @@ def test_pipeline_runs_through_kfp_local(
     assert sorted(p.name for p in again.trees_dir.glob("iteration-*.parquet")) == [
         f"iteration-000{i}.parquet" for i in (1, 2, 3, 4)
     ]
-
-
-def _step_process(function: str) -> int | None:
-    """The pid of the running KFP step that executes ``function`` (its executor's command
-    line names it after ``--function_to_execute``), or None."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        step = b"--function_to_execute" in argv and function.encode() in argv
-        if step and b"python" in argv[0]:  # the executor itself, not the shell that starts it
-            return int(entry.name)
-    return None
-
-
-def test_a_run_stopped_mid_step_frees_what_it_held(
-    tmp_path: Path,
-    s3_env: dict[str, str],
-    start_ray_head: Callable[..., Any],
-) -> None:
-    """A run whose iterate step gets SIGTERM (what Kubernetes sends a cancelled run's pod)
-    fails there, and its exit handler releases the session it left on the Ray head: no actor
-    and no placement group of the run is left."""
-    import ray
-    from ray.util import placement_group_table
-
-    def held(address: str) -> list[str]:
-        with ray.init(address=address, logging_level="error"):
-            actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-            groups = [
-                g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED"
-            ]
-        return sorted(name for name in actors + groups if name.startswith("stopped-"))
-
-    with start_ray_head() as head:
-        params = PipelineParameters(
-            iterations=1,
-            budget=8,
-            run_name="stopped",
-            settings_json=json.dumps(TINY),
-            store_uri="s3://trace/stopped",
-            ray_address=head.address,
-        )
-        run_ = LocalRun(output=tmp_path, params=params)
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                run_local(run_, say=lambda _line: None, terminal=io.StringIO())
-            except BaseException as err:
-                failed.append(err)
-
-        runner = threading.Thread(target=run)
-        runner.start()
-        pid = None
-        while runner.is_alive() and pid is None:
-            pid = _step_process("iterate")
-            time.sleep(0.2)
-        assert pid is not None, failed
-        os.kill(pid, signal.SIGTERM)
-        runner.join(timeout=600)
-        assert not runner.is_alive() and failed, "the stopped run should have failed"
-        log = next((tmp_path / "logs").glob("*.log")).read_text()
-        assert "release-session" in log and "released trainer actor stopped-" in log, log[-3000:]
-        for _ in range(300):  # Ray removes a placement group asynchronously
-            if not held(head.address):
-                break
-            time.sleep(0.2)
-        assert held(head.address) == []

@@ -104,9 +104,8 @@ def test_readme_bench_engine_times_smollm2() -> None:
     assert data["batch"] == 4 and data["new_tokens"] == 16
     for key in ("torch_tokens_per_s", "hf_tokens_per_s", "floor_seconds", "prefill_tokens"):
         assert data[key] > 0, key
-    assert data["ratio_vs_hf"] == pytest.approx(
-        data["torch_tokens_per_s"] / data["hf_tokens_per_s"]
-    )
+    # The median of the repeats' paired ratios, within their spread.
+    assert data["ratio_vs_hf_min"] <= data["ratio_vs_hf"] <= data["ratio_vs_hf_max"]
     assert "smollm2, batch 4 × 16 new tokens" in " ".join(done.stdout.split())
 
 

@@ -9,6 +9,8 @@ import torch
 
 from trace_core.policy.sampling import (
     KeyedDraws,
+    TableDraws,
+    keyed_table,
     keyed_uniforms,
     request_keys,
     request_seed,
@@ -94,3 +96,18 @@ def test_keyed_draws_sample_the_worked_example() -> None:
     assert sample(logits[:3], 1.0, 1.0, head).tokens.tolist() == (
         sample_tokens(logits, 1.0, 1.0, draws)[:3].tolist()
     )
+
+
+def test_a_keyed_table_draws_what_keyed_draws_draw() -> None:
+    """A running batch reads each request's uniforms from a table made when it joins: the same
+    numbers, bit for bit, as drawing them step by step, so the same tokens."""
+    keys = torch.tensor(request_keys([request_seed(9, i) for i in range(37)], 2))
+    table = keyed_table(keys, 64)
+    for steps in (torch.zeros(74, dtype=torch.long), torch.arange(74) % 64):
+        assert torch.equal(TableDraws(table, steps).uniforms(), KeyedDraws(keys, steps).uniforms())
+    logits = torch.randn(74, 300, generator=torch.Generator().manual_seed(0))
+    steps = torch.arange(74) % 64
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        table_pick = sample(logits, temperature, top_p, TableDraws(table, steps))
+        keyed_pick = sample(logits, temperature, top_p, KeyedDraws(keys, steps))
+        assert torch.equal(table_pick.tokens, keyed_pick.tokens)

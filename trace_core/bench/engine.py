@@ -6,9 +6,12 @@ model import``; its prompts are random ids above its special tokens):
 
 * **Throughput.** ``batch`` prompts of ``prompt_tokens`` random tokens, one sample each,
   ``new_tokens`` new tokens at temperature 1 with no stop token, so both engines produce
-  exactly ``batch · new_tokens`` tokens. Each engine runs once to warm up, then ``repeats``
-  times; the best run counts. TorchEngine's prefix cache is cleared before every run, so it
-  prefills the prompts as HF does and the ratio is decode against decode.
+  exactly ``batch · new_tokens`` tokens. Each engine runs once to warm up, then the two take
+  turns ``repeats`` times (paired: a repeat's two runs see the same load on the machine); the
+  figures are medians, ``ratio_vs_hf`` the median of the repeats' ratios, with their lowest
+  and highest (``ratio_vs_hf_min``, ``ratio_vs_hf_max``) as the spread. TorchEngine's prefix
+  cache is cleared before every run, so it prefills the prompts as HF does and the ratio is
+  decode against decode.
 * **Kernel floor.** The same run's unavoidable arithmetic alone: the prefill's and every
   decode step's matmuls and attention (scores, softmax, weighted values) at the same shapes on
   preallocated tensors, with nothing else (no norms, rope, sampling, KV writes or
@@ -71,7 +74,7 @@ def run_engine_bench(
     new_tokens: int = 64,
     prompt_tokens: int = 32,
     seed: int = 0,
-    repeats: int = 3,
+    repeats: int = 5,
     threads: int | None = None,
     tree_prompts: int = 4,
     tree_samples: int = 4,
@@ -114,8 +117,11 @@ def run_engine_bench(
         torch_engine = TorchEngine(model, device=device, max_batch=max(batch, 256))
         hf_engine = HFGenerateEngine(model)
         # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
-        torch_s = _best_seconds(torch_engine, prompts, params, repeats, torch_engine.cache.clear)
-        hf_s = _best_seconds(hf_engine, prompts, params, repeats)
+        torch_runs, hf_runs = _paired_seconds(
+            [(torch_engine, torch_engine.cache.clear), (hf_engine, None)], prompts, params, repeats
+        )
+        ratios = [h / t for t, h in zip(torch_runs, hf_runs, strict=True)]
+        torch_s, hf_s = float(np.median(torch_runs)), float(np.median(hf_runs))
         floor_s = _kernel_floor_seconds(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
         )
@@ -142,7 +148,10 @@ def run_engine_bench(
         return {
             "torch_tokens_per_s": produced / torch_s,
             "hf_tokens_per_s": produced / hf_s,
-            "ratio_vs_hf": hf_s / torch_s,
+            "ratio_vs_hf": float(np.median(ratios)),
+            "ratio_vs_hf_min": min(ratios),
+            "ratio_vs_hf_max": max(ratios),
+            "repeats": float(repeats),
             "torch_seconds": torch_s,
             "hf_seconds": hf_s,
             "floor_seconds": floor_s,
@@ -159,15 +168,16 @@ def run_engine_bench(
         torch.set_num_threads(saved_threads)
 
 
-def _best_seconds(
-    engine: Engine,
+def _paired_seconds(
+    engines: Sequence[tuple[Engine, Callable[[], None] | None]],
     prompts: list[list[int]],
     params: SamplingParams,
     repeats: int,
-    reset: Callable[[], None] | None = None,
-) -> float:
-    best = float("inf")
-    for run in range(repeats + 1):  # run 0 warms up
+) -> list[list[float]]:
+    """Each engine's seconds in each of ``repeats`` rounds, the engines taking turns within a
+    round (after one warm-up run each); ``reset`` runs before an engine's every run."""
+
+    def timed(engine: Engine, reset: Callable[[], None] | None, run: int) -> float:
         if reset is not None:
             reset()
         start = time.perf_counter()
@@ -175,9 +185,12 @@ def _best_seconds(
         seconds = time.perf_counter() - start
         if sum(len(c.token_ids) for cs in out for c in cs) != len(prompts) * params.max_tokens:
             raise AssertionError("an engine stopped early with no stop token set")
-        if run:
-            best = min(best, seconds)
-    return best
+        return seconds
+
+    for engine, reset in engines:  # run 0 warms up
+        timed(engine, reset, 0)
+    rounds = [[timed(e, reset, run) for e, reset in engines] for run in range(1, repeats + 1)]
+    return [list(times) for times in zip(*rounds, strict=True)]
 
 
 def _vllm_seconds(

@@ -280,6 +280,9 @@ def bench_engine(
         Path | None,
         typer.Option(help="Time this HF directory (build/models/smollm2), not the tiny policy."),
     ] = None,
+    repeats: Annotated[
+        int, typer.Option(help="Timed rounds, the engines taking turns: medians, spread.", min=1)
+    ] = 5,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy (or --checkpoint);
@@ -300,15 +303,18 @@ def bench_engine(
             threads=threads or None,
             vllm_python=vllm_python,
             checkpoint=checkpoint,
+            repeats=repeats,
         )
     model = checkpoint.name if checkpoint else "Tiny policy"
     table = Table(
         title=f"{model}, batch {batch} × {new_tokens} new tokens",
-        caption="ratio_vs_hf: HF generate's seconds over TorchEngine's (> 1: TorchEngine is "
-        "faster); floor: the run's matmuls and attention alone, what any engine on these "
-        "kernels needs at least (floor_ratio_vs_hf: HF over it; torch_vs_floor: TorchEngine "
-        "over it); ratio_vs_vllm: vLLM's seconds over TorchEngine's. The tree workload: tokens "
-        "prefilled vs distinct token positions (unique) and vs no reuse (naive).",
+        caption="ratio_vs_hf: HF generate's seconds over TorchEngine's, the median of the "
+        "repeats' paired ratios with their lowest and highest (> 1: TorchEngine is faster); "
+        "tokens/s and seconds: medians; floor: the run's matmuls and attention alone, what "
+        "any engine on these kernels needs at least (floor_ratio_vs_hf: HF over it; "
+        "torch_vs_floor: TorchEngine over it); ratio_vs_vllm: vLLM's seconds over "
+        "TorchEngine's. The tree workload: tokens prefilled vs distinct token positions "
+        "(unique) and vs no reuse (naive).",
     )
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -323,6 +329,7 @@ ENGINE_BENCH_COUNTS = frozenset(
     {
         *("batch", "new_tokens", "prompt_tokens", "threads", "prefill_tokens", "unique_tokens"),
         *("generated_tokens", "requested_prompt_tokens", "naive_prefill_tokens", "tree_calls"),
+        "repeats",
     }
 )
 """``bench engine``'s figures that are counts, printed as integers."""

@@ -8,7 +8,8 @@ step boundary and leave the step they finish (continuous batching, as vLLM sched
             ...                                        # ... and add() the next turns at once
 
 A request is one sample: ``prompt`` continued with ``params`` (its ``n`` is ignored), drawing
-with ``key`` (``sampling.KeyedDraws``: its tokens do not depend on what else is in the batch).
+with ``key`` (``sampling.KeyedDraws``: its tokens do not depend on what else is in the batch;
+the batch computes each request's uniforms once, when it joins: ``sampling.keyed_table``).
 
 **A step.** Every row runs one token through ``decoder.decode_step``; the rows whose last
 sampled token is now in the KV (a stop token, or their ``max_tokens``) are answered and their
@@ -42,7 +43,7 @@ from trace_core.policy import decoder
 from trace_core.policy.decoder import DecoderWeights, KVCache
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.prefix_cache import PrefixCache
-from trace_core.policy.sampling import KeyedDraws, sample
+from trace_core.policy.sampling import TableDraws, keyed_table, sample
 
 
 class Engine(Protocol):
@@ -174,6 +175,7 @@ class ContinuousBatch:
         mask = mask.to(dev)
         out_tok = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
         out_lp = torch.zeros((len(rows), width), dtype=torch.float32, device=dev)
+        table = torch.zeros((len(rows), width), dtype=torch.float64, device=dev)
         state: list[torch.Tensor] = []  # tok, at, steps, done, keys, limits
         if old:
             index = torch.tensor(keep, device=dev)
@@ -182,13 +184,17 @@ class ContinuousBatch:
             mask[:old, :span] = self._mask.view(-1, heads, self._length)[index, 0, :span]
             w = min(self._out_tok.shape[1], width)
             out_tok[:old, :w], out_lp[:old, :w] = self._out_tok[index, :w], self._out_lp[index, :w]
+            table[:old, :w] = self._table[index, :w]  # a kept row's steps stay below its w
             state = [t[index] for t in self._state()]
         if admitted:
-            new, logprobs = self._admit(admitted, kv, mask, old)
+            new, logprobs = self._admit(admitted, kv, mask, old, table[old:])
             out_tok[old:, 0], out_lp[old:, 0] = new[0], logprobs
             state = [torch.cat((a, b)) for a, b in zip(state, new, strict=True)] if old else new
         self._tok, self._at, self._steps, self._done, self._keys, self._limits = state
         self._kv, self._length, self._out_tok, self._out_lp = kv, length, out_tok, out_lp
+        self._table = table
+        stops = rows[0][0].params.stop_token_ids  # the batch's sampling: every row's
+        self._stops = torch.tensor(stops, dtype=torch.long, device=dev) if stops else None
         self._mask = mask.repeat_interleave(heads, dim=0).unsqueeze(1)
         self._dest = decoder.kv_rows(self._at, len(rows), heads, length).flatten()
         self._live = torch.ones(len(rows), dtype=torch.bool, device=dev)
@@ -198,11 +204,16 @@ class ContinuousBatch:
         return [self._tok, self._at, self._steps, self._done, self._keys, self._limits]
 
     def _admit(
-        self, admitted: list[tuple[Request, Any]], kv: KVCache, mask: torch.Tensor, first: int
+        self,
+        admitted: list[tuple[Request, Any]],
+        kv: KVCache,
+        mask: torch.Tensor,
+        first: int,
+        table: torch.Tensor,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Prefill the admitted requests' prompts into rows ``first``.. of ``kv`` and sample
-        their first tokens: their (tok, at, steps, done, keys, limits), and the first
-        tokens' logprobs."""
+        """Prefill the admitted requests' prompts into rows ``first``.. of ``kv``, fill their
+        rows of the uniforms ``table`` and sample their first tokens: their (tok, at, steps,
+        done, keys, limits), and the first tokens' logprobs."""
         engine, dev = self.engine, self.engine.device
         prompts = [r.prompt for r, _ in admitted]
         distinct = list(dict.fromkeys(prompts))
@@ -220,9 +231,11 @@ class ContinuousBatch:
         cols = torch.arange(mask.shape[1], device=dev)
         mask[first:] = mask[first:].masked_fill(cols < at[:, None], 0.0)
         keys = torch.tensor([r.key for r, _ in admitted], device=dev)
+        table.copy_(keyed_table(keys, table.shape[1]))
         params = admitted[0][0].params
         first_logits = logits[torch.tensor(rows, device=dev)]
-        picked = sample(first_logits, params.temperature, params.top_p, KeyedDraws(keys, 0))
+        zero = torch.zeros(len(admitted), dtype=torch.long, device=dev)
+        picked = sample(first_logits, params.temperature, params.top_p, TableDraws(table, zero))
         stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
         limits = torch.tensor([r.params.max_tokens for r, _ in admitted], device=dev)
         steps = torch.ones(len(admitted), dtype=torch.long, device=dev)
@@ -246,7 +259,7 @@ class ContinuousBatch:
     def _decode(self) -> list[tuple[Any, Completion]]:
         """One step: every row runs its last token; finished rows are answered; the others
         sample their next. Rows answered earlier idle in place (their position frozen)."""
-        engine, w = self.engine, self.engine.weights
+        w = self.engine.weights
         rope = F.embedding(self._at, w.rope)
         span = min(self._length, self._span)
         hidden = decoder.decode_step(w, self._tok, self._dest, rope, self._kv, self._mask, span)
@@ -261,16 +274,15 @@ class ContinuousBatch:
         ended = self._live & (self._done | (self._steps >= self._limits))
         answers = self._retire(ended) if bool(ended.any()) else []
         params = self._rows[0][0].params  # the batch's sampling (max_tokens aside)
-        draws = KeyedDraws(self._keys, self._steps)
+        draws = TableDraws(self._table, self._steps)
         picked = sample(decoder.lm_logits(w, hidden), params.temperature, params.top_p, draws)
         column = self._steps.clamp(max=self._out_tok.shape[1] - 1)[:, None]  # idle rows too
         self._out_tok.scatter_(1, column, picked.tokens[:, None])
         self._out_lp.scatter_(1, column, picked.logprobs[:, None])
         self._tok = picked.tokens
         self._steps += 1
-        if params.stop_token_ids:
-            stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=engine.device)
-            self._done |= torch.isin(picked.tokens, stops)
+        if self._stops is not None:
+            self._done |= torch.isin(picked.tokens, self._stops)
         return answers
 
     def _retire(self, ended: torch.Tensor) -> list[tuple[Any, Completion]]:

@@ -91,7 +91,27 @@ class Sampled:
     logprobs: torch.Tensor  # (B,) their log-probabilities at temperature 1, before top-p
 
 
-Draws = torch.Generator | KeyedDraws | None
+def keyed_table(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, width) float64: row ``r``'s ``keyed_uniforms`` for steps 0..width-1, computed in
+    one pass (a running batch makes it once per request instead of once per step)."""
+    steps = torch.arange(width, device=keys.device).repeat(keys.shape[0])
+    return keyed_uniforms(keys.repeat_interleave(width), steps).view(keys.shape[0], width)
+
+
+@dataclass(frozen=True)
+class TableDraws:
+    """``KeyedDraws`` read from a ``keyed_table``: row ``r`` draws ``table[r, steps[r]]``, the
+    same uniform ``keyed_uniforms(keys[r], steps[r])`` gives. A step past the table's last
+    column reads that column (a batch's finished rows, whose draws are thrown away)."""
+
+    table: torch.Tensor  # (B, W) float64
+    steps: torch.Tensor  # (B,) int64
+
+    def uniforms(self) -> torch.Tensor:
+        return self.table.gather(1, self.steps.clamp(max=self.table.shape[1] - 1)[:, None])
+
+
+Draws = torch.Generator | KeyedDraws | TableDraws | None
 """Where a draw's uniforms come from: a generator, per-row keys, or torch's default generator."""
 
 
@@ -142,7 +162,7 @@ def _draw(
         before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
         probs = probs.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
-    if isinstance(generator, KeyedDraws):
+    if isinstance(generator, KeyedDraws | TableDraws):
         u = generator.uniforms()
     else:
         u = torch.rand(
