@@ -343,9 +343,11 @@ def test_a_cancelled_step_stops_its_job_and_the_exit_handler_frees_the_runs_jobs
     for filters in named:
         (actor,) = list_actors(address=ray_dashboard, filters=filters)  # type: ignore[arg-type]
         assert actor.state == "DEAD"
-    _until(
-        lambda: {g.state for g in list_placement_groups(
-            address=ray_dashboard, filters=[("name", "=", f"{session}-trainer")])} == {"REMOVED"},
-        "the placement group removed",
-    )  # fmt: skip
+    group = [("name", "=", f"{session}-trainer")]
+
+    def removed() -> bool:
+        states = {g.state for g in list_placement_groups(address=ray_dashboard, filters=group)}
+        return states == {"REMOVED"}
+
+    _until(removed, "the placement group removed")
     assert release_session(session, ray_jobs_url=ray_dashboard) == []

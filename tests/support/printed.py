@@ -64,10 +64,9 @@ def run_printed(
             script.append(":")
         script.append(f'echo "@@ {n} $?"')
     (repo / "build").mkdir(exist_ok=True)
-    done = subprocess.run(
-        ["bash", "-c", "\n".join(script)],
-        cwd=repo, env=fresh_terminal(repo, home), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    env = fresh_terminal(repo, home)
+    argv = ["bash", "-c", "\n".join(script)]
+    done = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     status = {int(n): int(s) for n, s in re.findall(r"^@@ (\d+) (\d+)$", done.stdout, re.M)}
     assert sorted(status) == list(range(len(lines))), output[-3000:]

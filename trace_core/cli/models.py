@@ -113,15 +113,17 @@ def upload_command(
     from trace_core.train.base_model import upload_model
     from trace_core.train.progress import LineProgress
 
-    megabytes = max(1, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) >> 20)
-    lines = None if console.is_terminal else LineProgress("upload", megabytes, "MB")
+    lines: list[LineProgress] = []  # made once the upload knows its size
     with progress() as bar:
-        task = bar.add_task(f"uploading {folder}", total=megabytes)
+        task = bar.add_task(f"uploading {folder}", total=None)
 
         def sent(done: int, total: int) -> None:
-            bar.update(task, completed=done >> 20)
-            if lines is not None:
-                lines(min(megabytes, done >> 20) if done < total else megabytes)
+            megabytes = max(1, total >> 20)
+            bar.update(task, completed=done >> 20, total=megabytes)
+            if not console.is_terminal:
+                if not lines:
+                    lines.append(LineProgress("upload", megabytes, "MB"))
+                lines[0](min(megabytes, done >> 20) if done < total else megabytes)
 
         files, size = upload_model(folder, uri, sent)
     where = uri.rstrip("/")
