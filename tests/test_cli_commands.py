@@ -236,8 +236,8 @@ def test_model_upload_puts_the_folder_once_and_refuses_what_base_model_uri_canno
 
 def test_bench_engine_json(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    run = trace_rl("bench", "engine", "--batch", "4", "--new-tokens", "8", "--json", str(out),
-                   cwd=tmp_path)  # fmt: skip
+    run = trace_rl("bench", "engine", "--batch", "4", "--new-tokens", "8", "--profile",
+                   "--json", str(out), cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, said(run)[-2000:]
     data = json.loads(out.read_text())
     for key in (
@@ -258,6 +258,17 @@ def test_bench_engine_json(tmp_path: Path) -> None:
     assert data["torch_vs_floor"] == pytest.approx(data["torch_seconds"] / data["floor_seconds"])
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
     assert "vLLM: not timed (--vllm-python" in said(run) and "vllm_seconds" not in data
+    # --profile: the tiny policy's 2 layers, each op of a step in its part by what called it.
+    layers = 2
+    assert data["profile_decode_steps"] == 8
+    assert data["profile_matmuls_ops_per_step"] == 4 * layers + 2  # 4 a layer; the head, its cast
+    assert data["profile_attention_ops_per_step"] == 3 * layers  # scores, softmax, values
+    assert data["profile_norms_ops_per_step"] == 4 * (3 * layers + 1)  # in, q/k, post; final
+    assert data["profile_kv_writes_ops_per_step"] == 2 * layers
+    for part in ("sampling", "bookkeeping", "admission", "retirement"):
+        assert data[f"profile_{part}_ops_per_step"] > 0, part
+    assert data["profile_wall_us_per_step"] > 0 and data["profile_outside_ops_us_per_step"] > 0
+    assert "a TorchEngine decode step, batch 4 × 8 new tokens" in said(run)
 
 
 def test_bench_engine_names_a_missing_vllm_python(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trace_core.bench.engine_profile import profile_generate
 from trace_core.policy.decoder import DecoderWeights
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
@@ -84,8 +85,11 @@ def run_engine_bench(
     device: str = "cpu",
     vllm_python: Path | None = None,
     checkpoint: Path | None = None,
+    profile: bool = False,
 ) -> dict[str, float]:
-    """Throughput of the engines and the tree workload's prefill counts (see module doc)."""
+    """Throughput of the engines and the tree workload's prefill counts (see module doc);
+    with ``profile``, where TorchEngine's decode steps spend their time on the throughput
+    workload (``bench.engine_profile``), as ``profile_*`` entries."""
     if min(batch, new_tokens, prompt_tokens, repeats, tree_prompts, tree_samples) < 1:
         raise ValueError("batch, token counts, repeats and tree sizes must be >= 1")
     if tree_turns < 1 or obs_tokens < 1 or turn_tokens < 2:
@@ -126,6 +130,10 @@ def run_engine_bench(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
         )
         produced = batch * new_tokens
+        parts: dict[str, float] = {}
+        if profile:
+            found = profile_generate(torch_engine, prompts, params, repeats=min(repeats, 3))
+            parts = {f"profile_{key}": value for key, value in found.items()}
         vllm: dict[str, float] = {}
         if vllm_python is not None:
             vllm_s = _vllm_seconds(
@@ -163,6 +171,7 @@ def run_engine_bench(
             "prompt_tokens": float(prompt_tokens),
             "threads": float(torch.get_num_threads()),
             **tree,
+            **parts,
         }
     finally:
         torch.set_num_threads(saved_threads)

@@ -283,10 +283,14 @@ def bench_engine(
     repeats: Annotated[
         int, typer.Option(help="Timed rounds, the engines taking turns: medians, spread.", min=1)
     ] = 5,
+    profile: Annotated[
+        bool,
+        typer.Option(help="Also profile TorchEngine's decode steps: where a step's time goes."),
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """TorchEngine vs HF generate (and vLLM) tokens/s on the tiny policy (or --checkpoint);
-    prefill on a tree."""
+    prefill on a tree; with --profile, the parts of a TorchEngine decode step."""
     from trace_core.bench.engine import run_engine_bench
     from trace_core.policy.checkpoint import check_checkpoint
 
@@ -304,6 +308,7 @@ def bench_engine(
             vllm_python=vllm_python,
             checkpoint=checkpoint,
             repeats=repeats,
+            profile=profile,
         )
     model = checkpoint.name if checkpoint else "Tiny policy"
     table = Table(
@@ -319,10 +324,41 @@ def bench_engine(
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in result.items():
+        if key.startswith("profile_"):
+            continue
         count = key in ENGINE_BENCH_COUNTS or not isinstance(value, float)
         table.add_row(key, f"{value:,.0f}" if count else f"{value:,.2f}")
     console.print(table)
+    if profile:
+        console.print(_profile_table(result, model, batch, new_tokens))
     write_json(json_path, result)
+
+
+def _profile_table(result: dict[str, float], model: str, batch: int, new_tokens: int) -> Table:
+    """``bench engine --profile``'s parts of a decode step (``bench.engine_profile``)."""
+    from trace_core.bench.engine_profile import PARTS
+
+    steps, wall = result["profile_decode_steps"], result["profile_wall_us_per_step"]
+    profiled = result["profile_profiled_us_per_step"]
+    table = Table(
+        title=f"{model}: a TorchEngine decode step, batch {batch} × {new_tokens} new tokens "
+        f"({steps:,.0f} steps; {wall:,.0f} µs a step unprofiled, {profiled:,.0f} profiled)",
+        caption="ops: torch operations the step's Python calls (a count: the same on any "
+        "machine); µs: their CPU time under the profiler; outside ops: Python, argument "
+        "parsing and the profiler's own cost. Admission and retirement are spread over the "
+        "steps.",
+    )
+    for column in ("part", "ops / step", "µs / step", "share of profiled"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    rows = [
+        (part, result[f"profile_{part}_ops_per_step"], result[f"profile_{part}_us_per_step"])
+        for part in PARTS
+    ]
+    rows.append(("outside_ops", 0.0, result["profile_outside_ops_us_per_step"]))
+    for part, ops, micros in rows:
+        share = f"{micros / profiled:.0%}"
+        table.add_row(part.replace("_", " "), f"{ops:,.1f}", f"{micros:,.0f}", share)
+    return table
 
 
 ENGINE_BENCH_COUNTS = frozenset(

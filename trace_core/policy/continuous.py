@@ -192,12 +192,16 @@ class ContinuousBatch:
             state = [torch.cat((a, b)) for a, b in zip(state, new, strict=True)] if old else new
         self._tok, self._at, self._steps, self._done, self._keys, self._limits = state
         self._kv, self._length, self._out_tok, self._out_lp = kv, length, out_tok, out_lp
+        self._views = decoder.DecodeViews.of(kv)
         self._table = table
         stops = rows[0][0].params.stop_token_ids  # the batch's sampling: every row's
         self._stops = torch.tensor(stops, dtype=torch.long, device=dev) if stops else None
         self._mask = mask.repeat_interleave(heads, dim=0).unsqueeze(1)
         self._dest = decoder.kv_rows(self._at, len(rows), heads, length).flatten()
         self._live = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        # Steps each row has left before its max_tokens, kept on the host: without stop tokens
+        # a step finds the rows that end without reading the device.
+        self._left = (self._limits - self._steps).cpu().numpy()
         self._span = int(self._at.max()) + 1  # columns a step reads: grows by one a step
 
     def _state(self) -> list[torch.Tensor]:
@@ -262,17 +266,29 @@ class ContinuousBatch:
         w = self.engine.weights
         rope = F.embedding(self._at, w.rope)
         span = min(self._length, self._span)
-        hidden = decoder.decode_step(w, self._tok, self._dest, rope, self._kv, self._mask, span)
+        hidden = decoder.decode_step(w, self._tok, self._dest, rope, self._views, self._mask, span)
         self._span += 1
         self.steps += 1
         self.row_steps += self.running
         self.row_counts[self.running] += 1
-        moved = self._live.long()
-        self._at += moved
-        self._dest.view(2, len(self._rows), -1).add_(moved[None, :, None])
+        if self.running == len(self._rows):  # every row moves on
+            self._at += 1
+            self._dest += 1
+        else:
+            moved = self._live.long()
+            self._at += moved
+            self._dest.view(2, len(self._rows), -1).add_(moved[None, :, None])
         # The token sampled last now has its KV too: a row that stopped is complete.
-        ended = self._live & (self._done | (self._steps >= self._limits))
-        answers = self._retire(ended) if bool(ended.any()) else []
+        if self._stops is None:  # only max_tokens ends a row: known on the host
+            over = [int(b) for b in np.flatnonzero(self._left <= 0) if not self._finished[b]]
+            answers = []
+            if over:
+                ended = torch.zeros(len(self._rows), dtype=torch.bool, device=self._at.device)
+                ended[torch.tensor(over, device=ended.device)] = True
+                answers = self._retire(ended)
+        else:
+            ended = self._live & (self._done | (self._steps >= self._limits))
+            answers = self._retire(ended) if bool(ended.any()) else []
         params = self._rows[0][0].params  # the batch's sampling (max_tokens aside)
         draws = TableDraws(self._table, self._steps)
         picked = sample(decoder.lm_logits(w, hidden), params.temperature, params.top_p, draws)
@@ -281,6 +297,7 @@ class ContinuousBatch:
         self._out_lp.scatter_(1, column, picked.logprobs[:, None])
         self._tok = picked.tokens
         self._steps += 1
+        self._left -= 1
         if self._stops is not None:
             self._done |= torch.isin(picked.tokens, self._stops)
         return answers

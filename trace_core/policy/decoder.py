@@ -82,7 +82,8 @@ UPSTREAM = (
             "tie_word_embeddings",
         )
     ),
-    "torch.nn.functional.rms_norm(input, normalized_shape, /, eps)",
+    # A compiled function bound in torch/linalg/__init__.py: its parameters are not checked.
+    "torch.linalg.vector_norm",
     "torch.nn.functional.scaled_dot_product_attention(query, key, value, /, attn_mask, enable_gqa)",
     "torch.nn.functional.silu",
     "torch.nn.functional.embedding(input, weight, /)",
@@ -356,11 +357,23 @@ def kv_rows(at: torch.Tensor, batch: int, kv_heads: int, length: int) -> torch.T
     return head * length + at[None, ..., None]
 
 
-def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+def normalize(x: torch.Tensor, eps: float | torch.Tensor) -> torch.Tensor:
     """``x · rsqrt(mean(x²) + eps)`` over the last dimension: HF's Qwen3RMSNorm before it
     scales by its weight (``DecoderWeights`` folds the weight into the projection that follows).
-    Computed in float32 and cast back, as HF does."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    Computed in float32 and cast back, as HF does.
+
+    Four kernels: the row norms, then ``norm² / C + eps`` and its rsqrt in place, then the
+    product. ``F.rms_norm`` runs as six on the CPU (pow, sum, div, add, rsqrt, mul), and a
+    decode step normalises seven times (a small model's step is mostly such kernels' fixed
+    costs). ``mean(x²)`` read as ``‖x‖²/C`` rounds a little differently (~1e-7 relative).
+    ``eps`` may be a float32 tensor that broadcasts against (..., 1), made once per step.
+    """
+    if x.dtype != torch.float32:
+        return normalize(x.float(), eps).to(x.dtype)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    if not isinstance(eps, torch.Tensor):
+        eps = torch.full_like(norm, eps)
+    return x * torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1]).rsqrt_()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -431,43 +444,79 @@ def forward(
     return normalize(x, s.rms_norm_eps)
 
 
+@dataclass(frozen=True)
+class DecodeViews:
+    """A ``KVCache``'s views that a decode step reads, per layer, made once for a batch's
+    layout rather than sliced out again in every layer of every step (a small model's step
+    is mostly such per-call costs).
+
+    ``rows``: the layer as (2·B·Hkv·T, D) rows, written through ``kv_rows`` indices;
+    ``keys``: (B·Hkv, D, T), keys transposed for the scores' batched matmul; ``values``:
+    (B·Hkv, T, D).
+    """
+
+    rows: tuple[torch.Tensor, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, cache: KVCache) -> DecodeViews:
+        D = cache.kv.shape[-1]
+        layers = range(cache.kv.shape[0])
+        return cls(
+            rows=tuple(cache.kv[i].view(-1, D) for i in layers),
+            keys=tuple(cache.kv[i, 0].flatten(0, 1).transpose(1, 2) for i in layers),
+            values=tuple(cache.kv[i, 1].flatten(0, 1) for i in layers),
+        )
+
+
 def decode_step(
     weights: DecoderWeights,
     tokens: torch.Tensor,
     dest: torch.Tensor,
     rope: torch.Tensor,
-    cache: KVCache,
+    views: DecodeViews,
     mask: torch.Tensor,
     span: int,
 ) -> torch.Tensor:
     """One token per row: ``tokens`` (B,) -> normalised hidden states (B, C).
 
     ``dest`` (2·B·Hkv,) is where each row's new key and value go (``kv_rows`` at the rows'
-    positions) and ``rope`` (B, 2·D) its position's row of the rope table.
+    positions) and ``rope`` (B, 2·D) its position's row of the rope table; ``views``: the
+    batch's ``KVCache`` (``DecodeViews.of``).
     ``mask`` (B·Hkv, 1, T) is the additive attention mask (0 visible, -inf not), kept by the
     caller across steps: this step makes the new column visible in it. Only the first
     ``span`` columns are read. The arithmetic of ``forward`` in fewer kernels: no index
     tensors derived from positions, the mask updated rather than rebuilt, 2-D matmuls with the
-    residual adds fused in (``addmm``).
+    residual adds fused in (``addmm``), attention as two batched matmuls (``_attend_one``)
+    on views made once.
     """
     s = weights.spec
     B = tokens.shape[0]
     H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-    eps = s.rms_norm_eps
+    scale, dtype = D**-0.5, weights.dtype
+    eps = torch.full((1, 1), s.rms_norm_eps, dtype=torch.float32, device=tokens.device)
     mask.view(-1).index_fill_(0, dest[: B * Hkv], 0.0)  # key rows: (b·Hkv + h)·T + position
     cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)  # (B, 1, D)
     visible = mask[:, :, :span]
     x = F.embedding(tokens, weights.embed)  # (B, C)
-    for layer, w in enumerate(weights.layers):
+    for w, rows, keys, values in zip(
+        weights.layers, views.rows, views.keys, views.values, strict=True
+    ):
         qkv = torch.mm(normalize(x, eps), w.qkv)  # (B, (H + 2·Hkv)·D)
         qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, D)
         if w.qk_norm is not None:
             qk = normalize(qk, eps) * w.qk_norm
         qk = apply_rope(qk, cos, sin)
         new_kv = torch.cat((qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D)))  # (2·B, Hkv, D)
-        cache.kv[layer].view(-1, D).index_copy_(0, dest, new_kv.view(-1, D))
-        k_all, v_all = cache.kv[layer, 0, :, :, :span], cache.kv[layer, 1, :, :, :span]
-        x = torch.addmm(x, _attend_one(qk[:, :H], k_all, v_all, visible), w.o)
+        rows.index_copy_(0, dest, new_kv.view(-1, D))
+        # _attend_one's arithmetic on the views: the heads of a group are one matmul's rows.
+        q = qk[:, :H].reshape(B * Hkv, H // Hkv, D)
+        scores = torch.baddbmm(visible, q, keys[:, :, :span], alpha=scale)
+        probs = scores.softmax(dim=-1, dtype=torch.float32)  # (B·Hkv, G, span)
+        if probs.dtype != dtype:
+            probs = probs.to(dtype)
+        x = torch.addmm(x, torch.bmm(probs, values[:, :span]).view(B, H * D), w.o)
         gate, up = torch.mm(normalize(x, eps), w.gate_up).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(gate).mul_(up), w.down)
     return normalize(x, eps)
