@@ -153,7 +153,8 @@ class TorchEngine:
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.config = model.config
         self.cache = PrefixCache(self.weights, cache_tokens)
-        self._scratch = torch.zeros(0)  # storage of the prefill and decode KV buffers
+        self._scratch = torch.zeros(0)  # storage of the prefill KV buffers
+        self._batch_storage = [torch.zeros(0), torch.zeros(0)]  # generate()'s running batches
 
     def update_weights(self, model: PreTrainedModel) -> None:
         """Snapshot new weights (after a training step); the KV cached so far is dropped."""
@@ -181,7 +182,7 @@ class TorchEngine:
             return []
         n = params.n
         keys = request_keys(prompt_seeds(seed, len(prompt_list)), n)
-        batch = ContinuousBatch(self)
+        batch = ContinuousBatch(self, self._batch_storage)
         one = replace(params, n=1)
         for r, key in enumerate(keys):
             batch.add(Request(prompt_list[r // n], one, key), r)
@@ -189,6 +190,9 @@ class TorchEngine:
         while batch.pending:
             for r, completion in batch.step():
                 out[r] = completion
+        for i, kept in enumerate(self._batch_storage):
+            if kept.numel() * kept.element_size() > _SCRATCH_KEEP_BYTES:
+                self._batch_storage[i] = torch.zeros(0)
         if self._scratch.numel() * self._scratch.element_size() > _SCRATCH_KEEP_BYTES:
             self._scratch = torch.zeros(0)
         self.stats.calls += 1
