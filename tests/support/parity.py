@@ -83,15 +83,15 @@ MEASURED = {
     "predictor": ("seconds",),
     "storage": ("s3_bytes", "checkpoint_bytes"),
 }
-"""What the machine measured rather than the run computed: a process's memory, wall times, a
-pipeline step's storage traffic."""
+"""What the machine measured rather than the run computed: a process's memory, wall times (and
+the idle seconds drawn from them), a pipeline step's storage traffic."""
 
 
 def comparable(records: list[IterationRecord]) -> list[dict[str, object]]:
     """The records without what the machine measured (which phases were timed stays)."""
     out = []
     for record in records:
-        body = {**asdict(record), "seconds": sorted(record.seconds)}
+        body = {**asdict(record), "seconds": sorted(record.seconds), "idle": sorted(record.idle)}
         for field, keys in MEASURED.items():
             body[field] = {k: v for k, v in body[field].items() if k not in keys}
         out.append(body)

@@ -61,4 +61,20 @@ def test_a_pipeline_steps_storage_traffic_is_a_figure() -> None:
 
 def test_missing_and_non_finite_figures_are_left_out() -> None:
     bare = IterationRecord(1, "grpo", 5, 5, {"units": math.nan}, {}, None, {})
-    assert figures(bare) == {"rollout/tokens": 5.0, "rollout/total_tokens": 5.0}
+    assert figures(bare) == {
+        "rollout/tokens": 5.0,
+        "rollout/total_tokens": 5.0,
+        "schedule/staleness": 0.0,
+    }
+
+
+def test_the_schedule_is_a_figure() -> None:
+    """The update's staleness and the engines' and trainers' idle seconds (``train.phases``)."""
+    idle = {"engines": 2.5, "trainers": 0.5}
+    ahead = IterationRecord(3, "trace", 5, 9, {}, {}, None, {}, staleness=1, idle=idle)
+    got = figures(ahead)
+    assert got["schedule/staleness"] == 1.0
+    assert (got["schedule/engines_idle_seconds"], got["schedule/trainers_idle_seconds"]) == (
+        2.5,
+        0.5,
+    )

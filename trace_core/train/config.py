@@ -77,6 +77,11 @@ class TrainConfig:
     run goes on from the newest checkpoint. Between checkpoints the engines get new weights by
     a broadcast, not a file. 5: an 8B checkpoint is then 8% of a resident iteration
     (``bench iteration-cost``)."""
+    max_staleness: int = 0
+    """k: how many policy versions older than the weights an update starts from its trees may
+    be. 0: roll out, then update (synchronous). k >= 1: the trees of iteration i + k grow while
+    iteration i updates, on the weights of iteration i - 1 (the engines' weights change only
+    between rollouts), and the update takes the off-policy correction (``objective``)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The rollout engine: kind, Ray engine workers and their GPUs (``rollout.engine_config``)."""
     ray_address: str | None = None
@@ -107,6 +112,14 @@ class TrainConfig:
         for name in ("eval_tasks", "eval_k", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness and self.update.old_logprobs == "engine":
+            raise ValueError(
+                f"max_staleness {self.max_staleness}: the update's ratio is then taken against "
+                "the trainers' own recomputed π_old (the proximal policy), so old_logprobs must "
+                "be auto or recompute, not engine"
+            )
         if self.warmstart_steps < 0:
             steps = self.warmstart_steps
             raise ValueError(f"warmstart_steps must be >= 0 (0: the task's), got {steps}")
@@ -123,6 +136,16 @@ class TrainConfig:
                 f"--init and a task with them ({', '.join(SYNTHETIC)}), got init {self.init}, "
                 f"task {self.task!r}"
             )
+
+    def objective(self) -> UpdateConfig:
+        """The update the run's iterations make: ``update``, with the off-policy correction
+        when trees may be stale (``max_staleness`` >= 1): the decoupled objective, the clipped
+        ratio against the proximal policy (the trainers' weights before the update,
+        recomputed) and each token weighted by proximal over behaviour probability (the
+        engine's logprobs), truncated at ``tis_cap``, or at ``STALE_TIS_CAP`` when it is 0."""
+        if self.max_staleness and not self.update.tis_cap:
+            return replace(self.update, tis_cap=STALE_TIS_CAP)
+        return self.update
 
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
@@ -146,6 +169,10 @@ class TrainConfig:
         except TypeError as err:
             raise ValueError(f"train config: {err}") from None
 
+
+STALE_TIS_CAP = 2.0
+"""The truncation of the behaviour weight when ``max_staleness`` >= 1 and ``tis_cap`` is 0:
+Yao et al.'s C = 2."""
 
 PRETRAINED = {"lr": 1e-6, "max_tokens": 256, "micro_tokens": 4096, "warmstart_steps": 40}
 """Where a run from a pretrained model departs from the tiny policy's defaults. lr: RL

@@ -100,11 +100,13 @@ def roll_out(
     session: EngineSession | None = None,
     progress: Callable[[float], None] | None = None,
     engine_name: str = "",
+    policy_version: int | None = None,
 ) -> RolloutResult:
     """Iteration ``iteration``'s budgeted trees over the pool ``draws`` picks from ``tasks``,
     with the policy at ``checkpoint`` (or already in memory) on ``config.engine``, or on the
     run's kept engine (``session``, or the kept actors of ``engine_name``); ``progress(units
-    spent)`` after every engine call."""
+    spent)`` after every engine call. ``policy_version``: the iteration whose update made the
+    policy (0: the start), stamped on the trees; default the iteration before (synchronous)."""
     grow = GrowConfig(
         config.strategy,
         Budget(config.budget, config.continuations, config.group),
@@ -112,7 +114,7 @@ def roll_out(
         seed=draws.grow_seed,
         run_id=run_id,
         iteration=iteration,
-        policy_version=iteration - 1,
+        policy_version=iteration - 1 if policy_version is None else policy_version,
     )
     pool = [tasks[j] for j in draws.pool]
     return run_rollout(
@@ -144,7 +146,7 @@ def update(
         model,
         optimizer,
         trees,
-        config.update,
+        config.objective(),
         np.random.default_rng(draws.update_seed),
         pad_id,
         reference,

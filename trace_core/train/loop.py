@@ -57,10 +57,18 @@ from trace_core.policy.update import load_optimizer, make_optimizer
 from trace_core.rollout.engines import EngineSession
 from trace_core.store.schema import write_trees
 from trace_core.train import iteration
+from trace_core.train.ahead import drop_ahead, keep_ahead, stored_ahead
 from trace_core.train.base_model import fetch_model, local_path
 from trace_core.train.config import TrainConfig, check_update_place
 from trace_core.train.evaluate import ALL
-from trace_core.train.phases import Run, Save, iteration_line, run_iteration, start_record
+from trace_core.train.phases import (
+    Run,
+    Save,
+    fitted_after,
+    iteration_line,
+    run_iteration,
+    start_record,
+)
 from trace_core.train.record import LOG, IterationRecord, read_log
 from trace_core.train.run_folder import (
     CONFIG,
@@ -193,7 +201,9 @@ def _train(
             fmt, model, tokenizer, serving, optimizer, reference, predictor, weights, session,
             serving_now=str(policy_dir), checkpointed=done, started=done,
             checkpoint_at=lambda i: str(iteration_dir(out, i)),
-            total_tokens=records[-1].total_tokens if records else 0,
+            total_tokens=records[-1].total_tokens if records else 0, serving_version=done,
+            ahead=stored_ahead(out, done, config, say), fitted_through=fitted_after(done, config),
+            keep_ahead=lambda j, trees: keep_ahead(out, j, trees),
         )  # fmt: skip
         if not records:
             say(f"evaluating the starting policy on {len(run.eval_tasks)} held-out tasks")
@@ -206,6 +216,7 @@ def _train(
             # The folder first (its policy is what a kept engine evaluates), then the log line
             # with the evaluation, then ``latest``: until then a crash leaves iteration i to redo.
             _write_iteration(out, i, save, predictor, trees, metrics)
+            drop_ahead(out, i)  # its trees are the iteration's now
 
         for i in range(done + 1, config.iterations + 1):
             outcome = run_iteration(run, i, persist, say)

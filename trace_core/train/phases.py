@@ -4,6 +4,23 @@ lines and updates do not depend on where it runs.
 
     draw → rollout → fit ∥ update → sync → checkpoint? → evaluate? → record
 
+With ``max_staleness`` k >= 1 the rollout moves ahead: iteration i's trees were grown earlier
+(the first k at the start, on the starting policy), and while iteration i updates, the trees
+of iteration i + k grow on the weights the engines hold, iteration i - 1's:
+
+    fit → rollout of i + k ∥ update of i → sync → checkpoint? → evaluate? → record
+
+The engines' weights change only at the sync, between rollouts, so every tree of an
+iteration is grown by one policy version (its ``policy_version``: the iteration whose update
+made it) and the update of i starts from weights at most k versions newer
+(``IterationRecord.staleness``). With the per-request seeds nothing depends on timing: trees
+grown ahead are the trees a slower or faster run grows, kept as the run's state
+(``Run.keep_ahead``) and read back by a resumed run instead of grown again. They grow whatever
+the run's ``iterations`` (the last iterations grow the k after it), so a run taken further
+later equals one that ran that far at once. The rollout and
+the update overlap where the update runs on trainer actors; in this process the trees ahead
+grow first, so the update never changes weights a rollout is reading.
+
     run = Run(config, "nightly", suite, ..., weights=weights, session=session)
     outcome = run_iteration(run, 3, persist)   # persist: where the trees (and checkpoint) go
     say(iteration_line(run.config, outcome))
@@ -20,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,20 +47,22 @@ from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
 from trace_core.envs.base import Task, TaskSuite
 from trace_core.policy.format import TurnFormat
-from trace_core.policy.predictor import SharedPredictor
+from trace_core.policy.predictor import FitReport, SharedPredictor
 from trace_core.policy.tokenizer import padding_id
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.weight_sync import SYNCED
 from trace_core.rollout.engines import EngineSession
+from trace_core.rollout.phase import RolloutResult
 from trace_core.train import iteration
 from trace_core.train.config import TrainConfig
-from trace_core.train.draws import draw_iteration
+from trace_core.train.draws import IterationDraws, draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
 from trace_core.train.record import IterationRecord
 from trace_core.train.weights import Weights
 
 Save = Callable[[str | Path], None]
 Persist = Callable[[int, Sequence[RolloutTree], BatchMetrics, Save | None], None]
+KeepAhead = Callable[[int, Sequence[RolloutTree]], None]
 
 
 @dataclass
@@ -78,6 +97,14 @@ class Run:
     """The iteration of the checkpoint ``weights`` started from (``weights.start``)."""
     always_checkpoint: bool = False
     """Checkpoint every iteration: the training state does not outlive this process."""
+    serving_version: int = 0
+    """The iteration whose update made the weights the engines serve (0: the start)."""
+    ahead: dict[int, RolloutResult] = field(default_factory=dict)
+    """Trees grown for iterations not updated yet (``max_staleness`` >= 1), by iteration."""
+    fitted_through: int = 0
+    """The newest iteration whose trees the predictor has been fitted on."""
+    keep_ahead: KeepAhead | None = None
+    """Where trees grown ahead are kept as soon as they are grown: the run's state."""
 
 
 @dataclass(frozen=True)
@@ -103,34 +130,55 @@ def run_iteration(
     """Iteration ``i`` of ``run`` (see the module docstring); ``run`` is left after it."""
     say = say or (lambda _message: None)
     config, session, weights = run.config, run.session, run.weights
-    draws = draw_iteration(config.seed, i, len(run.train_tasks), config.prompts)
+    k = config.max_staleness
+    draws = _draws(run, i)
     seconds: dict[str, float] = {}
+    began = time.perf_counter()
     reloaded = session.reload_seconds
-    rollout = iteration.roll_out(
-        run.serving_now, run.train_tasks, run.suite, run.predictor, config, i, draws,
-        run_id=run.run_id, model=run.model, tokenizer=run.tokenizer, session=session,
-    )  # fmt: skip
-    trees, metrics = rollout.trees, rollout.metrics
-    seconds["rollout"] = rollout.seconds
+    fits: list[FitReport] = []
+    # The trees of i, and with k >= 1 those up to i + k - 1 not grown yet (the start's: on the
+    # starting policy), each allocated by the predictor fitted on every tree before it.
+    for j in range(i, i + max(k, 1)):
+        if j not in run.ahead:
+            if k:
+                fits += _fit_through(run, j - 1, seconds)
+            run.ahead[j] = _grow(run, j, seconds)
+            if j > i and run.keep_ahead is not None:
+                run.keep_ahead(j, run.ahead[j].trees)
+    trees, metrics = run.ahead[i].trees, run.ahead[i].metrics
     # A lost trainer group comes back from the newest checkpoint, if nothing was trained since.
     folder = run.checkpoint_at(run.checkpointed) if run.checkpointed != run.started else None
     weights.recover(run.checkpointed, folder, run.checkpointed == i - 1, say)
-    start = time.perf_counter()
-    if weights.trainers is not None:  # on the trainer actors, while this process fits
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(weights.trainers.update, trees, draws.update_seed)
-            fit = iteration.fit_predictor(run.predictor, trees, draws)
-            seconds["predictor"] = time.perf_counter() - start
-            stats = pending.result()
-    else:
-        fit = iteration.fit_predictor(run.predictor, trees, draws)
-        seconds["predictor"] = time.perf_counter() - start
+
+    def timed_update() -> tuple[UpdateStats, float]:
         start = time.perf_counter()
-        stats = iteration.update(
-            run.model, run.optimizer, trees, config, draws, padding_id(run.tokenizer),
-            run.reference, run.serving,
-        )  # fmt: skip
-    seconds["update"] = time.perf_counter() - start
+        if weights.trainers is not None:
+            stats = weights.trainers.update(trees, draws.update_seed)
+        else:
+            pad_id = padding_id(run.tokenizer)
+            stats = iteration.update(
+                run.model, run.optimizer, trees, config, draws, pad_id, run.reference, run.serving
+            )
+        return stats, time.perf_counter() - start
+
+    def alongside() -> None:
+        """What runs while the trainers update: the fit, and the rollout ahead."""
+        if not k:
+            fits.extend(_fit_through(run, i, seconds))
+            return
+        fits.extend(_fit_through(run, i + k - 1, seconds))
+        run.ahead[i + k] = _grow(run, i + k, seconds)
+        if run.keep_ahead is not None:
+            run.keep_ahead(i + k, run.ahead[i + k].trees)
+
+    if weights.trainers is not None:  # on the trainer actors, while this process goes on
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(timed_update)
+            alongside()
+            stats, seconds["update"] = pending.result()
+    else:  # in this process: first what reads the weights before this update
+        alongside()
+        stats, seconds["update"] = timed_update()
     # New weights into the engines by broadcast, unless they load files only.
     start = time.perf_counter()
     label = weights.sync(session, f"{SYNCED}{run.run_id}:{i}")
@@ -142,10 +190,12 @@ def run_iteration(
     start = time.perf_counter()
     save = weights.saver(run.model, run.tokenizer, run.optimizer) if checkpoint else None
     persist(i, trees, metrics, save)
+    del run.ahead[i]
     if checkpoint:
         seconds["checkpoint"] = time.perf_counter() - start
         run.checkpointed = i
         run.serving_now = label or f"{run.checkpoint_at(i)}/policy"
+    run.serving_version = i
     report, held_out = None, {}
     if i % config.eval_every == 0 or i == config.iterations:
         start = time.perf_counter()
@@ -156,6 +206,7 @@ def run_iteration(
     if session.reload_seconds > reloaded:  # the kept engine took a policy in place
         seconds["reload"] = session.reload_seconds - reloaded
     run.total_tokens += metrics.tokens
+    fit = fits[-1] if fits else None
     record = IterationRecord(
         iteration=i,
         strategy=config.strategy,
@@ -166,11 +217,64 @@ def run_iteration(
         eval=eval_dict(report) if report else None,
         seconds=seconds,
         predictor={
-            **{k: float(v) for k, v in asdict(fit).items() if math.isfinite(v)},
+            **({n: float(v) for n, v in asdict(fit).items() if math.isfinite(v)} if fit else {}),
             **held_out,
         },
+        staleness=(i - 1) - (trees[0].info.policy_version if trees else i - 1),
+        idle=_idle(seconds, time.perf_counter() - began),
     )
     return Outcome(record, trees, metrics, stats, report)
+
+
+def _draws(run: Run, i: int) -> IterationDraws:
+    return draw_iteration(run.config.seed, i, len(run.train_tasks), run.config.prompts)
+
+
+def _grow(run: Run, j: int, seconds: dict[str, float]) -> RolloutResult:
+    """Iteration ``j``'s trees on the weights the engines serve now."""
+    result = iteration.roll_out(
+        run.serving_now,
+        run.train_tasks,
+        run.suite,
+        run.predictor,
+        run.config,
+        j,
+        _draws(run, j),
+        run_id=run.run_id,
+        model=run.model,
+        tokenizer=run.tokenizer,
+        session=run.session,
+        policy_version=run.serving_version,
+    )
+    seconds["rollout"] = seconds.get("rollout", 0.0) + result.seconds
+    return result
+
+
+def _fit_through(run: Run, through: int, seconds: dict[str, float]) -> list[FitReport]:
+    """Fit the predictor on the trees of every iteration after the newest it has seen, up to
+    ``through``, in order (each with its iteration's fit seed)."""
+    reports = []
+    while run.fitted_through < through:
+        j = run.fitted_through + 1
+        start = time.perf_counter()
+        reports.append(iteration.fit_predictor(run.predictor, run.ahead[j].trees, _draws(run, j)))
+        seconds["predictor"] = seconds.get("predictor", 0.0) + time.perf_counter() - start
+        run.fitted_through = j
+    return reports
+
+
+def _idle(seconds: dict[str, float], wall: float) -> dict[str, float]:
+    """Seconds of the iteration's wall time the engines (neither rolling out nor evaluating)
+    and the trainers (neither updating nor checkpointing) spent idle."""
+    engines = wall - seconds.get("rollout", 0.0) - seconds.get("eval", 0.0)
+    trainers = wall - seconds.get("update", 0.0) - seconds.get("checkpoint", 0.0)
+    return {"engines": max(engines, 0.0), "trainers": max(trainers, 0.0)}
+
+
+def fitted_after(done: int, config: TrainConfig) -> int:
+    """The newest iteration whose trees the predictor saved after iteration ``done`` has
+    been fitted on: ``done`` itself, or with k >= 1 the k - 1 grown ahead before it too."""
+    return done + max(config.max_staleness - 1, 0) if done else 0
 
 
 def start_record(run: Run, policy: str | Path) -> IterationRecord:

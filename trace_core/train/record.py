@@ -31,6 +31,11 @@ class IterationRecord:
     storage: dict[str, float] = field(default_factory=dict)
     """A pipeline step's bytes through object storage: ``s3_bytes`` besides checkpoints and
     ``checkpoint_bytes`` of the checkpoints it committed (``trace-rl train``: none)."""
+    staleness: int = 0
+    """The version the update started from (iteration - 1) less the version that grew its
+    trees (their ``policy_version``): 0 synchronous, at most ``max_staleness``."""
+    idle: dict[str, float] = field(default_factory=dict)
+    """Seconds of the iteration the ``engines`` and the ``trainers`` spent idle."""
 
 
 def read_log(out: Path) -> list[IterationRecord]:

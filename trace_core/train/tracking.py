@@ -16,7 +16,8 @@ Each iteration is one step (``global_step`` = iteration; 0 is the starting polic
 evaluation). The tags (``figures``): ``eval/`` held-out accuracy and parse rate, ``rollout/``
 effective ratios, mixed groups, units and tokens, ``update/`` loss, KL, logprob gap, gradient
 norm and clip fraction, ``predictor/`` its skills and fit, ``seconds/`` each phase's wall time,
-``storage/`` a pipeline step's S3 bytes and checkpoint bytes.
+``schedule/`` the update's staleness and the engines' and trainers' idle seconds, ``storage/``
+a pipeline step's S3 bytes and checkpoint bytes.
 
 MLflow gets the same figures as metrics (step = iteration), the run's config as parameters
 (nested fields joined by dots: ``update.lr``), and the plots and reports as artifacts: one MLflow
@@ -90,6 +91,9 @@ def figures(record: IterationRecord) -> dict[str, float]:
     out |= _picked("predictor", record.predictor, PREDICTOR)
     out |= _picked("storage", record.storage, STORAGE)
     out |= {f"seconds/{phase}": float(s) for phase, s in record.seconds.items()}
+    if record.iteration > 0:
+        out["schedule/staleness"] = float(record.staleness)
+        out |= {f"schedule/{part}_idle_seconds": float(s) for part, s in record.idle.items()}
     return {tag: value for tag, value in out.items() if math.isfinite(value)}
 
 

@@ -67,7 +67,7 @@ class Weights:
 
             self._stack.enter_context(ray_session(config.ray_address))
             spec = TrainerSpec(
-                config.update, config.train_workers, config.train_gpus, config.train_fsdp
+                config.objective(), config.train_workers, config.train_gpus, config.train_fsdp
             )
             self.trainers = TrainerGroup(spec, self.start, name=self.name)
         return self

@@ -146,6 +146,8 @@ def record_metrics(record: IterationRecord) -> dict[str, float]:
         f"update_{k}": float(v) for k, v in record.update.items() if isinstance(v, int | float)
     }
     metrics |= {f"seconds_{k}": float(v) for k, v in record.seconds.items()}
+    metrics["staleness"] = float(record.staleness)
+    metrics |= {f"{part}_idle_seconds": float(v) for part, v in record.idle.items()}
     if record.eval:
         metrics |= eval_metrics({**record.eval, "iteration": record.iteration})
     return metrics

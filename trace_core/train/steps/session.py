@@ -228,7 +228,7 @@ def iterate_step(
     from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.schema import write_trees
     from trace_core.train.draws import draw_iteration
-    from trace_core.train.phases import iteration_line, run_iteration
+    from trace_core.train.phases import fitted_after, iteration_line, run_iteration
     from trace_core.train.trainer_group import read_written
 
     _check_session(config)
@@ -298,6 +298,8 @@ def iterate_step(
                       f"({why}); writing it now", flush=True)  # fmt: skip
                 pending = session.trainers.save(registry.store.uri(state.pending_folder))
         session.run.total_tokens = records[-1].total_tokens if records else 0
+        session.run.serving_version = state.iteration  # the engines serve its weights
+        session.run.fitted_through = fitted_after(state.iteration, config.train)
         session.run.checkpoint_at = checkpoint_at
         session.run.always_checkpoint = not on_cluster(config)
         earlier = list(records)  # the log a checkpoint written in the background goes with
@@ -449,7 +451,7 @@ class _Session:
                 refuse_second_run(config)
             keep = train.engine.keep_alive_s  # the trainers' lease too (``train.lease``)
             spec = TrainerSpec(
-                train.update,
+                train.objective(),
                 train.train_workers,
                 train.train_gpus,
                 train.train_fsdp,
@@ -523,6 +525,12 @@ def _check_session(config: PipelineConfig) -> None:
         )
     if not config.store:
         raise ValueError("a run's session needs store_uri: its checkpoints are written there")
+    if train.max_staleness:
+        raise ValueError(
+            f"max_staleness {train.max_staleness}: the pipeline's steps do not carry trees "
+            "grown ahead from one step to the next yet; run it with max_staleness 0, or "
+            "with trace-rl train"
+        )
 
 
 def _registry(config: PipelineConfig) -> Any:

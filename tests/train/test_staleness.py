@@ -1,0 +1,124 @@
+"""Bounded staleness (``max_staleness`` k): the trees of iteration i + k grow while iteration i
+updates, on iteration i - 1's weights; every tree says which version grew it, every record its
+staleness, and a run's trees do not depend on when they were grown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import parity
+
+from trace_core.algo.tree import RolloutTree
+from trace_core.policy.update_config import UpdateConfig
+from trace_core.rollout.engine_config import EngineConfig
+from trace_core.store.schema import read_trees
+from trace_core.train.config import STALE_TIS_CAP, TrainConfig
+from trace_core.train.loop import train
+from trace_core.train.record import IterationRecord
+from trace_core.train.run_folder import iteration_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(config: TrainConfig) -> list[IterationRecord]:
+    return train(config, suite=parity.ParitySuite())  # type: ignore[arg-type]
+
+
+def trees_of(out: Path, i: int) -> list[RolloutTree]:
+    return read_trees(iteration_dir(out, i) / "trees.parquet")
+
+
+def signature(trees: list[RolloutTree]) -> list[tuple[object, ...]]:
+    """What was grown, not when: each tree's prompt, version and turns (the tokens from the
+    root to the turn's end, the turn's tokens, its reward), in a canonical order (node ids
+    follow the order turns came back, which on engine actors depends on timing)."""
+    out = []
+    for tree in trees:
+        turns = []
+        for node in range(1, len(tree.parent)):
+            history = tuple(int(t) for n in tree.path(node)[1:] for t in tree.gen_tokens[int(n)])
+            reward = None if np.isnan(tree.reward[node]) else float(tree.reward[node])
+            turns.append((history, tuple(tree.gen_tokens[node].tolist()), reward))
+        out.append((tree.info.prompt_id, tree.info.policy_version, sorted(turns, key=str)))
+    return out
+
+
+def weights(out: Path, i: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(iteration_dir(out, i) / "policy" / "model.safetensors"))
+
+
+def test_trees_grow_ahead_on_older_weights_and_the_same_command_grows_the_same_trees(
+    init: Path, tmp_path: Path
+) -> None:
+    records = run(parity.tiny(init, tmp_path / "a", 4, max_staleness=2))
+    # k = 2: iterations 1 and 2 on the start's weights, then each on the weights of i - 3.
+    assert [r.staleness for r in records[1:]] == [0, 1, 2, 2]
+    assert [trees_of(tmp_path / "a", i)[0].info.policy_version for i in range(1, 5)] == [0, 0, 0, 1]
+    # Those grown ahead for 1..4 are in their iterations' folders; 5 and 6 wait for a longer run.
+    assert sorted(p.name for p in (tmp_path / "a" / "ahead").iterdir()) == ["0005", "0006"]
+    for r in records[1:]:
+        assert set(r.idle) == {"engines", "trainers"} and min(r.idle.values()) >= 0
+    again = run(parity.tiny(init, tmp_path / "b", 4, max_staleness=2))
+    for i in range(1, 5):
+        assert signature(trees_of(tmp_path / "a", i)) == signature(trees_of(tmp_path / "b", i))
+    assert [r.rollout for r in again] == [r.rollout for r in records]
+
+
+def test_a_resumed_run_reads_the_trees_it_grew_ahead_and_equals_an_unbroken_one(
+    init: Path, tmp_path: Path
+) -> None:
+    straight = run(parity.tiny(init, tmp_path / "straight", 3, max_staleness=1))
+    assert [r.staleness for r in straight[1:]] == [0, 1, 1]
+    stopped = run(parity.tiny(init, tmp_path / "resumed", 2, max_staleness=1))
+    assert [r.iteration for r in stopped] == [0, 1, 2]
+    kept = tmp_path / "resumed" / "ahead" / "0003" / "trees.parquet"  # grown while 2 updated
+    assert signature(read_trees(kept)) == signature(trees_of(tmp_path / "straight", 3))
+    resumed = run(parity.tiny(init, tmp_path / "resumed", 3, max_staleness=1))
+    assert [r.rollout for r in resumed] == [r.rollout for r in straight]
+    a, b = weights(tmp_path / "straight", 3), weights(tmp_path / "resumed", 3)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_stale_trees_take_the_decoupled_objective() -> None:
+    assert TrainConfig().objective().tis_cap == 0  # synchronous: the update as configured
+    assert TrainConfig(max_staleness=1).objective().tis_cap == STALE_TIS_CAP
+    with pytest.raises(ValueError, match=r"max_staleness 1: .* old_logprobs must be auto"):
+        TrainConfig(max_staleness=1, update=UpdateConfig(old_logprobs="engine"))
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        TrainConfig(max_staleness=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # Ray in this process
+def test_on_actors_the_rollout_ahead_overlaps_the_update_on_the_weights_before_it(
+    init: Path, tmp_path: Path
+) -> None:
+    """A trainer actor updates while an engine actor grows the trees ahead, on the weights
+    before the update: the trees of the start's weights are the ones the run in this process
+    grows (where rollout and update take turns), and every tree's version and every record's
+    staleness are the schedule's. (Later trees differ: an engine actor hands turns back in the
+    order they finish, the update reads paths in node order, so its minibatches differ.)"""
+    turns = run(parity.tiny(init, tmp_path / "turns", 3, max_staleness=1))
+    actors = EngineConfig(workers=1)
+    both = run(
+        parity.tiny(init, tmp_path / "actors", 3, max_staleness=1, train_workers=1, engine=actors)
+    )
+    assert [r.staleness for r in both[1:]] == [r.staleness for r in turns[1:]] == [0, 1, 1]
+    versions = [trees_of(tmp_path / "actors", i)[0].info.policy_version for i in range(1, 4)]
+    assert versions == [0, 0, 1]
+    for i in (1, 2):  # grown on the start's weights
+        want = signature(trees_of(tmp_path / "turns", i))
+        assert signature(trees_of(tmp_path / "actors", i)) == want, i
+    assert all("sync" in r.seconds for r in both[1:])  # by broadcast, after each update
