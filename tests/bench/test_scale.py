@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trace_core.algo.tree import RolloutTree
-from trace_core.bench.iteration_cost import QWEN3, SHAPES, run_iteration_cost
+from trace_core.bench.iteration_cost import QWEN3, SHAPES, run_iteration_cost, staleness_costs
 from trace_core.bench.scale import GPU_PROFILES, ScaleBenchConfig, load_stream, validate
 from trace_core.bench.scale_calibrate import grow_workload, nonnegative_lstsq
 from trace_core.bench.scale_sim import (
@@ -305,6 +305,47 @@ def test_iteration_cost_arithmetic(tree_file: Path) -> None:
         assert r.total_s == pytest.approx(r.s3_s + r.reload_s + r.pods_s + r.rollout_s + r.update_s)
     assert resident.outside_share < s3.outside_share / 3
     assert set(SHAPES) == set(QWEN3)
+
+
+def test_staleness_overlaps_rollout_and_update(tree_file: Path) -> None:
+    """k = 0: rollout + max(fit, update); k >= 1: max(fit + rollout, update); both + sync, the
+    pod, the trees and a checkpoint's share (its upload holds up the next update)."""
+    from trace_core.bench.iteration_cost import CHECKPOINT_EVERY, FIT_S, S3_POD_BYTES_S
+
+    rows = run_iteration_cost([tree_file])
+    stale = staleness_costs(rows)
+    resident = [r for r in rows if r.design == "resident"]
+    assert [c.model for c in stale] == [r.model for r in resident] == list(SHAPES)
+    for c, r in zip(stale, resident, strict=True):
+        shares = r.pods_s + r.s3_s - r.update_io_s  # the pod and the trees
+        upload = (r.policy_bytes + r.optimizer_bytes) / S3_POD_BYTES_S
+        ahead, behind = max(FIT_S + r.rollout_s, r.update_s), max(FIT_S, r.update_s)
+        held = max(FIT_S, r.update_s + max(0.0, upload - r.rollout_s))
+        expect_0 = r.rollout_s + behind + r.reload_s + shares + (held - behind) / CHECKPOINT_EVERY
+        later = (max(FIT_S + r.rollout_s, r.update_s + upload) - ahead) / CHECKPOINT_EVERY
+        assert c.iteration_s(0) == pytest.approx(expect_0)
+        assert c.iteration_s(1) == pytest.approx(ahead + r.reload_s + shares + later)
+        assert c.iteration_s(2) == c.iteration_s(1) <= c.iteration_s(0)
+        assert c.speedup(1) == c.iteration_s(0) / c.iteration_s(1) >= 1.0
+        if r.update_s >= FIT_S:  # the fit hides behind the update: k = 0 is the table's row
+            assert c.iteration_s(0) == pytest.approx(r.total_s)
+
+
+def test_iteration_cost_command_prints_the_staleness(tree_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    args = ["bench", "iteration-cost", "--trees", str(tree_file), "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [r["model"] for r in data["rows"]] == [m for m in SHAPES for _ in ("s3", "resident")]
+    for c in data["staleness"]:
+        times, speedup = c["iteration_s"], c["speedup"]
+        assert list(times) == ["0", "1", "2"] and list(speedup) == ["1", "2"]
+        assert speedup["1"] == times["0"] / times["1"] and speedup["2"] == speedup["1"]
+        name = f"Qwen3-{c['model'].upper()} "
+        line = [x for x in result.output.splitlines() if name in x][-1]  # the second table's
+        cells = [f"{times[k]:.1f}" for k in "012"] + [f"{speedup[k]:.2f}×" for k in "12"]
+        assert all(cell in line for cell in cells), (line, cells)
 
 
 # --- the command line --------------------------------------------------------------------

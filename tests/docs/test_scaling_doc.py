@@ -89,6 +89,31 @@ def render_iteration_cost(data: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def render_staleness(data: dict[str, object]) -> str:
+    """The resident iteration at k = 0, 1, 2 of a ``bench iteration-cost --json`` result."""
+    rows: list[dict[str, object]] = data["staleness"]  # type: ignore[assignment]
+    lines = [
+        "| model | rollout s | fit s | update s | sync s | pod + trees s "
+        "| checkpoint s, k=0 / k≥1 | k=0 s | k=1 s | k=2 s | k≥1 bound | k=1 ÷ k=0 | k=2 ÷ k=0 |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|",
+    ]
+    for r in rows:
+        v: dict[str, float] = r  # type: ignore[assignment]
+        times: dict[str, float] = r["iteration_s"]  # type: ignore[assignment]
+        checkpoint: dict[str, float] = r["checkpoint_s"]  # type: ignore[assignment]
+        speedup: dict[str, float] = r["speedup"]  # type: ignore[assignment]
+        lines.append(
+            f"| Qwen3-{str(r['model']).upper()} | {v['rollout_s']:.1f} | {v['fit_s']:.1f} "
+            f"| {v['update_s']:.1f} | {v['sync_s']:.1f} | {v['fixed_s']:.1f} "
+            f"| {checkpoint['0']:.1f} / {checkpoint['1']:.1f} "
+            + "".join(f"| {times[k]:.1f} " for k in "012")
+            + f"| {r['bound']} "
+            + "".join(f"| {speedup[k]:.2f}× " for k in "12")
+            + "|"
+        )
+    return "\n".join(lines)
+
+
 def render_handoff(data: dict[str, object]) -> str:
     """One ``bench handoff --json`` result: each mode's iterations, then the ratios."""
     policy = float(data["policy_bytes"])  # type: ignore[arg-type]
@@ -179,6 +204,7 @@ def test_the_validation_and_cost_tables_are_the_stored_results() -> None:
     page = PAGE.read_text()
     assert render_validation(stored("cpu.json")) in page
     assert render_iteration_cost(stored("iteration-cost.json")) in page
+    assert render_staleness(stored("iteration-cost.json")) in page
     for name in ("handoff-tiny.json", "handoff-smollm2.json"):
         assert render_handoff(stored(name)) in page, name
     assert render_continuous(stored("h100-8b.json")) in page

@@ -29,6 +29,19 @@ one (the iteration step). Every rate below is an assumption, a public figure or 
 the GPU check's measurement on one H200, named where it is defined and cited in
 docs/scaling.md. What is computed: bytes from parameter counts, and rollout seconds from the
 simulation.
+
+**Bounded staleness** (``TrainConfig.max_staleness`` k, ``train.phases``), resident design only
+(engines and trainers on GPUs of their own), in steady state (``staleness_costs``). With k = 0
+an iteration is rollout → (fit ∥ update) → sync: rollout + max(fit, update) + sync. With k >= 1
+the driver submits the update of i to the trainers, then fits the predictor (``FIT_S``) and
+grows the trees of i + k on the engines, then syncs: max(fit + rollout, update) + sync. Both
+add the step pod and the trees' S3 traffic, and a checkpoint's share: its upload holds up the
+next update (``trainer_group``: ``update`` waits for it), after the next rollout at k = 0 but
+at once at k >= 1; its cost is what it adds to the max(…) of the iteration after it, shared
+over ``CHECKPOINT_EVERY`` iterations. k = 2 equals k = 1 here: the loop still syncs once an
+iteration, between one rollout and one update, so a deeper k lets neither side bank time, and
+the rollout is one simulation per model (no iteration-to-iteration variation to absorb); what
+k = 2 changes is the staleness, and the k rollouts grown on the starting policy at the start.
 """
 
 from __future__ import annotations
@@ -73,6 +86,14 @@ CHECKPOINT_EVERY = 5
 """``TrainConfig.checkpoint_every``'s default: the 8B checkpoint (115 GB from one rank at
 ``S3_POD_BYTES_S``, 17 s longer than the rollout it overlaps) is then ≈ 1% of a resident 8B
 iteration."""
+FIT_S = 20.0
+"""Assumption: the predictor's fit on the driver, every shape: the fit of the docs/scaling
+trees copied to 1,034 roots (15,463 new rows and 8,192 replayed, the default hashed features,
+64-wide MLP, 10 epochs) took 19-23 s on this project's 2-core machine shared with other work
+(up to 52 s under heavier load). Its cost follows the rows, not the turns' length (the hashed
+features of prefixes 26x as long took 1.2x as long)."""
+STALENESS = (0, 1, 2)
+"""The ``max_staleness`` k the command prints."""
 DESIGNS = ("s3", "resident")
 
 
@@ -218,3 +239,71 @@ def run_iteration_cost(
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class StalenessCost:
+    """A resident iteration in steady state at ``max_staleness`` k (module docstring)."""
+
+    model: str
+    rollout_s: float
+    fit_s: float
+    update_s: float
+    sync_s: float
+    """New weights into the engines: the broadcast (``IterationCost.reload_s``)."""
+    fixed_s: float
+    """Whatever k: the step pod and the trees' S3 traffic."""
+    checkpoint_write_s: float
+    """One checkpoint's upload from trainer rank 0, every ``CHECKPOINT_EVERY`` iterations."""
+
+    def _sides(self, k: int) -> tuple[float, float, float]:
+        """(driver and engines' side, trainers' side, a checkpoint's hold on the trainers) at k."""
+        if k == 0:  # the update starts after the rollout: the upload overlaps that rollout
+            hold = max(0.0, self.checkpoint_write_s - self.rollout_s)
+            return self.fit_s, self.update_s, hold
+        return self.fit_s + self.rollout_s, self.update_s, self.checkpoint_write_s
+
+    def checkpoint_s(self, k: int) -> float:
+        """The checkpoint's share per iteration: what its hold adds, over ``CHECKPOINT_EVERY``."""
+        engines, trainers, hold = self._sides(k)
+        return (max(engines, trainers + hold) - max(engines, trainers)) / CHECKPOINT_EVERY
+
+    def iteration_s(self, k: int) -> float:
+        engines, trainers, _ = self._sides(k)
+        serial = self.rollout_s if k == 0 else 0.0
+        return serial + max(engines, trainers) + self.sync_s + self.fixed_s + self.checkpoint_s(k)
+
+    def speedup(self, k: int) -> float:
+        """Iterations at k = 0 over iterations at k."""
+        return self.iteration_s(0) / self.iteration_s(k)
+
+    @property
+    def bound(self) -> str:
+        """What sets the pace at k >= 1: the update or the fit and rollout."""
+        return "update" if self.update_s >= self.fit_s + self.rollout_s else "rollout"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **asdict(self),
+            "iteration_s": {str(k): self.iteration_s(k) for k in STALENESS},
+            "checkpoint_s": {str(k): self.checkpoint_s(k) for k in STALENESS},
+            "speedup": {str(k): self.speedup(k) for k in STALENESS if k},
+            "bound": self.bound,
+        }
+
+
+def staleness_costs(rows: Sequence[IterationCost]) -> list[StalenessCost]:
+    """The resident rows of ``run_iteration_cost`` at k = 0, 1, 2."""
+    return [
+        StalenessCost(
+            model=r.model,
+            rollout_s=r.rollout_s,
+            fit_s=FIT_S,
+            update_s=r.update_s,
+            sync_s=r.reload_s,
+            fixed_s=r.pods_s + r.s3_s - r.update_io_s,  # update_io_s: the checkpoint's share
+            checkpoint_write_s=(r.policy_bytes + r.optimizer_bytes) / S3_POD_BYTES_S,
+        )
+        for r in rows
+        if r.design == "resident"
+    ]

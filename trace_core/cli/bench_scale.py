@@ -210,8 +210,14 @@ def bench_iteration_cost(
 ) -> None:
     """Per-iteration pipeline cost for Qwen3 1.7B/8B/14B on their recommended cluster shapes,
     with the state handed through S3 and resident on the cluster: S3 bytes, weight loads, pod
-    start-up and image pulls against rollout and update time."""
-    from trace_core.bench.iteration_cost import SHAPES, run_iteration_cost
+    start-up and image pulls against rollout and update time; then the resident iteration at
+    max_staleness k = 0, 1, 2 (rollout beside the update) and its speed-up over k = 0."""
+    from trace_core.bench.iteration_cost import (
+        SHAPES,
+        STALENESS,
+        run_iteration_cost,
+        staleness_costs,
+    )
     from trace_core.bench.predictor import tree_paths
 
     with console.status("simulating each model's rollout"):
@@ -234,4 +240,27 @@ def bench_iteration_cost(
             f"{r.total_s:.0f}", f"{r.outside_share:.0%}", f"{r.image_pull_s:.0f}",
         )  # fmt: skip
     console.print(table)
-    write_json(json_path, {"rows": [r.to_json() for r in rows]})
+    stale = staleness_costs(rows)
+    table = Table(
+        title="resident, max_staleness k: one iteration in steady state (docs/scaling.md)"
+    )
+    heads = ("model", "rollout s", "fit s", "update s", "sync s", "pod + trees s")
+    for head in (*heads, "checkpoint s k=0 / k≥1", *(f"k={k} s" for k in STALENESS), "k≥1 bound"):
+        table.add_column(head, justify="right")
+    for k in STALENESS[1:]:
+        table.add_column(f"k={k} ÷ k=0", justify="right")
+    for c in stale:
+        cells = (c.rollout_s, c.fit_s, c.update_s, c.sync_s, c.fixed_s)
+        table.add_row(
+            f"Qwen3-{c.model.upper()}",
+            *(f"{x:.1f}" for x in cells),
+            " / ".join(f"{c.checkpoint_s(k):.1f}" for k in (0, 1)),
+            *(f"{c.iteration_s(k):.1f}" for k in STALENESS),
+            c.bound,
+            *(_times(c.speedup(k)) for k in STALENESS[1:]),
+        )
+    console.print(table)
+    write_json(
+        json_path,
+        {"rows": [r.to_json() for r in rows], "staleness": [c.to_json() for c in stale]},
+    )
