@@ -128,7 +128,7 @@ RULES: list[tuple[str, str, str, str]] = [
         "the DP at B = 256 takes ≈ 20 s",
     ),
     (
-        r"trace-rl bench engine --json engine.json",
+        r"trace-rl bench engine --profile --json engine.json",
         SMALLER,
         "test_cli_commands.py",
         "a minute of decoding",
@@ -150,6 +150,12 @@ RULES: list[tuple[str, str, str, str]] = [
         SMALLER,
         "train/test_loop.py",
         "starts engine actors twice",
+    ),
+    (
+        r"trace-rl bench async --checkpoint build/policy/calc .*",
+        SMALLER,
+        "train/test_staleness.py",
+        "needs the warm start above; three runs of 4 iterations on Ray actors",
     ),
     (r"trace-rl bench parse --json parse.json", RUN, "", ""),
     (

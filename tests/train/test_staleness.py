@@ -4,6 +4,7 @@ staleness, and a run's trees do not depend on when they were grown."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 from support import parity
+from typer.testing import CliRunner
 
 from trace_core.algo.tree import RolloutTree
+from trace_core.cli import app
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.store.schema import read_trees
@@ -102,23 +105,48 @@ def test_stale_trees_take_the_decoupled_objective() -> None:
 
 @pytest.mark.slow
 @pytest.mark.cluster  # Ray in this process
-def test_on_actors_the_rollout_ahead_overlaps_the_update_on_the_weights_before_it(
+def test_on_actors_the_rollout_ahead_overlaps_the_update_and_grows_the_same_trees(
     init: Path, tmp_path: Path
 ) -> None:
     """A trainer actor updates while an engine actor grows the trees ahead, on the weights
-    before the update: the trees of the start's weights are the ones the run in this process
-    grows (where rollout and update take turns), and every tree's version and every record's
-    staleness are the schedule's. (Later trees differ: an engine actor hands turns back in the
-    order they finish, the update reads paths in node order, so its minibatches differ.)"""
+    before the update: the trees, their versions and every record's staleness are those of the
+    run in this process, where rollout and update take turns (and an engine actor's turns,
+    which come back in the order they finish, are laid out in the order that made them)."""
     turns = run(parity.tiny(init, tmp_path / "turns", 3, max_staleness=1))
     actors = EngineConfig(workers=1)
     both = run(
         parity.tiny(init, tmp_path / "actors", 3, max_staleness=1, train_workers=1, engine=actors)
     )
     assert [r.staleness for r in both[1:]] == [r.staleness for r in turns[1:]] == [0, 1, 1]
-    versions = [trees_of(tmp_path / "actors", i)[0].info.policy_version for i in range(1, 4)]
-    assert versions == [0, 0, 1]
-    for i in (1, 2):  # grown on the start's weights
-        want = signature(trees_of(tmp_path / "turns", i))
-        assert signature(trees_of(tmp_path / "actors", i)) == want, i
+    for i in range(1, 4):
+        want = trees_of(tmp_path / "turns", i)
+        got = trees_of(tmp_path / "actors", i)
+        assert [t.info.policy_version for t in got] == [t.info.policy_version for t in want]
+        assert [(t.parent.tolist(), [g.tolist() for g in t.gen_tokens]) for t in got] == [
+            (t.parent.tolist(), [g.tolist() for g in t.gen_tokens]) for t in want
+        ], i  # node for node
+    assert [r.rollout for r in both] == [r.rollout for r in turns]
     assert all("sync" in r.seconds for r in both[1:])  # by broadcast, after each update
+
+
+@pytest.mark.slow
+@pytest.mark.cluster  # Ray in this process
+def test_bench_async_times_each_staleness_against_the_synchronous_run(
+    init: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "async.json"
+    command = f"bench async --checkpoint {init} --iterations 2 --staleness 0,1 --budget 4 "
+    command += f"--max-tokens 6 --json {out}"
+    result = CliRunner().invoke(app, command.split())
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert (data["trainer_actors"], data["engine_actors"], data["threads_per_actor"]) == (1, 1, 1)
+    zero, one = data["runs"]["0"], data["runs"]["1"]
+    assert (zero["staleness"], one["staleness"]) == ([0, 0], [0, 1])
+    assert zero["speedup_vs_0"] == 1.0
+    assert one["speedup_vs_0"] == pytest.approx(
+        zero["seconds_per_iteration"] / one["seconds_per_iteration"]
+    )
+    for figures in (zero, one):
+        assert 0 <= figures["engine_idle_share"] <= 1 and 0 <= figures["trainer_idle_share"] <= 1
+    assert "speedup vs 0" in result.output

@@ -24,8 +24,10 @@ Everything here is numpy and the standard library (see ``tests/algo/test_boundar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +42,7 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 TokenArray = npt.NDArray[np.int32]
 LogprobArray = npt.NDArray[np.float32]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,6 +190,35 @@ class RolloutTree:
     @property
     def generated_tokens(self) -> int:
         return sum(len(t) for t in self.gen_tokens)
+
+    def reordered(self, order: Sequence[int]) -> RolloutTree:
+        """The same tree with its nodes numbered in ``order`` (old ids, the root first, every
+        parent before its children)."""
+        old = np.asarray(order, dtype=np.int64)
+        if len(old) != self.size or sorted(old.tolist()) != list(range(self.size)):
+            raise ValueError(f"order must list each of the {self.size} nodes once")
+        new = np.empty(self.size, dtype=np.int64)
+        new[old] = np.arange(self.size)
+        parent = np.where(self.parent[old] == NO_PARENT, NO_PARENT, new[self.parent[old]])
+        if old[0] != 0 or np.any(parent[1:] >= np.arange(1, self.size)):
+            raise ValueError("order must start at the root and put every parent first")
+
+        def pick(values: tuple[_T, ...]) -> tuple[_T, ...]:
+            return tuple(values[int(i)] for i in old)
+
+        return RolloutTree(
+            info=self.info,
+            parent=parent,
+            gen_tokens=pick(self.gen_tokens),
+            obs_tokens=pick(self.obs_tokens),
+            logprobs=pick(self.logprobs),
+            text=pick(self.text),
+            observation=pick(self.observation),
+            reward=self.reward[old],
+            predicted_v=self.predicted_v[old],
+            branch=self.branch[old],
+            truncated=self.truncated[old],
+        )
 
     def equals(self, other: RolloutTree) -> bool:
         """Exact equality of every field (NaN equals NaN)."""

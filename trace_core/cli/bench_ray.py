@@ -1,8 +1,9 @@
-"""``trace-rl bench workers|reload|handoff|gpu``: the benchmarks of Ray engine actors, trainer
-actors and GPUs, on the ``bench`` command group (``cli.bench``).
+"""``trace-rl bench workers|reload|handoff|async|gpu``: the benchmarks of Ray engine actors,
+trainer actors and GPUs, on the ``bench`` command group (``cli.bench``).
 
     trace-rl bench workers --checkpoint build/policy/calc --engines torch,vllm
     trace-rl bench reload --checkpoint build/policy/calc --engines torch,vllm
+    trace-rl bench async --checkpoint build/policy/calc --iterations 4 --staleness 0,1,2
     trace-rl bench gpu --json build/gpu-check.json     # or: bash scripts/gpu_check.sh
 """
 
@@ -195,6 +196,72 @@ def bench_handoff(
         f"{ratios['iteration_speedup']:.2f}× faster (goal >= {GOALS['iteration_speedup']:g}×)"
     )
     write_json(json_path, result.as_dict())
+
+
+@app.command("async")
+def bench_async(
+    checkpoint: Annotated[Path, typer.Option(help="Policy directory (HF format).")],
+    iterations: Annotated[int, typer.Option(help="Iterations per run.")] = 4,
+    staleness: Annotated[
+        str, typer.Option(help="The max_staleness values to run, comma-separated (with 0).")
+    ] = "0,1,2",
+    task: Annotated[str, typer.Option(help="Task suite of the prompts.")] = "calc",
+    budget: Annotated[int, typer.Option(help="M: root rollouts per iteration.")] = 32,
+    max_tokens: Annotated[int, typer.Option(help="Generated tokens per turn at most.")] = 48,
+    trainers: Annotated[int, typer.Option(help="Trainer actors.")] = 1,
+    engines: Annotated[int, typer.Option(help="Engine actors (TorchEngine).")] = 1,
+    threads: Annotated[int, typer.Option(help="Torch threads of each actor.")] = 1,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """One training run per max_staleness on one Ray head: seconds per iteration, the
+    engines' and trainers' idle shares and the staleness seen, against k = 0."""
+    from trace_core.bench.async_schedule import run_async_bench
+    from trace_core.policy.checkpoint import check_checkpoint
+
+    check_checkpoint(checkpoint, "--checkpoint")
+    try:
+        ks = [int(k) for k in staleness.split(",") if k.strip()]
+    except ValueError:
+        raise fail(f"--staleness: comma-separated integers, got {staleness!r}") from None
+    with console.status("bench async") as status:
+        try:
+            result = run_async_bench(
+                checkpoint,
+                ks,
+                iterations,
+                task,
+                budget,
+                max_tokens=max_tokens,
+                trainers=trainers,
+                engines=engines,
+                threads=threads,
+                say=lambda message: status.update(message),
+            )
+        except ValueError as err:
+            raise fail(str(err)) from None
+    table = Table(
+        title=f"{checkpoint.name}: {trainers} trainer and {engines} engine actor(s), "
+        f"{threads} thread(s) each, {iterations} iterations of M = {budget}",
+        caption="seconds per iteration: without evaluation, after the first k iterations "
+        "(fill: the first iteration's, with the start's k extra rollouts); idle: share of that "
+        "time; speedup: k = 0's seconds over this k's, in this command.",
+    )
+    heads = ("k", "s / iteration", "fill s", "engines idle", "trainers idle", "staleness")
+    for head in (*heads, "speedup vs 0"):
+        table.add_column(head, justify="right")
+    for k, figures in result["runs"].items():  # type: ignore[attr-defined]
+        seen = " ".join(str(s) for s in figures["staleness"])
+        table.add_row(
+            k,
+            f"{figures['seconds_per_iteration']:.2f}",
+            f"{figures['fill_seconds']:.2f}",
+            f"{figures['engine_idle_share']:.0%}",
+            f"{figures['trainer_idle_share']:.0%}",
+            seen,
+            f"{figures['speedup_vs_0']:.2f}×",
+        )
+    console.print(table)
+    write_json(json_path, result)
 
 
 def engine_kinds(text: str) -> tuple[str, ...]:

@@ -75,9 +75,17 @@ def rollout_flat(
             env.reset(task)
             pending.append((Episode(i, env, ROOT, list(prompts[i]), key=(j,)), completion))
 
+    origins: list[dict[int, tuple[int, ...]]] = [{} for _ in tasks]  # node -> (sample, turn)
+
     def play(turns: Sequence[tuple[Episode, Completion]]) -> list[Episode]:
         """Play the returned turns; the episodes that go on."""
-        return [e for e, c in turns if not play_turn(e, c, fmt, builders[e.owner]).done]
+        going = []
+        for e, c in turns:
+            step = play_turn(e, c, fmt, builders[e.owner])
+            origins[e.owner][e.node] = (*e.key, e.turns)
+            if not step.done:
+                going.append(e)
+        return going
 
     live = play(pending)
     if streams(engine) and live:
@@ -91,4 +99,9 @@ def rollout_flat(
     while live:  # lock-step: one call per turn-step
         outputs = engine.generate([e.history for e in live], turn_params, seed=seeds(live))
         live = play([(e, out[0]) for e, out in zip(live, outputs, strict=True)])
-    return [b.build() for b in builders]
+    # Nodes in the order of the turns that made them, not the order they came back.
+    trees = [b.build() for b in builders]
+    return [
+        tree.reordered([ROOT, *sorted(range(1, tree.size), key=origin.__getitem__)])
+        for tree, origin in zip(trees, origins, strict=True)
+    ]

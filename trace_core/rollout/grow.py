@@ -148,7 +148,17 @@ def grow_trees(
         live = [n for e, out in zip(live, outputs, strict=True) for n in advance(e, out[0])]
         if progress:
             progress(spent)
-    return [prompts[i].builder.build() for i in sorted(prompts)]
+    return [_in_turn_order(prompts[i]) for i in sorted(prompts)]
+
+
+def _in_turn_order(state: _Prompt) -> RolloutTree:
+    """The prompt's tree with its nodes in the order of the turns that made them (episode,
+    then turn: ``origins``), not the order they came back: what was sampled, laid out the same
+    whatever the timing, driver or worker count, so what reads the trees node by node (the
+    update's paths and minibatches, the predictor's examples) does not depend on timing."""
+    tree = state.builder.build()
+    order = sorted(range(1, tree.size), key=lambda node: state.origins[node])
+    return tree.reordered([ROOT, *order])
 
 
 def _expand(
