@@ -352,6 +352,53 @@ def test_sft_in_passes_gives_the_one_pass_gradient() -> None:
         torch.testing.assert_close(p.grad, whole[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("positions_read", [True, False])
+def test_sft_rows_give_the_padded_batch_loss_and_gradient(positions_read: bool) -> None:
+    """The batch packed into shared rows gives the loss and gradient of the padded batch's full
+    logits; a model that ignores ``position_ids`` (so would let packed sequences see each other)
+    is caught, and gets one sequence a row, with the same loss and gradient."""
+    from trace_core.policy.sft import (
+        _batch,
+        _keeps_packed_sequences_apart,
+        _rows,
+        _targets,
+        _token_mean_loss,
+    )
+
+    suite = CalcSuite(seed=0, train_size=20, eval_size=2)
+    tokenizer = build_word_tokenizer(suite.vocabulary())
+    fmt = TurnFormat(tokenizer)
+    sequences, masks, _ = demonstration_sequences(
+        suite, suite.tasks("train")[:12], fmt, np.random.default_rng(0)
+    )
+    model = create_policy(tokenizer, TinyPolicyConfig(), seed=0)
+    index = np.random.default_rng(1).permutation(12)
+    ids, attention, targets = _batch(sequences, masks, index, tokenizer.pad_token_id)
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    expected.backward()
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    if not positions_read:
+        decoder = model.base_model
+        forward = decoder.forward
+        decoder.forward = lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
+
+    tokens = [np.asarray(seq, dtype=np.int64) for seq in sequences]
+    together = _keeps_packed_sequences_apart(model, tokens[0])
+    assert together == positions_read
+    wanted = [_targets(seq, mask) for seq, mask in zip(tokens, masks, strict=True)]
+    rows, positions, row_targets = _rows(tokens, wanted, index, tokenizer.pad_token_id, together)
+    assert len(rows) < len(index) if together else len(rows) == len(index)
+    assert rows.shape[1] == max(len(seq) for seq in sequences)
+    assert (row_targets != -100).sum() == (targets != -100).sum()
+    loss = _token_mean_loss(model, rows, positions, row_targets)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, whole[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.mark.slow
 def test_a_pretrained_init_warm_starts_with_its_template(tmp_path: Path) -> None:
     """A random Qwen3 over Qwen's real vocabulary stands in for a pretrained model: the warm

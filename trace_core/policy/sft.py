@@ -74,7 +74,10 @@ def sft_train(
     pad_id: int,
     progress: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place; returns the loss of every step."""
+    """Train ``model`` in place; returns the loss of every step.
+
+    Without ``micro_tokens``, a step's sequences share rows where the model keeps packed
+    sequences apart (``_rows``): the padded batch's loss and gradient, from fewer positions."""
     if len(sequences) != len(loss_masks) or not sequences:
         raise ValueError("need one loss mask per sequence, and at least one sequence")
     for i, (seq, mask) in enumerate(zip(sequences, loss_masks, strict=True)):
@@ -83,6 +86,9 @@ def sft_train(
         if not np.asarray(mask[1:], dtype=bool).any():
             raise ValueError(f"sequence {i} has no token to learn (its mask is False after t=0)")
     device = next(model.parameters()).device
+    tokens = [np.asarray(seq, dtype=np.int64) for seq in sequences]
+    targets = [_targets(seq, mask) for seq, mask in zip(tokens, loss_masks, strict=True)]
+    together = not config.micro_tokens and _keeps_packed_sequences_apart(model, tokens[0])
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
@@ -105,11 +111,13 @@ def sft_train(
         if config.micro_tokens:
             loss = _accumulate(model, sequences, loss_masks, index, pad_id, config.micro_tokens)
         else:
-            ids, attention, targets = (
-                t.to(device) for t in _batch(sequences, loss_masks, index, pad_id)
+            ids, positions, wanted = _rows(tokens, targets, index, pad_id, together)
+            loss = _token_mean_loss(
+                model,
+                ids.to(device),
+                None if positions is None else positions.to(device),
+                wanted.to(device),
             )
-            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
@@ -119,6 +127,105 @@ def sft_train(
             progress(step, losses[-1])
     model.eval()
     return losses
+
+
+def _targets(tokens: npt.NDArray[np.int64], mask: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+    """Per position, the next token where that token is generated, else -100 (ignored); the
+    last position predicts nothing."""
+    out = np.full(len(tokens), -100, dtype=np.int64)
+    learn = np.asarray(mask[1:], dtype=bool)
+    out[:-1][learn] = tokens[1:][learn]
+    return out
+
+
+def _first_fit(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of ``width`` tokens: longest first, each into the first
+    row with room. A batch of 32 calc demonstrations (63–225 tokens) fills ≈23 rows of its
+    longest instead of 32: ≈27% fewer positions through every layer and attention. Wider rows
+    hold them in fewer positions still, but each row's attention grows with its square."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        k = next((k for k, free in enumerate(room) if free >= lengths[r]), len(rows))
+        if k == len(rows):
+            rows.append([])
+            room.append(width)
+        rows[k].append(r)
+        room[k] -= lengths[r]
+    return rows
+
+
+def _rows(
+    tokens: Sequence[npt.NDArray[np.int64]],
+    targets: Sequence[npt.NDArray[np.int64]],
+    index: npt.NDArray[np.int64],
+    pad_id: int,
+    together: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The batch as ids (R, C), positions (R, C) and targets (R, C) in rows as long as its
+    longest sequence, padded on the right.
+
+    ``together``: sequences share rows (``_first_fit``), each numbered from position 0, which
+    HF reads as packed sequences that never attend to one another; the padding at a row's end
+    is numbered from 0 too, a sequence of its own. Otherwise one sequence a row and no
+    positions (None): causal attention alone keeps a right-padded row's tokens from its
+    padding. Either way every token sees exactly its own sequence's earlier tokens at the same
+    positions as alone, so the loss and its gradient are the padded batch's, up to rounding.
+    """
+    lengths = [len(tokens[i]) for i in index]
+    width = max(lengths)
+    rows = _first_fit(lengths, width) if together else [[r] for r in range(len(index))]
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    wanted = np.full((len(rows), width), -100, dtype=np.int64)
+    for k, row in enumerate(rows):
+        at = 0
+        for r in row:
+            n = lengths[r]
+            ids[k, at : at + n] = tokens[index[r]]
+            wanted[k, at : at + n] = targets[index[r]]
+            positions[k, at : at + n] = np.arange(n)
+            at += n
+        positions[k, at:] = np.arange(width - at)
+    packed = torch.from_numpy(positions) if together else None
+    return torch.from_numpy(ids), packed, torch.from_numpy(wanted)
+
+
+def _token_mean_loss(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    positions: torch.Tensor | None,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """Mean cross-entropy over the learned targets (``targets != -100``). Only their positions
+    reach the output head: a quarter of a calc demonstration's tokens, the rest are prompt,
+    observations and padding, whose logits the loss would drop anyway."""
+    out = model.base_model(input_ids=ids, position_ids=positions, use_cache=False)
+    learn = targets != -100
+    logits = model.get_output_embeddings()(out.last_hidden_state[learn])  # (N, V)
+    return F.cross_entropy(logits, targets[learn])
+
+
+def _keeps_packed_sequences_apart(model: PreTrainedModel, tokens: npt.NDArray[np.int64]) -> bool:
+    """Whether ``model`` scores ``tokens`` packed behind a copy of themselves in one row
+    (positions restarting at 0) as it scores them alone. HF's decoders build the block-diagonal
+    mask from the positions; one that does not would let the second sequence attend to the
+    first and learn something else, so such a model gets one sequence a row instead (``_rows``).
+    """
+    device = next(model.parameters()).device
+    alone = torch.as_tensor(tokens[:8], device=device)[None]  # (1, n)
+    n = alone.shape[1]
+    positions = torch.arange(n, device=device).repeat(2)[None]
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        single = model.base_model(input_ids=alone, use_cache=False).last_hidden_state
+        packed = model.base_model(
+            input_ids=alone.repeat(1, 2), position_ids=positions, use_cache=False
+        ).last_hidden_state[:, n:]
+    model.train(was_training)
+    gap = torch.linalg.vector_norm(packed - single)
+    return bool(gap <= 1e-3 * torch.linalg.vector_norm(single))
 
 
 def _accumulate(
