@@ -46,20 +46,20 @@ afresh, and rows of batches of other sizes, agree to float rounding only, so a s
 on a tie could still flip.
 
 **Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
-2-core CPU, quiet): ≈2.1× HF ``generate`` with one torch thread (≈0.12 s against ≈0.26 s;
-≈1.8× before ``decode_step``) and ≈2.0–2.1× with two (≈0.10 s against ≈0.21 s). Per-operation
-overhead is no longer most of a step: at batch 64 a step reads every row's keys and values
-(≈8 MB at the average span) and runs ≈47 MFLOP of matmuls. The bench times those kernels
-alone at the same shapes (``floor_seconds``): ≈0.057 s with one thread and ≈0.037 s with two,
-i.e. 4.5× and 5.5–5.9× HF's time. An engine that calls these kernels can do no better, and
-TorchEngine spends 2.1× (one thread) to 2.8× (two) that floor; the rest is norms, rope,
-sampling, KV writes and the dispatch of ≈100 small operations per step.
-``torch.compile`` (inductor, CPU) was tried on the decode step: compiled pieces were no faster
-than eager, and the whole step needs static shapes (≈15 s to compile each new batch/length)
-for ≈25% at best, so it is not used. Splitting the batch between two Python threads (one
-torch thread each) was slower than one thread (≈2.0 ms against ≈1.4 ms a step: the GIL).
-With two threads on a shared machine both engines slow down several-fold and the ratio swings
-between runs.
+2-core CPU, two torch threads, five paired rounds): ≈1.7–2.1× HF ``generate`` (≈0.11 s
+against ≈0.21 s; HF's own time moves by a third between runs here). At batch 64 a step reads
+every row's keys and values (≈8 MB at the average span) and runs ≈47 MFLOP of matmuls; the
+bench times those kernels alone at the same shapes (``floor_seconds``), ≈4× HF's time, and
+TorchEngine spends ≈2.2–2.3× that floor. ``bench engine --profile`` (``bench.engine_profile``)
+says where the rest goes: of ≈130 torch operations a step, matmuls and attention are 16, the
+norms 28 (four kernels each: ``normalize``), rope 6, KV writes 4, sampling 14, the running
+batch's bookkeeping 10 and the step's other views and elementwise operations 38; prefilling the
+joining prompts is ≈15% of the call. ``torch.compile`` (inductor, CPU) was tried on the decode
+step: compiled pieces were no faster than eager, and the whole step needs static shapes (≈15 s
+to compile each new batch/length) for ≈25% at best, so it is not used. Splitting the batch
+between two Python threads (one torch thread each) was slower than one thread (≈2.0 ms against
+≈1.4 ms a step: the GIL). With two threads on a shared machine both engines slow down
+several-fold and the ratio swings between runs.
 
 Pretrained models: Qwen3 and Llama-family weights (``decoder``), token-exact against HF
 ``generate`` on SmolLM2-135M-Instruct (tests/policy/test_torch_engine.py). The pool's rows and
