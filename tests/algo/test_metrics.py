@@ -83,6 +83,7 @@ def test_hand_batch() -> None:
         "tokens",
         "root_rollouts",
         "continuations",
+        "dropped_prompts",
     ]
     assert all(type(v) is float for v in d.values())
     assert d["contrast_pairs"] == 10.0

@@ -155,7 +155,7 @@ RULES: list[tuple[str, str, str, str]] = [
         r"trace-rl bench async --checkpoint build/policy/calc .*",
         SMALLER,
         "train/test_staleness.py",
-        "needs the warm start above; three runs of 4 iterations on Ray actors",
+        "needs the warm start above; three runs of 6 iterations on Ray actors",
     ),
     (r"trace-rl bench parse --json parse.json", RUN, "", ""),
     (

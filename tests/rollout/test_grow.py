@@ -167,3 +167,43 @@ def test_single_turn_prompts_buy_roots_with_their_continuations(fmt: TurnFormat)
     trees = _grow(AnswerAtOnce(fmt, suite.tasks("train")), fmt, suite, "trace")
     m = measure(trees)
     assert (m.units, m.root_rollouts, m.continuations) == (24.0, 24, 0)
+
+
+@pytest.mark.parametrize("where", ["reset", "step"])
+def test_a_prompt_whose_env_fails_is_dropped_and_the_rest_grow(
+    suite: CalcSuite, fmt: TurnFormat, where: str
+) -> None:
+    """One task's env raises on every reset, or on every step: that prompt's tree is left out
+    and named with its error, the other prompts grow the trees they grow without it."""
+    tasks = suite.tasks("train")[:6]
+    broken = tasks[2].id
+
+    class Failing:
+        def __init__(self) -> None:
+            self.env = suite.make_env()
+            self.task_id = ""
+
+        def reset(self, task: Task) -> str:
+            self.task_id = task.id
+            if where == "reset" and task.id == broken:
+                raise RuntimeError("the task's sandbox did not start")
+            return self.env.reset(task)
+
+        def step(self, action: str):  # type: ignore[no-untyped-def]
+            if where == "step" and self.task_id == broken:
+                raise ConnectionError("tool server refused\nthe traceback's other lines")
+            return self.env.step(action)
+
+    engine = ScriptedEngine(fmt, suite.tasks("train"))
+    config = GrowConfig("trace", Budget(12, 2, 4), SamplingParams(max_tokens=24), seed=0)
+    dropped: list[tuple[str, str]] = []
+    trees = grow_trees(engine, fmt, Failing, tasks, ConstantPredictor(), config, dropped=dropped)
+    errors = {
+        "reset": "RuntimeError: the task's sandbox did not start",
+        "step": "ConnectionError: tool server refused",
+    }
+    error = errors[where]
+    assert dropped == [(broken, error)]
+    assert broken not in {t.info.prompt_id for t in trees} and trees
+    for tree in trees:
+        assert not np.isnan(tree.reward[tree.leaf_mask]).any()

@@ -150,3 +150,39 @@ def test_bench_async_times_each_staleness_against_the_synchronous_run(
     for figures in (zero, one):
         assert 0 <= figures["engine_idle_share"] <= 1 and 0 <= figures["trainer_idle_share"] <= 1
     assert "speedup vs 0" in result.output
+
+
+class BrokenTaskSuite(parity.ParitySuite):
+    """The parity suite, but one training task's env fails on every step, the way a tool
+    server that refuses that task's calls does."""
+
+    broken = "calc-train-00033"
+
+    def make_env(self) -> parity.ParityEnv:
+        return BrokenEnv()
+
+
+class BrokenEnv(parity.ParityEnv):
+    def reset(self, task):  # type: ignore[no-untyped-def]
+        self.broken = task.id == BrokenTaskSuite.broken
+        return super().reset(task)
+
+    def step(self, action: str):  # type: ignore[no-untyped-def]
+        if self.broken:
+            raise ConnectionError(f"tool server refused {BrokenTaskSuite.broken}")
+        return super().step(action)
+
+
+def test_a_prompt_whose_env_fails_is_dropped_said_and_counted_and_the_run_goes_on(
+    init: Path, tmp_path: Path
+) -> None:
+    said: list[str] = []
+    config = parity.tiny(init, tmp_path / "run", 2, max_staleness=1)
+    records = train(config, suite=BrokenTaskSuite(), progress=said.append)  # type: ignore[arg-type]
+    assert [r.iteration for r in records] == [0, 1, 2]
+    dropped = [r.rollout["dropped_prompts"] for r in records[1:]]
+    assert max(dropped) >= 1  # the broken task is in the pools that drew it
+    lines = [line for line in said if "dropped, its env failed: ConnectionError" in line]
+    assert lines and all(BrokenTaskSuite.broken in line for line in lines)
+    for i in (1, 2):
+        assert BrokenTaskSuite.broken not in {t.info.prompt_id for t in trees_of(config.output, i)}

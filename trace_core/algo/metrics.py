@@ -37,6 +37,7 @@ class BatchMetrics:
     tokens: int  # generated tokens
     root_rollouts: int
     continuations: int
+    dropped_prompts: int = 0  # prompts whose env failed: their trees left out (rollout.grow)
 
     def as_dict(self) -> dict[str, float]:
         """Every field as a float, keyed by field name (for loggers and reports)."""

@@ -7,8 +7,8 @@ k = 0 an iteration rolls out and then updates; at k >= 1 the trees ahead grow on
 actors while the trainer actors update. Per k, from the run's own records:
 
 * ``seconds_per_iteration``: the iterations' wall time without their held-out evaluation
-  (the same for every k), mean over the iterations after the first k (the start grows k
-  extra rollouts: ``fill_seconds`` is the first iteration's);
+  (the same for every k), mean over the same iterations for every k: those after the largest
+  k asked for (the start grows k extra rollouts: ``fill_seconds`` is the first iteration's);
 * ``engine_idle_share``, ``trainer_idle_share``: the share of that time the engines (not
   rolling out) and the trainers (not updating or checkpointing) sat idle;
 * ``staleness``: what each iteration's update saw (``IterationRecord.staleness``);
@@ -81,7 +81,7 @@ def run_async_bench(
         for k in staleness:
             say(f"max_staleness {k}: {iterations} iterations")
             config = replace(base, output=Path(tmp) / f"k{k}", max_staleness=k)
-            runs[str(k)] = _figures(train(config)[1:], k)
+            runs[str(k)] = _figures(train(config)[1:], max(staleness))
     zero = runs["0"]["seconds_per_iteration"]
     for figures in runs.values():
         figures["speedup_vs_0"] = float(zero) / float(figures["seconds_per_iteration"])  # type: ignore[arg-type]
@@ -97,9 +97,9 @@ def run_async_bench(
     }
 
 
-def _figures(records: Sequence[IterationRecord], k: int) -> dict[str, object]:
+def _figures(records: Sequence[IterationRecord], after: int) -> dict[str, object]:
     walls = [_wall(r) for r in records]
-    steady = walls[k:] if len(walls) > k else walls
+    steady = walls[after:]  # iterations > after (run_async_bench: more than the largest k)
     busy = sum(walls)
     return {
         "seconds_per_iteration": statistics.fmean(steady),

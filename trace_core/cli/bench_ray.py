@@ -242,9 +242,10 @@ def bench_async(
     table = Table(
         title=f"{checkpoint.name}: {trainers} trainer and {engines} engine actor(s), "
         f"{threads} thread(s) each, {iterations} iterations of M = {budget}",
-        caption="seconds per iteration: without evaluation, after the first k iterations "
-        "(fill: the first iteration's, with the start's k extra rollouts); idle: share of that "
-        "time; speedup: k = 0's seconds over this k's, in this command.",
+        caption="seconds per iteration: without evaluation, over the iterations after the "
+        "largest k, the same for every k (fill: the first iteration's, with the start's k extra "
+        "rollouts); idle: share of the iterations' time; speedup: k = 0's seconds over this "
+        "k's, in this command.",
     )
     heads = ("k", "s / iteration", "fill s", "engines idle", "trainers idle", "staleness")
     for head in (*heads, "speedup vs 0"):

@@ -73,10 +73,14 @@ def grow_trees(
     predictor: Predictor,
     config: GrowConfig,
     progress: Callable[[float], None] | None = None,
+    dropped: list[tuple[str, str]] | None = None,
 ) -> list[RolloutTree]:
     """One tree per rolled-out prompt of ``pool`` (prompts given no roots are left out).
 
-    ``progress`` is called with the rollout units spent so far after every engine call.
+    ``progress`` is called with the rollout units spent so far after every engine call. A
+    prompt whose env fails (its reset, a step, or the replay before a continuation raises) is
+    dropped, not the rollout: its other turns are ignored as they come back, its tree is left
+    out, and (its task id, the error in one line) is appended to ``dropped``.
     """
     rng = np.random.default_rng(config.seed)
     prompt_ids = [fmt.prompt_ids(task.prompt) for task in pool]
@@ -90,7 +94,13 @@ def grow_trees(
         stop_token_ids=config.sampling.stop_token_ids or fmt.stop_ids,
     )
     prompts: dict[int, _Prompt] = {}
+    failed: dict[int, str] = {}  # prompt -> the error that dropped it
     live: list[Episode] = []
+
+    def fail(prompt: int, err: Exception) -> None:
+        lines = str(err).strip().splitlines()
+        failed[prompt] = f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
     for i in np.flatnonzero(root_plan.counts):
         task = pool[i]
         info = TreeInfo(
@@ -104,10 +114,16 @@ def grow_trees(
         builder = TreeBuilder(info, prompt_tokens=prompt_ids[i], prompt_text=task.prompt)
         builder.set_predicted_v(ROOT, float(scores[i]))
         prompts[int(i)] = _Prompt(task, builder, int(root_plan.counts[i]))
-        for r in range(int(root_plan.counts[i])):
-            env = make_env()
-            env.reset(task)
-            live.append(Episode(int(i), env, ROOT, list(prompt_ids[i]), key=(0, r)))
+        try:
+            episodes = []
+            for r in range(int(root_plan.counts[i])):
+                env = make_env()
+                env.reset(task)
+                episodes.append(Episode(int(i), env, ROOT, list(prompt_ids[i]), key=(0, r)))
+        except Exception as err:  # the prompt's env: dropped, not the rollout
+            fail(int(i), err)
+            continue
+        live.extend(episodes)
     spent = 0.0
 
     def advance(episode: Episode, out: Completion) -> list[Episode]:
@@ -116,18 +132,23 @@ def grow_trees(
         state = prompts[episode.owner]
         if episode.node == ROOT or episode.branch:
             spent += 1.0 if episode.root_rollout else 0.5
-        step = play_turn(episode, out, fmt, state.builder)
-        state.origins[episode.node] = (*episode.key, episode.turns)
-        if not step.done:
-            state.histories[episode.node] = list(episode.history)
-            return [episode]
-        if episode.root_rollout:
-            state.live_roots -= 1
-            if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt, now
-                state.expanded = True
-                # Its own generator: what a prompt expands does not depend on when it ran.
-                own = np.random.default_rng(request_seed(config.seed, episode.owner))
-                return _expand(episode.owner, state, root_plan, predictor, make_env, own)
+        if episode.owner in failed:  # a turn of a dropped prompt, back from the engine
+            return []
+        try:
+            step = play_turn(episode, out, fmt, state.builder)
+            state.origins[episode.node] = (*episode.key, episode.turns)
+            if not step.done:
+                state.histories[episode.node] = list(episode.history)
+                return [episode]
+            if episode.root_rollout:
+                state.live_roots -= 1
+                if state.live_roots == 0 and not state.expanded:  # stage 2 for this prompt
+                    state.expanded = True
+                    # Its own generator: what a prompt expands does not depend on when it ran.
+                    own = np.random.default_rng(request_seed(config.seed, episode.owner))
+                    return _expand(episode.owner, state, root_plan, predictor, make_env, own)
+        except Exception as err:  # the prompt's env: dropped, not the rollout
+            fail(episode.owner, err)
         return []
 
     def seeds(episodes: list[Episode]) -> list[int]:
@@ -148,7 +169,9 @@ def grow_trees(
         live = [n for e, out in zip(live, outputs, strict=True) for n in advance(e, out[0])]
         if progress:
             progress(spent)
-    return [_in_turn_order(prompts[i]) for i in sorted(prompts)]
+    if dropped is not None:
+        dropped.extend((pool[i].id, failed[i]) for i in sorted(failed))
+    return [_in_turn_order(prompts[i]) for i in sorted(prompts) if i not in failed]
 
 
 def _in_turn_order(state: _Prompt) -> RolloutTree:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -43,6 +43,8 @@ class RolloutResult:
     engine: dict[str, float] = field(default_factory=dict)
     """How the engine was had: ``kept_workers`` (kept actors found running), ``reloads`` and
     ``reload_seconds`` (new weights put into running engines); only what applies."""
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    """(task id, error) of each prompt whose env failed: its tree is not in ``trees``."""
 
 
 def run_rollout(
@@ -78,6 +80,7 @@ def run_rollout(
         opened = session.engine(checkpoint, model)
     else:
         opened = open_engine(engine, checkpoint, model, address, engine_name)
+    dropped: list[tuple[str, str]] = []
     with opened as sampler:
         trees = grow_trees(
             sampler,
@@ -87,10 +90,12 @@ def run_rollout(
             scorer,
             grow,
             progress=progress,
+            dropped=dropped,
         )
         extra = sampler.stats.extra
         had = {k: extra[k] for k in ("kept_workers", "reloads", "reload_seconds") if k in extra}
-    return RolloutResult(trees, measure(trees), time.perf_counter() - start, had)
+    metrics = replace(measure(trees), dropped_prompts=len(dropped))
+    return RolloutResult(trees, metrics, time.perf_counter() - start, had, dropped)
 
 
 def load_predictor(

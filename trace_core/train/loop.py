@@ -41,6 +41,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from trace_core.algo.metrics import BatchMetrics
 from trace_core.algo.tree import RolloutTree
@@ -380,14 +381,20 @@ def write_summary(out: Path, config: TrainConfig, records: Sequence[IterationRec
 
 
 def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
-    """Held-out accuracy and the prompt effective ratio against generated rollout tokens."""
+    """Held-out accuracy and the prompt effective ratio against generated rollout tokens; and,
+    where the records hold them, the engines' and trainers' idle seconds and the update's
+    staleness per iteration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     evals = [r for r in records if r.eval]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    scheduled = [r for r in records[1:] if r.idle]
+    fig, axes = plt.subplots(1, 3 if scheduled else 2, figsize=(15 if scheduled else 10, 3.8))
+    left, right = axes[0], axes[1]
+    if scheduled:
+        _plot_schedule(axes[2], scheduled)
     tokens = [r.total_tokens / 1000 for r in evals]
     for key, label in (("mean_k", "mean@k"), ("pass1", "pass@1 (greedy)")):
         if all(r.eval[key] for r in evals):  # type: ignore[index]  # mean@k: none when k = 0
@@ -405,10 +412,28 @@ def plot_run(records: Sequence[IterationRecord], path: Path) -> None:
         ylim=(0, 1.02),
     )
     strategy_name = records[0].strategy if records else ""
-    fig.suptitle(f"{strategy_name}: held-out accuracy and reward contrast")
+    what = (
+        "held-out accuracy, reward contrast and the schedule"
+        if scheduled
+        else ("held-out accuracy and reward contrast")
+    )
+    fig.suptitle(f"{strategy_name}: {what}")
     for ax in (left, right):
         ax.grid(alpha=0.3)
     left.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_schedule(ax: Any, records: Sequence[IterationRecord]) -> None:
+    """Idle seconds of the engines and the trainers per iteration, staleness on the right."""
+    steps = [r.iteration for r in records]
+    for part, marker in (("engines", "o"), ("trainers", "s")):
+        ax.plot(steps, [r.idle.get(part, 0.0) for r in records], marker=marker, label=part)
+    ax.set(xlabel="iteration", ylabel="idle seconds")
+    ax.legend(loc="upper left")
+    stale = ax.twinx()
+    stale.step(steps, [r.staleness for r in records], where="mid", color="grey", alpha=0.6)
+    top = max([r.staleness for r in records] + [1])
+    stale.set(ylabel="staleness (versions)", ylim=(-0.1, top + 0.5), yticks=range(top + 1))

@@ -142,7 +142,7 @@ def run_iteration(
         if j not in run.ahead:
             if k:
                 fits += _fit_through(run, j - 1, seconds)
-            run.ahead[j] = _grow(run, j, seconds)
+            run.ahead[j] = _grow(run, j, seconds, say)
             if j > i and run.keep_ahead is not None:
                 run.keep_ahead(j, run.ahead[j].trees)
     trees, metrics = run.ahead[i].trees, run.ahead[i].metrics
@@ -167,7 +167,7 @@ def run_iteration(
             fits.extend(_fit_through(run, i, seconds))
             return
         fits.extend(_fit_through(run, i + k - 1, seconds))
-        run.ahead[i + k] = _grow(run, i + k, seconds)
+        run.ahead[i + k] = _grow(run, i + k, seconds, say)
         if run.keep_ahead is not None:
             run.keep_ahead(i + k, run.ahead[i + k].trees)
 
@@ -230,8 +230,9 @@ def _draws(run: Run, i: int) -> IterationDraws:
     return draw_iteration(run.config.seed, i, len(run.train_tasks), run.config.prompts)
 
 
-def _grow(run: Run, j: int, seconds: dict[str, float]) -> RolloutResult:
-    """Iteration ``j``'s trees on the weights the engines serve now."""
+def _grow(run: Run, j: int, seconds: dict[str, float], say: Callable[[str], None]) -> RolloutResult:
+    """Iteration ``j``'s trees on the weights the engines serve now; a prompt whose env
+    failed is said, and counted (``dropped_prompts``), and the iteration goes on without it."""
     result = iteration.roll_out(
         run.serving_now,
         run.train_tasks,
@@ -247,6 +248,8 @@ def _grow(run: Run, j: int, seconds: dict[str, float]) -> RolloutResult:
         policy_version=run.serving_version,
     )
     seconds["rollout"] = seconds.get("rollout", 0.0) + result.seconds
+    for prompt, error in result.dropped:
+        say(f"iteration {j}: prompt {prompt} dropped, its env failed: {error}")
     return result
 
 

@@ -58,6 +58,7 @@ ROLLOUT = (
     "mixed_per_100_units",
     "units",
     "contrast_pairs",
+    "dropped_prompts",
 )
 UPDATE = ("loss", "kl", "logprob_gap", "logprob_gap_max", "grad_norm", "clip_fraction", "paths")
 PREDICTOR = ("root_skill", "prefix_skill", "eval_root_skill", "loss_after", "rows")
