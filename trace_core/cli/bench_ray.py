@@ -3,7 +3,7 @@ trainer actors and GPUs, on the ``bench`` command group (``cli.bench``).
 
     trace-rl bench workers --checkpoint build/policy/calc --engines torch,vllm
     trace-rl bench reload --checkpoint build/policy/calc --engines torch,vllm
-    trace-rl bench async --checkpoint build/policy/calc --iterations 4 --staleness 0,1,2
+    trace-rl bench async --checkpoint build/policy/calc --iterations 6 --staleness 0,1,2
     trace-rl bench gpu --json build/gpu-check.json     # or: bash scripts/gpu_check.sh
 """
 
