@@ -236,8 +236,8 @@ def test_model_upload_puts_the_folder_once_and_refuses_what_base_model_uri_canno
 
 def test_bench_engine_json(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    run = trace_rl("bench", "engine", "--batch", "4", "--new-tokens", "8", "--profile",
-                   "--json", str(out), cwd=tmp_path)  # fmt: skip
+    flags = ["--batch", "4", "--new-tokens", "8", "--profile", "--json"]
+    run = trace_rl("bench", "engine", *flags, str(out), cwd=tmp_path)
     assert run.returncode == 0, said(run)[-2000:]
     data = json.loads(out.read_text())
     for key in (

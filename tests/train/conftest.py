@@ -3,9 +3,11 @@ is ``parity.py`` beside this file)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from support import parity
 
 from trace_core.envs.calc import CalcSuite
@@ -20,3 +22,12 @@ def init(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = build_word_tokenizer(CalcSuite(seed=0).vocabulary())
     save_checkpoint(create_policy(tokenizer, parity.SMALL, seed=0), tokenizer, path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module's runs (its Ray actors take the other core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,6 @@ staleness, and a run's trees do not depend on when they were grown."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +23,7 @@ from trace_core.train.loop import train
 from trace_core.train.record import IterationRecord
 from trace_core.train.run_folder import iteration_dir
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(config: TrainConfig) -> list[IterationRecord]:
