@@ -8,6 +8,7 @@ from components.open_session import open_session
 from components.prep import prep
 from components.release_session import release_session
 from components.report import report
+from components.schedule import schedule
 from components.warmstart import warmstart
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "prep",
     "release_session",
     "report",
+    "schedule",
     "warmstart",
 ]

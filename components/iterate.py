@@ -1,7 +1,8 @@
-"""Iterate: one training iteration on the run's session."""
+"""Iterate: one training iteration on the run's session (the pipeline runs it once per
+iteration, in order)."""
 
 from kfp import dsl
-from kfp.dsl import Artifact, Dataset, Input, Metrics, Output
+from kfp.dsl import Dataset, Input, Metrics, Output
 
 from components.images import image
 
@@ -10,35 +11,21 @@ from components.images import image
 def iterate(
     config_json: str,
     iteration: int,
-    start_iteration: int,
     prompts: Input[Dataset],
-    state: Input[Artifact],
     trees: Output[Dataset],
-    new_state: Output[Artifact],
     metrics: Output[Metrics],
 ) -> None:
-    """Iteration start_iteration + iteration: rollout on the engine actors, predictor fit ∥
-    update on the trainers, weights to the engines by broadcast, a checkpoint every
-    checkpoint_every iterations (written by the trainers into the registry), evaluation every
-    eval_every. Trees Parquet out (the state lists where, for the report); the iteration's
-    figures and the S3 bytes it moved as metrics."""
-    from pathlib import Path
-
-    from trace_core.train.contract import PipelineConfig, StepCall
-    from trace_core.train.dispatch import run_step
-    from trace_core.train.steps.finish import record_trees
+    """Iteration ``iteration``: rollout on the engine actors, predictor fit ∥ update on the
+    trainers, weights to the engines by broadcast, a checkpoint every checkpoint_every
+    iterations (written by the trainers into the registry), evaluation every eval_every. It
+    reads the state after the iteration before from the store and publishes its own there
+    (``trace_core.train.steps.handoff``); the trees Parquet out (the state lists where, for
+    the report), the iteration's figures and the S3 bytes it moved as metrics. Run again after
+    it committed (a retried pod), it hands on what it wrote then."""
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.steps.handoff import iterate_on_store
 
     config = PipelineConfig.from_json(config_json)
-    call = StepCall(
-        "iterate",
-        start_iteration + iteration,
-        {"prompts": prompts.path, "state": state.path},
-        {"trees": trees.path, "state": new_state.path},
-        input_uris={"prompts": prompts.uri, "state": state.uri},
-    )
-    for key, value in run_step(call, config).items():
+    for key, value in iterate_on_store(config, iteration, prompts, trees).items():
         metrics.log_metric(key, value)
-    # Where this iteration's trees land, beside the earlier ones': the report shows them all.
-    record_trees(Path(state.path), Path(new_state.path), call.iteration, trees.uri)
-    trees.metadata.update({"iteration": call.iteration, "format": "trace.trees.parquet"})
-    new_state.metadata.update({"format": "trace.run-state", "iteration": call.iteration})
+    trees.metadata.update({"iteration": iteration, "format": "trace.trees.parquet"})

@@ -21,11 +21,14 @@ def open_session(
     actors boot from it; a new run's starting policy is evaluated (iteration 0 of the log).
     Where load's artifacts hold references, the actors read the weights where those name
     (``train.dispatch.start_point``); with ``ray_jobs_url`` this pod only submits the job.
-    Returns that evaluation as JSON; ``state`` is what the iterations pass on (a few MB)."""
+    Returns that evaluation as JSON; ``state`` is what the iterations start from (a few MB),
+    published in the store too, where the first iteration reads it
+    (``trace_core.train.steps.handoff``)."""
     from pathlib import Path
 
     from trace_core.train.contract import EVAL_FILE, PipelineConfig, StepCall
     from trace_core.train.dispatch import run_step
+    from trace_core.train.steps.handoff import publish, state_uri
 
     config = PipelineConfig.from_json(config_json)
     inputs = {"prompts": prompts, "policy": policy, "predictor": predictor, "optimizer": optimizer}
@@ -38,5 +41,7 @@ def open_session(
     )
     for key, value in run_step(call, config).items():
         metrics.log_metric(key, value)
+    # A retried open-session publishes the same session's start again.
+    publish(Path(state.path), state_uri(config, start_iteration), replace=True)
     state.metadata.update({"format": "trace.run-state", "iteration": start_iteration})
     return Path(state.path, EVAL_FILE).read_text()

@@ -17,6 +17,7 @@ def prep(
     budget: int,
     continuations: int,
     iterations: int,
+    max_staleness: int,
     seed: int,
     checkpoint_every: int,
     ray_address: str,
@@ -37,14 +38,8 @@ def prep(
     from trace_core.train.contract import PipelineParameters
     from trace_core.train.steps.start import prep_step
 
-    parameters = PipelineParameters(
-        task=task, dataset_uri=dataset_uri, base_model_uri=base_model_uri, strategy=strategy,
-        budget=budget, continuations=continuations, iterations=iterations, seed=seed,
-        checkpoint_every=checkpoint_every, ray_address=ray_address, ray_jobs_url=ray_jobs_url,
-        engine=engine, rollout_workers=rollout_workers, gpus_per_worker=gpus_per_worker,
-        run_name=run_name, store_uri=store_uri, settings_json=settings_json,
-        mlflow_tracking_uri=mlflow_tracking_uri,
-    )  # fmt: skip
+    given = locals()  # the run parameters, by name
+    parameters = PipelineParameters(**{n: given[n] for n in PipelineParameters.__annotations__})
     result = prep_step(parameters, Path(prompts.path), pipeline_run_id=pipeline_run_id)
     prompts.metadata.update({"task": task, "train": result.prompts, "eval": result.eval_prompts})
     return result.config_json, result.start, result.start_iteration  # PrepOutputs, in order

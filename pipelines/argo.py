@@ -11,18 +11,31 @@ with hera; the committed YAML is checked against the generator and against Argo'
 The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a container running
 ``trace-rl step ...`` in the project's images (``components/images.env``)::
 
-    prep ─► warmstart | load ─► open-session ─► [ iterate-i ] × K ─► close-session ─► report
+    prep ─► warmstart | load ─► open-session ─► [ iterate ] × K ─► close-session ─► report
 
-- K is unrolled when the manifests are generated (``ArgoOptions.iterations``, 4 as in the
-  committed KFP pipeline); the rest are workflow parameters named as the KFP run parameters:
-  task, dataset_uri, base_model_uri, strategy, budget, continuations, seed, checkpoint_every,
-  ray_address, ray_jobs_url, run_name, store_uri, settings_json, mlflow_tracking_uri.
-- Steps share no volume: folders go through S3, under
-  ``<store_uri>/staging/<workflow name>/`` (prompts, start/policy, state-1, iter-1/trees, ...);
-  small values (the config JSON, where the policy starts) go through Argo output parameters.
-  Between the iterations only the run's state travels (its log, predictor and where the newest
-  checkpoint is): the policy and optimizer state stay on the session's trainer actors, on the
-  Ray cluster at ``ray_address`` (``trace_core/train/steps/session.py``).
+- Every run parameter (``trace_core.train.contract.PipelineParameters``) is a workflow
+  parameter of the same name and default (store_uri's aside: without KFP there is no artifact
+  store, so the S3 prefix of trace-rl-settings), K (``iterations``) and ``max_staleness``
+  included; prep gets each as ``--param NAME=VALUE``. ``ArgoOptions.iterations`` only sets
+  iterations' default.
+- The K iterations are one DAG task, ``iterate``, looped with ``withSequence`` (start: the
+  iteration the run resumes from + 1, count: ``iterations``) inside the template
+  ``iterations``, which has ``parallelism: 1`` and ``failFast: true``: Argo's controller starts
+  the expanded children in their order, each once the one before has ended, and none after one
+  failed (argo-workflows ``executeDAGTask`` in ``workflow/controller/dag.go``,
+  ``checkParallelism`` in ``workflow/controller/operator.go``). Each child runs iteration
+  ``{{item}}`` from ``state-{{=asInt(item) - 1}}``; given any state but the one after the
+  iteration before its own, it refuses it (``iterate_step``). The tasks after the loop depend
+  on the task ``iterations``, which ends when its last child has.
+- Steps share no volume: folders go through S3, under ``<store_uri>/staging/<workflow
+  name>/``: prompts, start/policy, ``state-N`` (the run's state after iteration N: open-session
+  writes the one it resumes from, ``state-S``, S = prep's start_iteration; iteration N
+  ``state-N``), ``iter-N/trees``, eval-final, report. close-session and report read
+  ``state-L`` and ``iter-L/trees``, L = S + iterations. Small values (the config JSON, where
+  the policy starts) go through Argo output parameters. Between the iterations only the run's
+  state travels (its log, predictor and where the newest checkpoint is): the policy and
+  optimizer state stay on the session's trainer actors, on the Ray cluster at
+  ``ray_address`` (``trace_core/train/steps/session.py``).
 - Resuming: prep looks up ``run_name`` in the checkpoint registry below ``store_uri``
   (``trace_core/store/registry.py``) and starts from its ``latest`` checkpoint (``load``) if it
   has one; every checkpoint (each ``checkpoint_every`` iterations and the last) becomes the new
@@ -45,10 +58,12 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
   escalation, all capabilities dropped, read-only root filesystem with emptyDir /tmp and HOME.
 
 Not yet validated: no Argo controller runs on this machine, so the workflow has only been checked
-against the schemas, never run; the ``when``/``depends`` expressions and the ``{{=...}}``
-iteration arithmetic follow Argo's documentation (>= 3.4) untested. Each container's command is
-``trace-rl step`` with the folders of ``trace_core.train.contract.STEP_FOLDERS``, and every step
-runs that way here on local folders and s3:// prefixes (tests/train/test_step_cli.py).
+against the schemas, never run; the ``when``/``depends`` expressions, the ``{{=...}}``
+iteration arithmetic and the loop (its order, ``withSequence`` from parameters) follow Argo's
+documentation and its controller's source (read at v3.4.0 and v4.1), untested. Each
+container's command is ``trace-rl step`` with the folders of
+``trace_core.train.contract.STEP_FOLDERS``, and every step runs that way here on local folders
+and s3:// prefixes (tests/train/test_step_cli.py).
 """
 
 from __future__ import annotations
@@ -94,12 +109,13 @@ SCRATCH = ("20Gi", "20Gi")
 and 1 Gi for the container's logs and writable layer (the root filesystem is read-only)."""
 OUT = "/tmp/outputs"  # where steps write the small values Argo reads as output parameters
 
-# The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list),
-# except iterations, which is unrolled here, and store_uri's default: without KFP there is no
-# artifact store, so the S3 prefix of trace-rl-settings.
-PARAMETERS = {
-    f.name: str(f.default) for f in dataclasses.fields(PipelineParameters) if f.name != "iterations"
-} | {"store_uri": "s3://trace-rl/runs"}
+# The workflow parameters: the pipeline's run parameters (``PipelineParameters``, the one list,
+# in its order), with its defaults but store_uri's: without KFP there is no artifact store, so
+# the S3 prefix of trace-rl-settings. iterations' default can be changed when generating
+# (``ArgoOptions.iterations``).
+PARAMETERS = {f.name: str(f.default) for f in dataclasses.fields(PipelineParameters)} | {
+    "store_uri": "s3://trace-rl/runs"
+}
 
 # What each container runs: ``trace-rl step STEP --config-json C --iteration I`` with these
 # ``--input NAME=URI`` and ``--output NAME=URI`` folders (prep: ``--param NAME=VALUE`` for each
@@ -125,8 +141,8 @@ class Size:
 class ArgoOptions:
     """What is fixed when the manifests are generated."""
 
-    iterations: int = 4
-    """K: training iterations, unrolled into the DAG (as in the KFP pipeline)."""
+    iterations: int = PipelineParameters.iterations
+    """The default of the workflow parameter ``iterations`` (K: the loop's length)."""
     gpus: int = 1
     """GPUs of the open-session and iterate pods (0: the Ray cluster holds the run's GPUs)."""
     name: str = "trace-training"
@@ -282,13 +298,9 @@ CONFIG = "{{inputs.parameters.config}}"
 
 def _templates(options: ArgoOptions) -> dict[str, Container]:
     """One container template per step; folders and iteration come in as input parameters."""
-    prep_params = [
-        *[f"{k}={{{{workflow.parameters.{k}}}}}" for k in PARAMETERS],
-        f"iterations={options.iterations}",
-    ]
     prep_args = ["step", "prep", "--iteration", "0"]
-    for assignment in prep_params:
-        prep_args += ["--param", assignment]
+    for k in PARAMETERS:
+        prep_args += ["--param", f"{k}={{{{workflow.parameters.{k}}}}}"]
     prep_args += ["--output", "prompts={{inputs.parameters.prompts}}"]
     prep_args += ["--output", f"result={OUT}/prep"]
 
@@ -368,10 +380,39 @@ def _folder(path: str) -> str:
     return f"{{{{workflow.parameters.store_uri}}}}/staging/{{{{workflow.name}}}}/{path}"
 
 
+def _loop(container: Container) -> DAG:
+    """The template ``iterations``: the task ``iterate`` once per iteration, one at a time, in
+    order (``parallelism: 1``), none after one failed (``failFast``). Its inputs: the config,
+    ``first`` (the first iteration's number) and ``count`` (how many)."""
+    with DAG(
+        name="iterations",
+        inputs=[Parameter(name=p) for p in ("config", "first", "count")],
+        parallelism=1,
+        fail_fast=True,
+    ) as loop:
+        Task(
+            name="iterate",
+            template=container,
+            with_sequence=m.Sequence(
+                start="{{inputs.parameters.first}}", count="{{inputs.parameters.count}}"
+            ),
+            arguments={
+                "config": "{{inputs.parameters.config}}",
+                "iteration": "{{item}}",
+                "prompts": _folder("prompts"),
+                "state": _folder("state-{{=asInt(item) - 1}}"),
+                "trees": _folder("iter-{{item}}/trees"),
+                "new_state": _folder("state-{{item}}"),
+            },
+        )
+    return loop
+
+
 def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
-    """The WorkflowTemplate: the DAG of module docstring, K iterations unrolled."""
+    """The WorkflowTemplate: the DAG of module docstring, the iterations one looped task."""
     opts = options or ArgoOptions()
     config = "{{tasks.prep.outputs.parameters.config}}"
+    parameters = PARAMETERS | {"iterations": str(opts.iterations)}
     with WorkflowTemplate(
         name=opts.name,
         entrypoint="train",
@@ -381,12 +422,12 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
         },
         annotations={
             "workflows.argoproj.io/description": (
-                f"TRACE tree-rollout RL: prep, warm start or resume, open the run's session, "
-                f"{opts.iterations} iterations on it, close it, report. "
-                "Generated by pipelines/argo.py."
+                "TRACE tree-rollout RL: prep, warm start or resume, open the run's session, "
+                f"`iterations` iterations on it (default {opts.iterations}), one after another, "
+                "close it, report. Generated by pipelines/argo.py."
             )
         },
-        arguments=[Parameter(name=k, value=v) for k, v in PARAMETERS.items()],
+        arguments=[Parameter(name=k, value=v) for k, v in parameters.items()],
         service_account_name=SERVICE_ACCOUNT,
         image_pull_secrets=[m.LocalObjectReference(name=n) for n in opts.image_pull_secrets]
         or None,
@@ -397,6 +438,7 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
         ttl_strategy=m.TTLStrategy(seconds_after_completion=7 * 24 * 3600),
     ) as template:
         t = _templates(opts)
+        loop = _loop(t["iterate"])
         with DAG(name="train"):
             Task(name="prep", template=t["prep"], arguments={"prompts": _folder("prompts")})
             started = "warmstart.Succeeded || load.Succeeded"
@@ -421,7 +463,11 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                 depends="prep",
                 when=f"{chosen} == load",
             )
+            # The registry's iteration count goes on: a resumed run's first is S + 1, its
+            # last L = S + iterations; state-N is the run's state after iteration N.
             start_iteration = "{{tasks.prep.outputs.parameters.start_iteration}}"
+            s = "asInt(tasks.prep.outputs.parameters.start_iteration)"
+            last = f"{{{{={s} + asInt(workflow.parameters.iterations)}}}}"
             Task(
                 name="open-session",
                 template=t["open-session"],
@@ -432,46 +478,38 @@ def build_template(options: ArgoOptions | None = None) -> WorkflowTemplate:
                     "policy": _folder("start/policy"),
                     "predictor": _folder("start/predictor"),
                     "optimizer": _folder("start/optimizer"),
-                    "state": _folder("state-0"),
+                    "state": _folder(f"state-{start_iteration}"),
                 },
                 depends=started,
             )
-            state, after = "state-0", "open-session"
-            for i in range(1, opts.iterations + 1):
-                # The registry's iteration count goes on: a resumed run's first is start + 1.
-                iteration = f"{{{{=asInt(tasks.prep.outputs.parameters.start_iteration) + {i}}}}}"
-                Task(
-                    name=f"iterate-{i}",
-                    template=t["iterate"],
-                    arguments={
-                        "config": config,
-                        "iteration": iteration,
-                        "prompts": _folder("prompts"),
-                        "state": _folder(state),
-                        "trees": _folder(f"iter-{i}/trees"),
-                        "new_state": _folder(f"state-{i}"),
-                    },
-                    depends=after,
-                )
-                state, after = f"state-{i}", f"iterate-{i}"
+            Task(
+                name="iterations",
+                template=loop,
+                arguments={
+                    "config": config,
+                    "first": f"{{{{={s} + 1}}}}",
+                    "count": "{{workflow.parameters.iterations}}",
+                },
+                depends="open-session",
+            )
             Task(
                 name="close-session",
                 template=t["close-session"],
                 arguments={
                     "config": config,
-                    "state": _folder(state),
+                    "state": _folder(f"state-{last}"),
                     "result": _folder("eval-final"),
                 },
-                depends=after,
+                depends="iterations",
             )
             Task(
                 name="report",
                 template=t["report"],
                 arguments={
                     "config": config,
-                    "trees": _folder(f"iter-{opts.iterations}/trees"),
-                    "state": _folder(state),
-                    "start_eval": _folder("state-0"),
+                    "trees": _folder(f"iter-{last}/trees"),
+                    "state": _folder(f"state-{last}"),
+                    "start_eval": _folder(f"state-{start_iteration}"),
                     "final_eval": _folder("eval-final"),
                     "report": _folder("report"),
                 },

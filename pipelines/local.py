@@ -66,15 +66,13 @@ class LocalRun:
 
     output: Path = Path("runs")
     params: PipelineParameters = MAKE_RUN
-    """``iterations`` is unrolled into the pipeline (K); an empty ``store_uri`` is
-    ``output/store``."""
+    """The run parameters; an empty ``store_uri`` is ``output/store``."""
     s3_endpoint: str = ""
     """AWS_ENDPOINT_URL_S3 for the steps; empty: the environment's."""
 
     def parameters(self) -> dict[str, object]:
-        """The pipeline's run parameters (all but iterations, which is built in)."""
+        """The pipeline's run parameters."""
         values = dataclasses.asdict(self.params)
-        del values["iterations"]
         values["store_uri"] = self.params.store_uri or str((self.output / "store").resolve())
         return values
 
@@ -122,7 +120,6 @@ def run_local(
     logging.getLogger("kfp").setLevel(logging.WARNING)  # the steps' own output still streams
     before = set(root.iterdir())
     options = PipelineOptions(
-        iterations=run.params.iterations,
         gpu_requests=False,
         s3_endpoint=run.s3_endpoint,
         ray_jobs_url="",  # the run names its own Ray head (ray_address), or none
@@ -186,7 +183,7 @@ def _environment(**values: str) -> Iterator[None]:
 def _collect(run: LocalRun, run_dir: Path, seconds: float, log: Path) -> LocalResult:
     """Find the artifacts of the run in KFP's folder and link the useful ones by name."""
     rollouts = []
-    for metrics in run_dir.glob("*/trees/metrics.json"):
+    for metrics in run_dir.glob("*/iterate*/trees/metrics.json"):  # one loop folder each
         rollouts.append((json.loads(metrics.read_text()), metrics.parent / "trees.parquet"))
     rollouts.sort(key=lambda pair: pair[0]["iteration"])
     if not rollouts:

@@ -50,6 +50,7 @@ class StepLog(io.TextIOBase):
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._updates = 0
         self._progress_shown = False
+        self._reported: set[Path] = set()
 
     def writable(self) -> bool:
         return True
@@ -111,10 +112,20 @@ class StepLog(io.TextIOBase):
         self._task = None
 
     def _task_folder(self, task: str) -> Path | None:
-        """``task``'s folder in this run's KFP folder (the one made after the run began)."""
+        """``task``'s folder in this run's KFP folder (the one made after the run began); a
+        task of the iterations' loop has one per iteration (``for-loop-N-iteration-I/task``):
+        the one not reported yet."""
         runs = [p for p in self.root.iterdir() if p.is_dir() and p not in self._before]
-        folders = [run / task for run in runs if (run / task).is_dir()]
-        return folders[0] if len(folders) == 1 else None
+        folders = [
+            folder
+            for run in runs
+            for folder in (run / task, *run.glob(f"*/{task}"))
+            if folder.is_dir() and folder not in self._reported
+        ]
+        if len(folders) != 1:
+            return None
+        self._reported.add(folders[0])
+        return folders[0]
 
     def _figures(self, task: str, folder: Path) -> tuple[str, str]:
         """(what the step's line shows, the iteration's line after an update or '')."""

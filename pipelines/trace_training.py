@@ -1,7 +1,8 @@
 """The TRACE training pipeline for Kubeflow Pipelines: the DAG, its cluster settings, compiling.
 
-    prep ─► If start == warmstart: warmstart ─► open-session ─► [ iterate-i ] × K
-            Else:                   load      ─►                ─► close-session ─► report
+    prep ─► schedule ─► If start == warmstart: warmstart ─► open-session ─► iterations:
+                        Else:                   load      ─►   [ iterate ] one per iteration,
+                                                               in order ─► close-session ─► report
 
     python -m pipelines.trace_training pipelines/compiled/trace_training.yaml   # compile
     compile_pipeline(Path("x.yaml"), PipelineOptions(iterations=8))              # from code
@@ -10,27 +11,31 @@ The run lives in its **session** on the Ray cluster (``trace_core.train.steps.se
 session starts the trainer actors (they hold the policy, AdamW's state and the reference for
 the whole run) and the engine actors, and evaluates the starting policy; each iteration step
 finds them by name and runs one iteration (rollout → fit ∥ update → weight broadcast →
-checkpoint every ``checkpoint_every`` → evaluation every ``eval_every``), passing on only a
-small state artifact (log, predictor, where the newest checkpoint is); close session stops the
-actors. Without a Ray cluster each step starts Ray in its own process and the state goes
+checkpoint every ``checkpoint_every`` → evaluation every ``eval_every``), and hands on only a
+small state (log, predictor, where the newest checkpoint is, with ``max_staleness`` >= 1 the
+trees grown ahead) through the store (``trace_core.train.steps.handoff``); close session stops
+the actors. Without a Ray cluster each step starts Ray in its own process and the state goes
 through a checkpoint every iteration.
 
-The K iterations are unrolled when the pipeline is built (KFP v2 has no loops that carry
-state), so K is a build option, not a run parameter: the committed YAML has K = 4, and
-``trace-rl run-local`` builds its own. Everything else is a run parameter set in the KFP UI:
-task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N), seed,
-checkpoint_every, ray_address (the Ray head's GCS address HOST:6379 the steps connect to),
-ray_jobs_url (a dashboard http://HEAD:8265 to submit the Ray steps to as Ray jobs instead), the
-rollout engine (engine: torch, hf or vllm; rollout_workers: Ray engine actors; gpus_per_worker:
-the GPUs each asks for), run_name (resume from / register under this name), store_uri,
-settings_json (any other ``TrainConfig`` field, as JSON), mlflow_tracking_uri (an MLflow server
-the run logs its config, figures, report and plots to), the GPU pods' request and placement
-(gpus, accelerator, gpu_node_selector, gpu_node_affinity, gpu_tolerations) and the Secrets
-(s3_secret, ray_auth_secret).
+The iterations are one ``iterate`` task in a ``ParallelFor`` of parallelism 1 over the list
+``schedule`` makes of them, so the number of iterations is a run parameter (``iterations``),
+and so is ``max_staleness``; the DAG is the same size for any number. Each iteration reads the
+state the one before published and publishes its own, whole or not at all; an iteration run
+again after it committed (a retried pod) hands on what it wrote. Every run parameter is set in
+the KFP UI: task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N),
+iterations, max_staleness, seed, checkpoint_every, ray_address (the Ray head's GCS address
+HOST:6379 the steps connect to), ray_jobs_url (a dashboard http://HEAD:8265 to submit the Ray
+steps to as Ray jobs instead), the rollout engine (engine: torch, hf or vllm; rollout_workers:
+Ray engine actors; gpus_per_worker: the GPUs each asks for), run_name (resume from / register
+under this name), store_uri, settings_json (any other ``TrainConfig`` field, as JSON),
+mlflow_tracking_uri (an MLflow server the run logs its config, figures, report and plots to),
+the GPU pods' request and placement (gpus, accelerator, gpu_node_selector, gpu_node_affinity,
+gpu_tolerations) and the Secrets (s3_secret, ray_auth_secret).
 
-Why both branches hold the whole chain: KFP's local runner does not resolve ``dsl.OneOf``, and
-the local run must be this same pipeline; so the warm-start branch and the load branch each
-carry the iterations (the UI shows the one that ran).
+Why both branches hold the session: KFP's local runner resolves ``dsl.OneOf`` only for
+parameters, not for the policy and predictor artifacts, and the local run must be this same
+pipeline; so the warm-start branch and the load branch each open, iterate, close and report
+(the UI shows the one that ran).
 
 Cluster settings:
 - open session and the iterations request ``gpus`` accelerators of type ``accelerator`` and
@@ -43,8 +48,9 @@ Cluster settings:
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
-- caching is off for every step but warmstart (a pure function of its inputs): prep and
-  load read the registry, the session's steps act on actors and write checkpoints.
+- caching is off for every step but warmstart, schedule and report (pure functions of their
+  inputs): prep and load read the registry, the session's steps act on actors and write
+  checkpoints.
 """
 
 import ast
@@ -66,6 +72,7 @@ from components import (
     prep,
     release_session,
     report,
+    schedule,
     warmstart,
 )
 from components.cluster import DEFAULT_S3_ENDPOINT, DEFAULT_STORE_URI
@@ -95,6 +102,8 @@ class StepResources:
 STEP_RESOURCES: Mapping[str, StepResources] = {
     # The run parameters → config and prompts: BFCL's 799 tasks and their ground truth in memory.
     "prep": StepResources("500m", "1Gi", "1", "2Gi"),
+    # The list of the run's iterations, from the config.
+    "schedule": StepResources("100m", "256Mi", "500m", "512Mi"),
     # SFT of the tiny calc policy (0.37 M parameters, ≈ 2.5 min on 2 cores); a base model's warm
     # start (warmstart_init) runs here too: up to SmolLM2-360M in fp32 with AdamW (16 bytes a
     # parameter: 5.8 GB) and activations → 16 Gi. Larger base models warm-start elsewhere.
@@ -116,7 +125,7 @@ class PipelineOptions:
     """What is fixed when the pipeline is built (everything else is a run parameter)."""
 
     iterations: int = 4
-    """K: rollout → fit/update iterations, unrolled into the DAG."""
+    """The run parameter iterations' default: rollout → fit/update iterations per run."""
     ray_jobs_url: str = RAY_JOBS_URL
     """The run parameter ray_jobs_url's default: the Ray head the kfp overlay deploys, so a run
     submitted without it trains on the cluster. Empty: runs start without a Ray cluster (each
@@ -172,7 +181,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
     @dsl.pipeline(
         name=PIPELINE_NAME,
         description=(
-            f"TRACE tree-rollout RL: prep, warm start or load, {opts.iterations} × (rollout → "
+            "TRACE tree-rollout RL: prep, warm start or load, iterations × (rollout → "
             "fit predictor ∥ update policy), evaluate, report."
         ),
     )
@@ -183,6 +192,8 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         strategy: str = "trace",
         budget: int = 128,
         continuations: int = 2,
+        iterations: int = opts.iterations,
+        max_staleness: int = 0,
         seed: int = 0,
         checkpoint_every: int = 5,
         ray_address: str = "",
@@ -251,7 +262,8 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                     strategy=strategy,
                     budget=budget,
                     continuations=continuations,
-                    iterations=opts.iterations,
+                    iterations=iterations,
+                    max_staleness=max_staleness,
                     seed=seed,
                     checkpoint_every=checkpoint_every,
                     ray_address=ray_address,
@@ -270,9 +282,12 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
             config = prepped.outputs["config_json"]
             first = prepped.outputs["start_iteration"]
             prompts = prepped.outputs["prompts"]
+            planned = place(schedule(config_json=config, start_iteration=first), "schedule")
 
-            def iterations(start: PipelineTask) -> None:
-                """The session from ``start``'s policy, K iterations, its close, the report."""
+            def session(start: PipelineTask) -> None:
+                """The session from ``start``'s policy, the iterations one after another (each
+                reads the state the one before published: ``steps.handoff``), its close, the
+                report."""
                 opened = place(
                     open_session(
                         config_json=config,
@@ -285,28 +300,23 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                     "open-session",
                     gpu=True,
                 ).set_caching_options(False)
-                state = opened.outputs["state"]
-                for i in range(1, opts.iterations + 1):
+                with dsl.ParallelFor(planned.output, parallelism=1, name="iterations") as i:
                     step = place(
-                        iterate(
-                            config_json=config,
-                            iteration=i,
-                            start_iteration=first,
-                            prompts=prompts,
-                            state=state,
-                        ),
-                        f"iterate-{i}",
+                        iterate(config_json=config, iteration=i, prompts=prompts),
+                        "iterate",
                         gpu=True,
-                    ).set_caching_options(False)
-                    state = step.outputs["new_state"]
+                    )
+                    step.set_caching_options(False).after(opened)
                 closed = place(
-                    close_session(config_json=config, state=state), "close-session", uses_ray=True
-                ).set_caching_options(False)
+                    close_session(config_json=config, start_iteration=first),
+                    "close-session",
+                    uses_ray=True,
+                )
+                closed.set_caching_options(False).after(step)
                 place(
                     report(
                         config_json=config,
-                        trees=step.outputs["trees"],
-                        state=state,
+                        start_iteration=first,
                         start_eval=opened.outputs["Output"],
                         final_eval=closed.outputs["Output"],
                     ),
@@ -314,10 +324,10 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 )
 
             with dsl.If(prepped.outputs["start"] == "warmstart", name="warmstart"):
-                iterations(place(warmstart(config_json=config), "warmstart"))
+                session(place(warmstart(config_json=config), "warmstart"))
             with dsl.Else(name="load"):
                 loaded = place(load(config_json=config), "load")
-                iterations(loaded.set_caching_options(False))
+                session(loaded.set_caching_options(False))
 
     return trace_training
 

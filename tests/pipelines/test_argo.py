@@ -303,7 +303,9 @@ def test_trace_rl_step_accepts_the_command(name: str) -> None:
         default = {p["name"]: p["value"] for p in template["spec"]["arguments"]["parameters"]}
         raw = _pairs(_parse_step(container["args"])[1]["--param"])
         values = {k: default[k] if "{{" in v else v for k, v in raw.items()}
-        assert parse_parameters(values).config().train.iterations == argo.ArgoOptions().iterations
+        train = parse_parameters(values).config().train
+        assert train.iterations == argo.ArgoOptions().iterations
+        assert train.max_staleness == int(default["max_staleness"])
 
 
 def test_cron_workflow_references_the_template_and_resumes() -> None:
@@ -319,19 +321,165 @@ def test_cron_workflow_references_the_template_and_resumes() -> None:
     assert args["run_name"]  # the same run every time: each workflow resumes its latest
 
 
-def test_parameters_and_iterations_match_the_kfp_pipeline() -> None:
-    """Same names and defaults as the KFP run parameters (the store and the Ray cluster aside:
-    the KFP package defaults to KFP's store and the kfp overlay's head), same K."""
-    from pipelines.client import DEFAULT_PACKAGE, read_package
-    from pipelines.trace_training import PipelineOptions
+def _workflow_template() -> dict[str, Any]:
+    return yaml.safe_load((COMMITTED / "workflowtemplate.yaml").read_text())
 
-    assert argo.ArgoOptions().iterations == PipelineOptions().iterations
+
+def _dag(template: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    """The tasks of the DAG template ``name``, by task name."""
+    (dag,) = [t for t in template["spec"]["templates"] if t["name"] == name]
+    return {task["name"]: task for task in dag["dag"]["tasks"]}
+
+
+def _arguments(task: dict[str, Any]) -> dict[str, str]:
+    return {p["name"]: p["value"] for p in task["arguments"]["parameters"]}
+
+
+def test_every_run_parameter_is_a_workflow_parameter_and_reaches_prep() -> None:
+    """Same names, order and defaults as ``PipelineParameters`` (store_uri's aside: no KFP
+    store), iterations and max_staleness included; prep gets every one as ``--param``."""
+    import dataclasses
+
+    from trace_core.train.contract import PipelineParameters
+
+    fields = {f.name: str(f.default) for f in dataclasses.fields(PipelineParameters)}
+    template = _workflow_template()
+    declared = {p["name"]: p["value"] for p in template["spec"]["arguments"]["parameters"]}
+    assert list(declared) == list(fields) == list(argo.PARAMETERS)
+    assert {"iterations", "max_staleness"} <= set(declared)
+    assert {n: v for n, v in declared.items() if v != fields[n]} == {
+        "store_uri": "s3://trace-rl/runs"
+    }
+    assert declared["iterations"] == str(argo.ArgoOptions().iterations) == fields["iterations"]
+    prep = dict(_template_containers())["prep"]
+    raw = _pairs(_parse_step(prep["args"])[1]["--param"])
+    assert raw == {n: f"{{{{workflow.parameters.{n}}}}}" for n in fields}
+
+
+def test_generating_with_other_iterations_only_changes_the_default() -> None:
+    built = argo.build_template(argo.ArgoOptions(iterations=7)).to_dict()
+    declared = {p["name"]: p["value"] for p in built["spec"]["arguments"]["parameters"]}
+    assert declared["iterations"] == "7"
+    with pytest.raises(ValueError, match="iterations"):
+        argo.ArgoOptions(iterations=0)
+
+
+def test_the_iterations_are_one_task_looped_one_at_a_time() -> None:
+    """No unrolled iterate-i: the DAG ``train`` runs the template ``iterations`` once; in it,
+    one task ``iterate`` with ``withSequence`` over the run's iteration numbers, ``parallelism:
+    1`` (Argo starts the expanded children in order, one when the one before has ended) and
+    ``failFast`` (none after one failed)."""
+    template = _workflow_template()
+    train = _dag(template, "train")
+    assert not any(re.fullmatch(r"iterate-\d+", name) for name in train)
+    assert [n for n, t in train.items() if t["template"] in ("iterate", "iterations")] == [
+        "iterations"
+    ]
+    loop = train["iterations"]
+    assert loop["template"] == "iterations" and loop["depends"] == "open-session"
+    assert _arguments(loop)["count"] == "{{workflow.parameters.iterations}}"
+    assert train["close-session"]["depends"] == "iterations"
+    assert train["report"]["depends"] == "close-session"
+
+    (spec,) = [t for t in template["spec"]["templates"] if t["name"] == "iterations"]
+    assert spec["parallelism"] == 1
+    assert spec["failFast"] is True
+    (task,) = spec["dag"]["tasks"]
+    assert task["name"] == "iterate" and task["template"] == "iterate"
+    assert "depends" not in task and "when" not in task
+    sequence = task["withSequence"]
+    assert set(sequence) == {"start", "count"}  # not ``end``: a descending range never runs
+    assert sequence["count"] == "{{inputs.parameters.count}}"
+    assert sequence["start"] == "{{inputs.parameters.first}}"
+    assert {p["name"] for p in spec["inputs"]["parameters"]} == {"config", "first", "count"}
+    uses = [
+        (dag["name"], t["name"])
+        for dag in template["spec"]["templates"]
+        if "dag" in dag
+        for t in dag["dag"]["tasks"]
+        if t["template"] == "iterate"
+    ]
+    assert uses == [("iterations", "iterate")]
+
+
+def _resolve(text: str, env: dict[str, str]) -> str:
+    """Argo's substitution, for the tags this template uses: ``{{name}}`` and ``{{=expr}}``
+    with ``asInt`` and integer arithmetic on the variables in ``env``."""
+
+    def expression(match: re.Match[str]) -> str:
+        names = re.sub(
+            r"[A-Za-z_][\w.-]*",
+            lambda name: repr(env[name[0]]) if name[0] in env else name[0],
+            match[1],
+        )
+        assert set(re.findall(r"[A-Za-z_]\w*", names)) <= {"asInt"}, names  # all resolved
+        return str(eval(names, {"__builtins__": {}}, {"asInt": int}))
+
+    text = re.sub(r"\{\{=(.*?)\}\}", expression, text)
+    return re.sub(r"\{\{([^=][^}]*)\}\}", lambda name: env[name[1].strip()], text)
+
+
+@pytest.mark.parametrize(("start", "iterations"), [(0, 4), (0, 1), (7, 3)])
+def test_each_iteration_reads_the_state_the_one_before_wrote(start: int, iterations: int) -> None:
+    """Resolved as Argo would for a run resuming after iteration ``start``: open-session writes
+    state-S; the loop's children run S+1..S+K in order, child N reading state-(N-1) and
+    writing state-N and iter-N/trees; close-session and report read the last one's."""
+    template = _workflow_template()
+    train = _dag(template, "train")
+    staging = "s3://b/runs/staging/wf"
+    env = {
+        "workflow.parameters.store_uri": "s3://b/runs",
+        "workflow.name": "wf",
+        "workflow.parameters.iterations": str(iterations),
+        "tasks.prep.outputs.parameters.start_iteration": str(start),
+        "tasks.prep.outputs.parameters.config": "{}",
+    }
+
+    def arguments(task: dict[str, Any], scope: dict[str, str]) -> dict[str, str]:
+        return {k: _resolve(v, scope) for k, v in _arguments(task).items()}
+
+    opened = arguments(train["open-session"], env)
+    assert (opened["iteration"], opened["state"]) == (str(start), f"{staging}/state-{start}")
+
+    inputs = arguments(train["iterations"], env)
+    scope = env | {f"inputs.parameters.{k}": v for k, v in inputs.items()}
+    (task,) = _dag(template, "iterations").values()
+    first = int(_resolve(task["withSequence"]["start"], scope))
+    count = int(_resolve(task["withSequence"]["count"], scope))
+    assert (first, count) == (start + 1, iterations)
+    state = opened["state"]
+    for item in range(first, first + count):  # the order parallelism 1 runs them in
+        child = arguments(task, scope | {"item": str(item)})
+        assert child["iteration"] == str(item)
+        assert child["state"] == state  # the one before's
+        assert child["new_state"] == f"{staging}/state-{item}"
+        assert child["trees"] == f"{staging}/iter-{item}/trees"
+        state, trees = child["new_state"], child["trees"]
+
+    last = start + iterations
+    assert state == f"{staging}/state-{last}"
+    closed = arguments(train["close-session"], env)
+    assert closed["state"] == state
+    report = arguments(train["report"], env)
+    assert (report["state"], report["trees"]) == (state, trees)
+    assert report["start_eval"] == opened["state"]
+    assert report["final_eval"] == closed["result"]
+
+
+def test_parameters_match_the_kfp_pipeline() -> None:
+    """The KFP package's run parameters that the workflow has too take the same defaults (the
+    store and the Ray cluster aside: the KFP package defaults to KFP's store and the kfp
+    overlay's head)."""
+    from pipelines.client import DEFAULT_PACKAGE, read_package
+
     kfp = read_package(DEFAULT_PACKAGE).parameters
-    for name, value in argo.PARAMETERS.items():
-        assert name in kfp, name
+    shared = [name for name in argo.PARAMETERS if name in kfp]
+    assert {"task", "budget", "seed", "run_name", "settings_json"} <= set(shared)
+    for name in shared:
         default = kfp[name].default
         if name in ("store_uri", "ray_jobs_url"):  # KFP's: its store, the kfp overlay's head
             continue
+        value = argo.PARAMETERS[name]
         if isinstance(default, float):  # KFP writes every number as a float: 128.0
             assert float(value) == default, name
         else:

@@ -397,17 +397,21 @@ def test_cli_schedules_the_committed_pipeline(
         DEFAULT_PACKAGE.read_bytes()
     )
     schedule = ["schedule", "--run-name", "nightly", "--cron", "0 0 3 * * *"]
-    code, out = _cli(
-        *schedule, "--param", "store_uri=s3://mlpipeline/trace", "--param", "iterations=2"
-    )
-    assert code == 2  # K is a build option of this pipeline, not a run parameter
-    assert "error: --param iterations: the pipeline has no such parameter" in out
-    code, out = _cli(*schedule, "--param", "store_uri=s3://mlpipeline/trace")
+    code, out = _cli(*schedule, "--param", "store_uri=s3://mlpipeline/trace", "--param", "k=2")
+    assert code == 2
+    assert "error: --param k: the pipeline has no such parameter" in out
+    params = ("store_uri=s3://mlpipeline/trace", "iterations=20", "max_staleness=1")
+    code, out = _cli(*schedule, *(part for p in params for part in ("--param", p)))
     assert code == 0, out
     body = kfp_api.last("POST", f"{API}/recurringruns").body
     assert body is not None
     assert body["runtime_config"] == {
-        "parameters": {"run_name": "nightly", "store_uri": "s3://mlpipeline/trace"}
+        "parameters": {
+            "run_name": "nightly",
+            "store_uri": "s3://mlpipeline/trace",
+            "iterations": 20,
+            "max_staleness": 1,
+        }
     }
 
 

@@ -68,10 +68,10 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
     tasks = _tasks(spec)
     images = read_images()
     iterations = [t for name, t in tasks.items() if name.startswith("iterate")]
-    assert len(iterations) == 2 * PipelineOptions().iterations  # K in each start branch
+    assert len(iterations) == 2  # one loop in each start branch
     for name, task in tasks.items():
         kind = name.rstrip("-0123456789")
-        if kind.startswith("condition"):
+        if kind.startswith(("condition", "for-loop")):
             continue
         container = executors[task["componentRef"]["name"].replace("comp-", "exec-", 1)][
             "container"
@@ -84,14 +84,14 @@ def test_gpu_caching_and_images(docs: list[dict]) -> None:
         for key in ("CpuRequest", "CpuLimit", "MemoryRequest", "MemoryLimit"):
             assert sizes[f"resource{key}"], (name, key)
         cached = task.get("cachingOptions", {}).get("enableCache", False)
-        if kind not in ("warmstart", "report"):  # the registry, the actors: not pure functions
+        if kind not in ("warmstart", "schedule", "report"):  # registry, actors: not pure
             assert not cached, f"{name} must not be cached"
         assert "pip install" not in " ".join(container["command"]), name  # image has it all
 
 
 def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
-    """If/Else on prep's start: warmstart in one branch, load in the other, each
-    holding the K iterations."""
+    """If/Else on prep's start: warmstart in one branch, load in the other, each holding the
+    session: open, the iterations' loop, close, report."""
     spec = docs[0]
     (branches,) = [n for n in spec["components"] if n.startswith("comp-condition-branches")]
     conditions = {
@@ -103,8 +103,38 @@ def test_warm_start_sits_under_a_condition(docs: list[dict]) -> None:
     for component, first in ((warm, "warmstart"), (load, "load")):
         (name,) = component
         tasks = spec["components"][name]["dag"]["tasks"]
-        assert first in tasks and sum(t.startswith("iterate") for t in tasks) == 4
+        assert first in tasks and sum(t.startswith("for-loop") for t in tasks) == 1
     assert not any(t.startswith(("warmstart", "iterate")) for t in spec["root"]["dag"]["tasks"])
+
+
+def test_the_iterations_are_a_loop_one_at_a_time_over_the_run_parameter(
+    docs: list[dict],
+) -> None:
+    """``iterations`` is a run parameter: schedule lists the run's iterations, and one
+    ``iterate`` runs per item, one after another (parallelism 1), after open-session and
+    before close-session, whatever the count: the DAG's size does not grow with it."""
+    spec = docs[0]
+    assert spec["root"]["inputDefinitions"]["parameters"]["iterations"]["defaultValue"] == (
+        PipelineOptions().iterations
+    )
+    assert "max_staleness" in spec["root"]["inputDefinitions"]["parameters"]
+    tasks = _tasks(spec)
+    assert tasks["schedule"]["inputs"]["parameters"]["config_json"]
+    loops = {name: task for name, task in tasks.items() if name.startswith("for-loop")}
+    assert len(loops) == 2
+    for name, loop in loops.items():
+        assert loop["iteratorPolicy"] == {"parallelismLimit": 1}
+        assert loop["parameterIterator"]["items"] == {
+            "inputParameter": "pipelinechannel--schedule-Output"
+        }
+        assert loop["dependentTasks"][0].startswith("open-session")
+        (inner,) = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"].values()
+        assert inner["componentRef"]["name"].startswith("comp-iterate")
+        item = inner["inputs"]["parameters"]["iteration"]["componentInputParameter"]
+        assert item == loop["parameterIterator"]["itemInput"]
+        closes = [t for t in tasks.values() if name in t.get("dependentTasks", [])]
+        assert [t["taskInfo"]["name"] for t in closes] == ["close-session"]
+    assert len(tasks) == 17  # below the root, for any number of iterations
 
 
 @pytest.mark.parametrize("component", components.__all__)
@@ -122,9 +152,9 @@ def test_components_are_thin(component: str) -> None:
 
 
 def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path) -> None:
-    """`trace-rl pipeline compile --iterations 2 --s3-endpoint ...`: K = 2 iterations in each
-    start branch, and every step's AWS_ENDPOINT_URL_S3 is the endpoint given. The command's
-    defaults are the committed package's."""
+    """`trace-rl pipeline compile --iterations 2 --s3-endpoint ...`: the run parameter
+    iterations defaults to 2, and every step's AWS_ENDPOINT_URL_S3 is the endpoint given. The
+    command's defaults are the committed package's."""
     from typer.testing import CliRunner
 
     from trace_core.cli import app
@@ -136,8 +166,7 @@ def test_compile_command_takes_the_iterations_and_the_s3_endpoint(tmp_path: Path
     done = CliRunner().invoke(app, [*args, "--s3-endpoint", endpoint])
     assert done.exit_code == 0, done.output
     spec = next(yaml.safe_load_all(out.read_text()))
-    iterations = [name for name in _tasks(spec) if name.startswith("iterate")]
-    assert len(iterations) == 2 * 2
+    assert spec["root"]["inputDefinitions"]["parameters"]["iterations"]["defaultValue"] == 2
     for executor in spec["deploymentSpec"]["executors"].values():
         env = {e["name"]: e["value"] for e in executor["container"].get("env", [])}
         assert env["AWS_ENDPOINT_URL_S3"] == endpoint

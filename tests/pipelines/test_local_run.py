@@ -32,6 +32,7 @@ from trace_core.store.schema import read_trees
 from trace_core.train.contract import PipelineConfig, PipelineParameters
 from trace_core.train.loop import train
 from trace_core.train.record import read_log
+from trace_core.train.steps.handoff import fetch, state_uri
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,8 +58,9 @@ def test_pipeline_runs_through_kfp_local(
     s3_env: dict[str, str],
     installed_image: Callable[[str], ImageVenv],
 ) -> None:
-    """Three iterations with a checkpoint every two, the registry on the test S3: the run's own
-    Ray head holds its trainer and engine actors from open session to close session. The steps
+    """Three iterations with a checkpoint every two, the registry on the test S3, the trees of
+    the next iteration growing while the trainers update (max_staleness 1): the run's own Ray
+    head holds its trainer and engine actors from open session to close session. The steps
     and the Ray head run on the CPU image's package."""
     image = installed_image("trace")
     workdir = tmp_path / "workdir"  # the steps' (the image's WORKDIR): not the checkout
@@ -66,9 +68,14 @@ def test_pipeline_runs_through_kfp_local(
     settings = json.dumps(TINY)
     store = "s3://trace/local-run"
     params = PipelineParameters(
-        iterations=3, budget=8, run_name="ci", settings_json=settings, checkpoint_every=2,
+        iterations=3,
+        max_staleness=1,
+        budget=8,
+        run_name="ci",
+        settings_json=settings,
+        checkpoint_every=2,
         store_uri=store,
-    )  # fmt: skip
+    )
     run = LocalRun(output=tmp_path, params=params)
     terminal = io.StringIO()
     with image.runs_steps(workdir):
@@ -78,9 +85,11 @@ def test_pipeline_runs_through_kfp_local(
     shown = terminal.getvalue().splitlines()
     steps = [line.split()[1] for line in shown if line.split()[2:4][-1:] == ["s"]]
     # The exit handler's release runs last, however the run ended; this one held nothing more.
-    assert steps[:2] == ["prep", "warmstart"] and steps[-2:] == ["report", "release-session"]
-    cycle = ["iterate", "iterate-2", "iterate-3"]
-    expected = ["prep", "warmstart", "open-session", *cycle, "close-session", "report"]
+    assert steps[:3] == ["prep", "schedule", "warmstart"]
+    assert steps[-2:] == ["report", "release-session"]
+    cycle = ["iterate"] * 3  # one task, run once per iteration: a loop over the run parameter
+    expected = ["prep", "schedule", "warmstart", "open-session", *cycle, "close-session"]
+    expected.append("report")
     expected.append("release-session")
     assert sorted(steps) == sorted(expected), shown
     assert [line.split()[:2] for line in shown if " iteration " in f" {line}"] == [
@@ -103,10 +112,10 @@ def test_pipeline_runs_through_kfp_local(
         assert {t.info.run_id for t in trees} == {"ci"}
         assert sum(t.units for t in trees) == 8 * (1 + 2 / 2)
     moved, saved = {}, {}
-    for name in sorted(t for t in tasks if t.startswith("iterate")):
-        logged = metrics_of(result.run_dir / name)
+    for folder in result.run_dir.glob("for-loop-*-iteration-*/iterate"):
+        logged = metrics_of(folder)
         for key in ("prompt_effective_ratio", "anchor_effective_ratio", "mixed_groups", "tokens"):
-            assert key in logged, (name, key)
+            assert key in logged, (folder, key)
         assert logged["units"] == 16.0
         moved[int(logged["iteration"])] = logged["s3_bytes"]
         saved[int(logged["iteration"])] = logged["checkpoint_bytes"]
@@ -123,10 +132,18 @@ def test_pipeline_runs_through_kfp_local(
     # The pipeline's log is the one `trace-rl train` writes for the same config and seed: the
     # iterations ran through the same function (``train.phases``), on the run's actors.
     body = json.loads((result.run_dir / "prep" / "executor_output.json").read_text())
-    config = PipelineConfig.from_json(body["parameterValues"]["config_json"]).train
+    pipeline_config = PipelineConfig.from_json(body["parameterValues"]["config_json"])
+    config = pipeline_config.train
     loop = train(replace(config, output=tmp_path / "loop" / "ci", ray_address=None))
-    log = read_log(result.run_dir / "iterate-3" / "new_state")
+    # The state after the last iteration, as the steps handed it on through the store.
+    log = read_log(fetch(state_uri(pipeline_config, 3), tmp_path / "state-3"))
     parity.same_run_but_arrival_order(log, loop)
+    # max_staleness 1: iterations 1 and 2 updated on trees of the start's weights, 3 on
+    # iteration 1's; the trees say which version grew them.
+    assert [r.staleness for r in log] == [0, 0, 1, 1]
+    versions = [{t.info.policy_version for t in read_trees(path)} for path in result.trees]
+    assert versions == [{0}, {0}, {1}]
+    assert (tmp_path / "state-3" / "ahead" / "0004" / "trees.parquet").is_file()  # grown ahead
     # The logged metrics are the step's report; pass@1 is greedy on 8 tasks: a count out of 8.
     assert final["accuracy_pass1"] == result.final_eval["pass1"]["all"]  # type: ignore[index]
     assert final["accuracy_mean_at_1"] == result.final_eval["mean_k"]["all"]  # type: ignore[index]

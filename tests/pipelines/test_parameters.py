@@ -16,8 +16,6 @@ from trace_core.cli import app
 from trace_core.train.contract import PipelineParameters, parse_parameters
 
 FIELDS = {f.name: f for f in dataclasses.fields(PipelineParameters)}
-BUILT_IN = {"iterations"}
-"""Parameters the KFP pipeline and the Argo workflow unroll when they are built."""
 CLUSTER_ONLY = {
     "gpu_node_selector",
     "gpu_node_affinity",
@@ -38,11 +36,11 @@ def kind(name: str) -> type:
 
 def test_the_kfp_pipeline_signature_is_the_run_parameters() -> None:
     inputs = build_pipeline().component_spec.inputs
-    assert set(inputs) - CLUSTER_ONLY == set(FIELDS) - BUILT_IN
+    assert set(inputs) - CLUSTER_ONLY == set(FIELDS)
     # The compiled package defaults to the kfp overlay's Ray cluster and KFP's store.
     built = PipelineOptions()
     cluster = {"ray_jobs_url": built.ray_jobs_url, "store_uri": built.store_uri}
-    for name in set(FIELDS) - BUILT_IN:
+    for name in set(FIELDS):
         spec = inputs[name]
         assert spec.default == cluster.get(name, FIELDS[name].default), name
         assert spec.type == KFP_TYPES[kind(name)], name
@@ -55,7 +53,7 @@ def test_prep_takes_every_run_parameter_in_order() -> None:
 
 
 def test_argo_parameters_are_the_run_parameters() -> None:
-    assert list(argo.PARAMETERS) == [n for n in FIELDS if n not in BUILT_IN]
+    assert list(argo.PARAMETERS) == list(FIELDS)
     defaults = {n: str(f.default) for n, f in FIELDS.items()}
     # Without KFP there is no artifact store: the one difference is the store's default.
     assert {n: v for n, v in argo.PARAMETERS.items() if v != defaults[n]} == {
@@ -64,7 +62,7 @@ def test_argo_parameters_are_the_run_parameters() -> None:
 
 
 def test_local_run_and_its_flags_are_the_run_parameters() -> None:
-    assert set(LocalRun().parameters()) == set(FIELDS) - BUILT_IN
+    assert set(LocalRun().parameters()) == set(FIELDS)
     command = get_command(app).commands["run-local"]  # type: ignore[attr-defined]
     flags = {p.name for p in command.params}
     assert set(FIELDS) <= flags and flags - set(FIELDS) == {"output", "s3_endpoint"}

@@ -148,17 +148,10 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
             predictor=imported(root / "predictor", Model).output,
             optimizer=imported(root / "optimizer", Artifact).output,
         )
-        state = opened.outputs["state"]
-        for i in (1, 2):
-            step = iterate(
-                config_json=config_json,
-                iteration=i,
-                start_iteration=0,
-                prompts=prompts,
-                state=state,
-            )
-            state = step.outputs["new_state"]
-        close_session(config_json=config_json, state=state)
+        step = opened
+        for i in (1, 2):  # each reads the state the one before published in the store
+            step = iterate(config_json=config_json, iteration=i, prompts=prompts).after(step)
+        close_session(config_json=config_json, start_iteration=0).after(step)
 
     local.init(
         runner=local.SubprocessRunner(use_venv=False),

@@ -236,11 +236,8 @@ def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
             predictor=imported("predictor", Model).output,
             optimizer=imported("optimizer", Artifact).output,
         )
-        step = iterate(
-            config_json=config_json, iteration=1, start_iteration=0, prompts=prompts,
-            state=opened.outputs["state"],
-        )  # fmt: skip
-        close_session(config_json=config_json, state=step.outputs["new_state"])
+        step = iterate(config_json=config_json, iteration=1, prompts=prompts).after(opened)
+        close_session(config_json=config_json, start_iteration=0).after(step)
 
     local.init(
         runner=local.SubprocessRunner(use_venv=False),

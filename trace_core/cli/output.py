@@ -42,8 +42,9 @@ EXPECTED_ELSEWHERE = frozenset(
         "pyarrow.lib.ArrowException",  # any Arrow failure reading a Parquet file
         "minio.error.MinioException",  # an S3 reply the store did not translate
         "huggingface_hub.errors.HFValidationError",  # a path HF took for a repo id
-        "trace_core.rollout.ray_pool.EngineStartError",  # engines that did not start: the cause
+        "trace_core.rollout.engine_start.EngineStartError",  # engines that did not start: the cause
         "trace_core.train.weights.TrainersLostError",  # the checkpoint a rerun resumes from
+        "trace_core.train.weights.EnginesLostError",  # the checkpoint a rerun resumes from
     }
 )
 """Library errors that are the input's fault, named so that the CLI imports none of them."""

@@ -110,7 +110,7 @@ def pipeline_compile(
     ] = None,
     iterations: Annotated[
         int,
-        typer.Option(help="K, the rollout → fit/update iterations unrolled into the DAG.", min=1),
+        typer.Option(help="The run parameter iterations' default.", min=1),
     ] = 4,
     s3_endpoint: Annotated[
         str,
@@ -309,7 +309,7 @@ def pipeline_argo(
         Path | None, typer.Option(help="Folder to write; default: manifests/argo/.")
     ] = None,
     iterations: Annotated[
-        int, typer.Option(help="K, the iterations unrolled into the workflow.", min=1)
+        int, typer.Option(help="The workflow parameter iterations' default.", min=1)
     ] = 4,
     gpus: Annotated[
         int,

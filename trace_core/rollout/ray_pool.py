@@ -42,7 +42,8 @@ good (restarts spent) or unreachable, the pool resubmits that sub-batch, same pr
 seed, to the least-loaded surviving worker. Every sub-batch is answered exactly once: a
 result is taken per sub-batch, never per attempt. A sub-batch is a pure function of its
 inputs given the seed, up to float rounding between cached and recomputed KV, so a rerun
-samples what the first attempt would have.
+samples what the first attempt would have. The wait for a restarted actor before a weight
+sync (``worker_pids``) is bounded by ``ready_timeout_s``, past which one line names it.
 
 **In-process Ray.** Without an address and without an existing connection, the pool starts
 Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS`` or
@@ -64,19 +65,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
+from trace_core.rollout.engine_start import EngineStartError, start_failure
 from trace_core.rollout.placement import in_group, tensor_parallel_group
 from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
@@ -103,6 +104,7 @@ UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",
     "ray.exceptions.ActorDiedError",
     "ray.exceptions.RayActorError",
+    "ray.exceptions.GetTimeoutError",
     "ray.util.placement_group.PlacementGroup",
     "ray.util.placement_group.remove_placement_group(placement_group, /)",
     "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
@@ -202,6 +204,8 @@ class RayEnginePool:
             raise ValueError(f"driver must be one of {', '.join(DRIVERS)}; got {driver!r}")
         self.driver: Driver = driver
         self.checkpoint = str(checkpoint)
+        self.ready_timeout_s = ready_timeout_s
+        """Also how long a worker restarted after a fault may take to answer (``worker_pids``)."""
         self.slack = slack
         self.name, self.kept = name, bool(name) and keep_alive_s > 0
         self._serving = serving
@@ -319,8 +323,20 @@ class RayEnginePool:
         return len(self._live)
 
     def worker_pids(self) -> list[int]:
-        """The process id of every live worker, in worker order."""
-        return [int(p) for p in ray.get([self._actors[w].pid.remote() for w in self._live])]
+        """The process id of every live worker, in worker order; a worker Ray is restarting
+        after a fault (it waits for free CPUs/GPUs) has ``ready_timeout_s`` to answer."""
+        refs = [self._actors[w].pid.remote() for w in self._live]
+        try:
+            return [int(p) for p in ray.get(refs, timeout=self.ready_timeout_s)]
+        except GetTimeoutError:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [w for w, ref in zip(self._live, refs, strict=True) if ref not in done]
+            raise EngineStartError(
+                f"engine workers {late} did not answer within {self.ready_timeout_s:g} s "
+                "(ready_timeout_s) for their process ids: restarted after a fault, they wait for "
+                "free CPUs/GPUs on the cluster; raise ready_timeout_s, or give the cluster room "
+                "for the engines"
+            ) from None
 
     def kill_worker_process(self, worker: int, sig: int) -> int:
         """Send ``sig`` to worker ``worker``'s process (fault injection); returns its pid."""
@@ -569,32 +585,3 @@ def _kept_actor(name: str) -> ray.actor.ActorHandle | None:
         return ray.get_actor(name, namespace=KEPT_NAMESPACE)
     except ValueError:
         return None
-
-
-class EngineStartError(RuntimeError):
-    """Engine actors that did not start: one line naming the cause and the setting to change
-    (the CLI prints it as its error; ``--debug`` shows the traceback)."""
-
-
-HINTS = (
-    (
-        ("memory", "kv cache", "out of memory", "oom"),
-        "lower kv_cache_gib (--kv-cache-gib) or memory_fraction (--memory-fraction)",
-    ),
-    (("no such file", "checkpoint", "config.json"), "check the policy checkpoint's path"),
-    (("cuda", "nvidia", "no gpu"), "check gpus_per_worker and the nodes' GPUs"),
-)
-"""What to change, by words of the worker's error."""
-
-
-def start_failure(worker: int, err: BaseException) -> str:
-    """``err`` (an actor that died in its constructor, whose text holds the whole remote
-    traceback) as one line: the worker, the last exception's line, and the setting to change."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
-    cause = (raised or lines or [type(err).__name__])[-1]
-    hint = next(
-        (h for words, h in HINTS if any(w in cause.lower() for w in words)),
-        "rerun with --debug for the worker's traceback",
-    )
-    return f"engine worker {worker} did not start: {cause}; {hint}"

@@ -75,3 +75,15 @@ def stored_ahead(
         trees = read_trees(path)
         found[j] = RolloutResult(trees, measure(trees), seconds=0.0)
     return found
+
+
+def held_ahead(folder: Path) -> dict[int, RolloutResult]:
+    """The trees grown ahead that a folder keeps (a run's, or a pipeline state's
+    ``ahead/NNNN``), by iteration."""
+    found: dict[int, RolloutResult] = {}
+    for path in sorted((folder / AHEAD).glob(f"*/{TREES}")):
+        if not path.parent.name.isdigit():
+            continue  # a staging folder of a write that did not finish
+        trees = read_trees(path)
+        found[int(path.parent.name)] = RolloutResult(trees, measure(trees), seconds=0.0)
+    return found

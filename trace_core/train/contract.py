@@ -257,7 +257,11 @@ class PipelineParameters:
     continuations: int = 2
     """N: continuations per root."""
     iterations: int = 4
-    """K: training iterations (unrolled when the pipeline is built)."""
+    """K: training iterations of this run (after the one it resumes from)."""
+    max_staleness: int = 0
+    """k: how many policy versions older than the ones it updates an iteration's trees may
+    be. 0: rollout, then update (synchronous); >= 1: the trees ahead grow on the engines while
+    the trainers update (``train.phases``)."""
     seed: int = 0
     """Seed of pools, plans, sampling and updates."""
     checkpoint_every: int = 5
@@ -293,7 +297,7 @@ class PipelineParameters:
             raise ValueError("settings_json must be a JSON object of TrainConfig fields")
         own = {
             "task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed",
-            "checkpoint_every",
+            "checkpoint_every", "max_staleness",
         }  # fmt: skip
         clash = sorted(own & set(settings))
         if clash:
@@ -334,6 +338,7 @@ class PipelineParameters:
                 "budget": self.budget,
                 "continuations": self.continuations,
                 "iterations": self.iterations,
+                "max_staleness": self.max_staleness,
                 "seed": self.seed,
                 "checkpoint_every": self.checkpoint_every,
                 "ray_address": self.ray_address or None,

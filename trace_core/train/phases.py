@@ -25,6 +25,13 @@ grow first, so the update never changes weights a rollout is reading.
     outcome = run_iteration(run, 3, persist)   # persist: where the trees (and checkpoint) go
     say(iteration_line(run.config, outcome))
 
+Faults. A trainer actor that dies, before the update or during it (or the sync after it), is
+rebuilt from the newest checkpoint when nothing was trained since, and the update is done again
+on the same trees (``Weights.recover``); else the run stops with one line naming the checkpoint
+a rerun resumes from. An engine actor Ray restarted during a rollout has lost the synced weights
+it served: the engines load them from their checkpoint and the trees grow again (the same
+trees), or, where no checkpoint holds them, the run stops with one line (``EnginesLostError``).
+
 ``persist(i, trees, metrics, save)`` stores the iteration's trees and metrics, and, on a
 checkpoint iteration, calls ``save(folder)`` to write the checkpoint into the folder it is to
 be found in (``Run.checkpoint_at(i)``). The fit runs beside the update when the update runs on
@@ -34,6 +41,7 @@ trainer actors (it then costs no wall time); in this process they take turns.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +66,7 @@ from trace_core.train.config import TrainConfig
 from trace_core.train.draws import IterationDraws, draw_iteration
 from trace_core.train.evaluate import ALL, EvalReport
 from trace_core.train.record import IterationRecord
-from trace_core.train.weights import Weights
+from trace_core.train.weights import EnginesLostError, Weights
 
 Save = Callable[[str | Path], None]
 Persist = Callable[[int, Sequence[RolloutTree], BatchMetrics, Save | None], None]
@@ -148,7 +156,11 @@ def run_iteration(
     trees, metrics = run.ahead[i].trees, run.ahead[i].metrics
     # A lost trainer group comes back from the newest checkpoint, if nothing was trained since.
     folder = run.checkpoint_at(run.checkpointed) if run.checkpointed != run.started else None
-    weights.recover(run.checkpointed, folder, run.checkpointed == i - 1, say)
+
+    def recover() -> bool:
+        return weights.recover(run.checkpointed, folder, run.checkpointed == i - 1, say)
+
+    recover()
 
     def timed_update() -> tuple[UpdateStats, float]:
         start = time.perf_counter()
@@ -171,20 +183,33 @@ def run_iteration(
         if run.keep_ahead is not None:
             run.keep_ahead(i + k, run.ahead[i + k].trees)
 
+    def timed_sync() -> tuple[str | None, float]:
+        """New weights into the engines by broadcast (None: they load files only)."""
+        start = time.perf_counter()
+        label = weights.sync(session, f"{SYNCED}{run.run_id}:{i}")
+        return label, time.perf_counter() - start
+
     if weights.trainers is not None:  # on the trainer actors, while this process goes on
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(timed_update)
             alongside()
-            stats, seconds["update"] = pending.result()
+            try:
+                stats, seconds["update"] = pending.result()
+                label, synced = timed_sync()
+            except Exception:
+                # A trainer actor died in the update or the sync: the update again, on
+                # trainers rebuilt from the newest checkpoint (or one line, if it is older).
+                if not recover():
+                    raise
+                stats, seconds["update"] = timed_update()
+                label, synced = timed_sync()
     else:  # in this process: first what reads the weights before this update
         alongside()
         stats, seconds["update"] = timed_update()
-    # New weights into the engines by broadcast, unless they load files only.
-    start = time.perf_counter()
-    label = weights.sync(session, f"{SYNCED}{run.run_id}:{i}")
+        label, synced = timed_sync()
     if label:
         run.serving_now = label
-        seconds["sync"] = time.perf_counter() - start
+        seconds["sync"] = synced
     checkpoint = i % config.checkpoint_every == 0 or i == config.iterations or not label
     checkpoint = checkpoint or run.always_checkpoint
     start = time.perf_counter()
@@ -232,21 +257,51 @@ def _draws(run: Run, i: int) -> IterationDraws:
 
 def _grow(run: Run, j: int, seconds: dict[str, float], say: Callable[[str], None]) -> RolloutResult:
     """Iteration ``j``'s trees on the weights the engines serve now; a prompt whose env
-    failed is said, and counted (``dropped_prompts``), and the iteration goes on without it."""
-    result = iteration.roll_out(
-        run.serving_now,
-        run.train_tasks,
-        run.suite,
-        run.predictor,
-        run.config,
-        j,
-        _draws(run, j),
-        run_id=run.run_id,
-        model=run.model,
-        tokenizer=run.tokenizer,
-        session=run.session,
-        policy_version=run.serving_version,
-    )
+    failed is said, and counted (``dropped_prompts``), and the iteration goes on without it.
+    An engine actor restarted since the last sync holds other weights than those: the engines
+    load them from their checkpoint and the trees grow again (the same trees: every request
+    has its seed), said; where no checkpoint holds them, the run stops with one line."""
+
+    def roll_out() -> RolloutResult:
+        return iteration.roll_out(
+            run.serving_now,
+            run.train_tasks,
+            run.suite,
+            run.predictor,
+            run.config,
+            j,
+            _draws(run, j),
+            run_id=run.run_id,
+            model=run.model,
+            tokenizer=run.tokenizer,
+            session=run.session,
+            policy_version=run.serving_version,
+        )
+
+    try:
+        result = roll_out()
+    except Exception as err:
+        worker = sys.modules.get("trace_core.rollout.ray_worker")  # loaded with engine actors
+        if worker is None or not isinstance(err, worker.StaleWeightsError):
+            raise
+        served, newest = run.serving_version, run.checkpointed
+        if not served or newest != served:
+            where = f"iteration {newest}'s checkpoint" if newest else "its start"
+            raise EnginesLostError(
+                f"an engine actor was restarted during the rollout of iteration {j} and lost "
+                f"the weights of iteration {served}, which no checkpoint holds; run the same "
+                f"command again: it resumes from {where}"
+            ) from None
+        # The folder it was written to; the one this run started from is the weights' start.
+        started = served == run.started
+        run.serving_now = (
+            str(run.weights.start.policy) if started else f"{run.checkpoint_at(served)}/policy"
+        )
+        say(
+            f"iteration {j}: an engine actor was restarted during its rollout: the engines load "
+            f"iteration {served}'s weights from {run.serving_now} and the trees grow again"
+        )
+        result = roll_out()
     seconds["rollout"] = seconds.get("rollout", 0.0) + result.seconds
     for prompt, error in result.dropped:
         say(f"iteration {j}: prompt {prompt} dropped, its env failed: {error}")

@@ -33,6 +33,10 @@ class TrainersLostError(RuntimeError):
     """The trainer actors died with training state no checkpoint holds."""
 
 
+class EnginesLostError(RuntimeError):
+    """An engine actor restarted and lost synced weights no checkpoint holds (``phases``)."""
+
+
 class Weights:
     def __init__(
         self,
@@ -79,15 +83,16 @@ class Weights:
 
     def recover(
         self, checkpoint: int, folder: str | None, current: bool, say: Callable[[str], None]
-    ) -> None:
-        """Before an update: trainer actors that died (their state with them) are rebuilt from
-        the run's newest checkpoint (iteration ``checkpoint``'s ``folder``; None: ``start``'s)
-        (a path or ``s3://`` prefix) when that holds their state (``current``: nothing was trained
-        since); otherwise the run
-        stops with one line naming the checkpoint a rerun resumes from."""
+    ) -> bool:
+        """Before an update, or after an update or sync that failed: trainer actors that died
+        (their state with them) are rebuilt from the run's newest checkpoint (iteration
+        ``checkpoint``'s ``folder``; None: ``start``'s) (a path or ``s3://`` prefix) when that
+        holds their state (``current``: nothing was trained since); otherwise the run stops
+        with one line naming the checkpoint a rerun resumes from. Whether they were rebuilt
+        (False: none died)."""
         trainers = self.trainers
         if trainers is None or trainers.alive():
-            return
+            return False
         where = f"iteration {checkpoint}'s checkpoint" if checkpoint else "its start"
         where += f" ({folder})" if folder else ""
         if not current:
@@ -108,6 +113,7 @@ class Weights:
                 reference=start.reference,
             )
         self.trainers = TrainerGroup(trainers.spec, start, name=self.name, detached=self.keep)
+        return True
 
     def sync(self, session: EngineSession, label: str) -> str | None:
         """New weights into ``session``'s engines, which then serve them as ``label``; None

@@ -37,22 +37,26 @@ TREE_URIS = "tree_uris.json"
 """In a state folder: ``{"iteration": "URI of its trees folder", ...}``."""
 
 
-def record_trees(state_in: Path, state_out: Path, iteration: int, uri: str) -> None:
-    """Write into ``state_out`` where the run's trees are: ``state_in``'s list and this
-    iteration's ``uri``."""
+def record_trees(state_in: Path | str, state_out: Path, iteration: int, uri: str) -> None:
+    """Write into ``state_out`` where the run's trees are: ``state_in``'s list (a folder, or
+    a state's URI in the store) and this iteration's ``uri``."""
     known = read_tree_uris(state_in)
     known[iteration] = uri
     body = {str(i): where for i, where in sorted(known.items())}
     (state_out / TREE_URIS).write_text(json.dumps(body, indent=2) + "\n")
 
 
-def read_tree_uris(state: Path) -> dict[int, str]:
-    """The iterations' tree locations a state folder holds (none for a run's first state)."""
-    path = state / TREE_URIS
-    if not path.exists():
+def read_tree_uris(state: Path | str) -> dict[int, str]:
+    """The iterations' tree locations a state folder (or a state's URI in the store) holds
+    (none for a run's first state)."""
+    from trace_core.store.artifacts import open_store
+
+    store = open_store(state)
+    path = store.uri(TREE_URIS)
+    if not store.exists(TREE_URIS):
         return {}
     try:
-        body = json.loads(path.read_text())
+        body = json.loads(store.get_bytes(TREE_URIS))
         return {int(i): str(uri) for i, uri in body.items()}
     except (ValueError, AttributeError) as err:
         raise ValueError(f"{path}: not a map of iteration to trees URI ({err})") from None

@@ -13,6 +13,8 @@ What travels from step to step is the run's **state** folder (a KFP artifact of 
     state/log.jsonl     every iteration's record so far (``train.record``)
     state/predictor/    the predictor after the last fit
     state/tokenizer/    the policy's tokenizer and config, no weights
+    state/ahead/NNNN/   with max_staleness k >= 1: the trees grown ahead, of the next k
+                        iterations (``train.ahead``), which the next steps update on
 
 A checkpoint (every ``checkpoint_every`` iterations and the last) is written by trainer rank 0
 straight into a reserved folder of the run's registry (``store.registry``); the step adds the
@@ -227,6 +229,7 @@ def iterate_step(
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.schema import write_trees
+    from trace_core.train.ahead import held_ahead, keep_ahead
     from trace_core.train.draws import draw_iteration
     from trace_core.train.phases import fitted_after, iteration_line, run_iteration
     from trace_core.train.trainer_group import read_written
@@ -300,6 +303,7 @@ def iterate_step(
         session.run.total_tokens = records[-1].total_tokens if records else 0
         session.run.serving_version = state.iteration  # the engines serve its weights
         session.run.fitted_through = fitted_after(state.iteration, config.train)
+        session.run.ahead = held_ahead(state_dir)  # grown by the steps before, on older weights
         session.run.checkpoint_at = checkpoint_at
         session.run.always_checkpoint = not on_cluster(config)
         earlier = list(records)  # the log a checkpoint written in the background goes with
@@ -328,6 +332,8 @@ def iterate_step(
         storage = {"s3_bytes": float(moved), "checkpoint_bytes": float(committed)}
         records[-1] = replace(records[-1], storage=storage)  # TensorBoard's, MLflow's figures
         write_state(state_out, new, records, predictor, tokenizer)
+        for j, grown in sorted(run.ahead.items()):  # the next steps' trees: the state's
+            keep_ahead(state_out, j, grown.trees)
         log_tracking(config, new.mlflow_run, records)
     metrics = {**record_metrics(outcome.record), **storage}
     write_metrics(trees_out, metrics)
@@ -525,12 +531,6 @@ def _check_session(config: PipelineConfig) -> None:
         )
     if not config.store:
         raise ValueError("a run's session needs store_uri: its checkpoints are written there")
-    if train.max_staleness:
-        raise ValueError(
-            f"max_staleness {train.max_staleness}: the pipeline's steps do not carry trees "
-            "grown ahead from one step to the next yet; run it with max_staleness 0, or "
-            "with trace-rl train"
-        )
 
 
 def _registry(config: PipelineConfig) -> Any:

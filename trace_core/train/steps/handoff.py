@@ -1,0 +1,126 @@
+"""How the pipeline's session steps hand the run's state on: through the store.
+
+    <store>/sessions/<session>/state-0000/   after open-session (the iteration it starts from)
+    <store>/sessions/<session>/state-0003/   after iteration 3: state.json, log.jsonl,
+                                             predictor/, tokenizer/, tree_uris.json and, with
+                                             max_staleness k >= 1, ahead/NNNN/trees.parquet
+
+The iterations are one step run once per iteration (a KFP ``ParallelFor`` of parallelism 1,
+an Argo ``withSequence``), so no step's output can be the next one's input: each reads the
+state after the iteration before it from here and publishes its own. A state is published
+whole or not at all: every file, then ``state.json`` (what ``committed`` looks for) last; what
+a step that died while publishing left is removed before the step publishes again. A state is
+never replaced once committed: a retried iteration whose first attempt committed hands on
+what that attempt wrote (``iterate`` in ``components``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trace_core.store.artifacts import open_store
+from trace_core.store.sync import download_folder
+from trace_core.train.contract import PipelineConfig
+from trace_core.train.steps.session import STATE  # what marks a published state complete
+
+
+def state_uri(config: PipelineConfig, iteration: int) -> str:
+    """Where the run's session keeps its state after ``iteration`` (a path or ``s3://``)."""
+    if not config.store or not config.engine_name:
+        raise ValueError("a run's session needs store_uri and its name (set by prep)")
+    return f"{config.store.rstrip('/')}/sessions/{config.engine_name}/state-{iteration:04d}"
+
+
+def last_iteration(config: PipelineConfig, start_iteration: int) -> int:
+    """The iteration a run that starts after ``start_iteration`` ends with."""
+    return start_iteration + config.train.iterations
+
+
+def iterations(config: PipelineConfig, start_iteration: int) -> list[int]:
+    """The iterations the run's iteration step runs, in order."""
+    return list(range(start_iteration + 1, last_iteration(config, start_iteration) + 1))
+
+
+def committed(uri: str) -> bool:
+    """Whether a whole state is published at ``uri``."""
+    return open_store(uri).exists(STATE)
+
+
+def publish(folder: Path, uri: str, replace: bool = False) -> None:
+    """``folder`` (a state, with ``state.json``) to ``uri``: every other file, then
+    ``state.json``. A committed state there is refused, unless ``replace`` (open-session's own
+    retry: the same session's start); a partial one (a step that died publishing) is removed
+    first."""
+    if not (folder / STATE).is_file():
+        raise FileNotFoundError(f"{folder / STATE}: missing; not a run state")
+    store = open_store(uri)
+    if store.exists(STATE) and not replace:
+        raise FileExistsError(f"{uri}: a state is committed there already; it is not replaced")
+    if store.exists(STATE):
+        store.delete(STATE)  # uncommitted from here on, until the new one is whole
+    for obj in store.list_objects(""):
+        store.delete(obj.key)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE)
+    for path in files:
+        store.put_file(path.relative_to(folder).as_posix(), path)
+    store.put_file(STATE, folder / STATE)
+
+
+def fetch(uri: str, folder: Path) -> Path:
+    """The state committed at ``uri``, copied into ``folder``; a missing or partial one is
+    refused in one line."""
+    if not committed(uri):
+        raise FileNotFoundError(
+            f"{uri}: no state there (the step before did not finish); run the pipeline again"
+        )
+    download_folder(uri, folder)
+    return folder
+
+
+def iterate_on_store(
+    config: PipelineConfig, iteration: int, prompts: Any, trees: Any
+) -> dict[str, float]:
+    """The iterate component's body: iteration ``iteration`` from the state the one before
+    published, its trees into the KFP artifact ``trees`` (``.path``, ``.uri``; likewise
+    ``prompts``), its state published. Its figures, as the step's metrics."""
+    from trace_core.train.contract import StepCall
+    from trace_core.train.dispatch import run_step
+    from trace_core.train.steps.finish import record_trees
+
+    before, after = state_uri(config, iteration - 1), state_uri(config, iteration)
+    figures = done_before(after, iteration, Path(trees.path))
+    if figures is not None:
+        return figures
+    with tempfile.TemporaryDirectory(prefix="trace-iterate-") as scratch:
+        new_state = Path(scratch, "state")
+        call = StepCall(
+            "iterate",
+            iteration,
+            {"prompts": prompts.path, "state": before},
+            {"trees": trees.path, "state": str(new_state)},
+            input_uris={"prompts": prompts.uri, "state": before},
+        )
+        figures = run_step(call, config)
+        # Where this iteration's trees land, beside the earlier ones': the report shows all.
+        record_trees(before, new_state, iteration, trees.uri)
+        publish(new_state, after)
+    return figures
+
+
+def done_before(uri: str, iteration: int, trees_out: Path) -> dict[str, float] | None:
+    """When iteration ``iteration``'s state is committed at ``uri`` already (its step ran and
+    is run again): its trees, as that run wrote them, into ``trees_out``, and its figures.
+    ``None``: it is still to run."""
+    from trace_core.train.contract import read_metrics
+    from trace_core.train.steps.finish import read_tree_uris
+
+    if not committed(uri):
+        return None
+    where = read_tree_uris(uri).get(iteration)
+    if where is None:
+        raise ValueError(f"{uri}: a committed state that lists no trees of iteration {iteration}")
+    print(f"iteration {iteration} ran already (its state: {uri}); handing on what it wrote")
+    download_folder(where, trees_out)
+    return read_metrics(trees_out)
