@@ -32,7 +32,7 @@ from trace_core.store.schema import read_trees
 from trace_core.train.contract import PipelineConfig, PipelineParameters
 from trace_core.train.loop import train
 from trace_core.train.record import read_log
-from trace_core.train.steps.handoff import fetch, state_uri
+from trace_core.train.steps.handoff import fetch, session_uri, state_uri
 
 pytestmark = [
     pytest.mark.slow,
@@ -125,14 +125,26 @@ def test_pipeline_runs_through_kfp_local(
     registry = CheckpointRegistry(open_store(store))
     (second, third) = registry.checkpoints("ci")[-2:]
     assert (second.iteration, third.iteration) == (2, 3)
-    assert moved == {1: 0, 2: 0, 3: 0}, moved  # trees and metrics go to the steps' folders
+    # The trainers read each iteration's trees in the store: iteration 1's, grown in its own
+    # step, put there first (written and read); 2's and 3's in the state they came in (grown
+    # ahead by the step before, published with its state: read only).
+    pipeline_config = PipelineConfig.from_json(
+        json.loads((result.run_dir / "prep" / "executor_output.json").read_text())[
+            "parameterValues"
+        ]["config_json"]
+    )
+    session = open_store(session_uri(pipeline_config))
+    sizes = {o.key: o.size for o in session.list_objects()}
+    assert moved == {
+        1: 2 * sizes["trees-0001/trees.parquet"],
+        2: sizes["state-0001/ahead/0002/trees.parquet"],
+        3: sizes["state-0002/ahead/0003/trees.parquet"],
+    }, moved
     assert saved == {1: 0, 2: 0, 3: sum(f.bytes for c in (second, third) for f in c.files)}
     final = metrics_of(result.run_dir / "close-session")
 
     # The pipeline's log is the one `trace-rl train` writes for the same config and seed: the
     # iterations ran through the same function (``train.phases``), on the run's actors.
-    body = json.loads((result.run_dir / "prep" / "executor_output.json").read_text())
-    pipeline_config = PipelineConfig.from_json(body["parameterValues"]["config_json"])
     config = pipeline_config.train
     loop = train(replace(config, output=tmp_path / "loop" / "ci", ray_address=None))
     # The state after the last iteration, as the steps handed it on through the store.
@@ -188,9 +200,9 @@ def test_pipeline_runs_through_kfp_local(
         assert done.returncode == 0, (command, done.stdout, done.stderr[-2000:])
         outputs.append(done.stdout)
     assert "trace" in outputs[1] and "iteration 3" in outputs[1]
-    # Each iteration's line says what it moved through S3: nothing on iteration 1.
+    # Each iteration's line says what it moved through S3: its trees, to the trainers.
     (first,) = [line for line in printed if line.startswith("  iteration 1:")]
-    assert ", S3 0 B → " in first, first
+    assert ", S3 " in first and ", S3 0 B → " not in first, first
     assert result.curves is not None and result.curves.read_bytes().startswith(b"\x89PNG")
     assert f"plot: {result.curves} " in "\n".join(printed)
     # The accuracy change, paired task by task, with its interval (8 tasks: a wide one).

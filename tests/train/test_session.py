@@ -195,13 +195,18 @@ def test_the_session_steps_give_the_loops_run_and_move_only_checkpoints(
     for k in a:  # the update's rounding, above
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     assert [r.iteration for r in read_log(got / "policy")] == [0, 1, 2, 3]
-    # S3 carries checkpoints only: none on iteration 1; iteration 2's is written in the
+    # S3 carries the checkpoints: none on iteration 1; iteration 2's is written in the
     # background while iteration 3 rolls out (its step commits it), the last one at once.
+    # And each iteration's trees, which its step puts in the store and the trainer reads there
+    # (the store is the hand-off): written once and read once; nothing else.
     moved = {i: unbroken.metrics[i]["s3_bytes"] for i in (1, 2, 3)}
     saved = {i: unbroken.metrics[i]["checkpoint_bytes"] for i in (1, 2, 3)}
     second, third = registry.checkpoints("unbroken")[-2:]
     assert (second.iteration, third.iteration) == (2, 3) and third == checkpoint
-    assert moved == {1: 0, 2: 0, 3: 0}, moved  # trees and metrics go to the steps' folders
+    sessions = open_store(f"{store}/sessions/unbroken")
+    stored = {i: sessions.list_objects(f"trees-{i:04d}") for i in (1, 2, 3)}
+    assert all(len(files) == 1 for files in stored.values()), stored
+    assert moved == {i: 2 * files[0].size for i, files in stored.items()}, moved
     assert saved == {1: 0, 2: 0, 3: sum(f.bytes for c in (second, third) for f in c.files)}
     state = RunState.from_json((unbroken.root / "state-2" / STATE).read_text(), "state-2")
     assert (state.checkpoint, state.pending) == (0, 2)  # committed by iteration 3's step

@@ -74,10 +74,16 @@ def execute_step(call: StepCall, config: PipelineConfig) -> None:
             case "open-session":
                 open_session_step(config, local["prompts"], start_point(call), out["state"])
             case "iterate":
+                where = call.input_uris.get("state") or call.inputs["state"]
                 iterate_step(
-                    config, call.iteration, local["prompts"], local["state"], out["state"],
+                    config,
+                    call.iteration,
+                    local["prompts"],
+                    local["state"],
+                    out["state"],
                     out["trees"],
-                )  # fmt: skip
+                    state_uri=where,
+                )
             case "close-session":
                 close_session_step(config, local["state"], out["result"])
 

@@ -113,6 +113,9 @@ class Run:
     """The newest iteration whose trees the predictor has been fitted on."""
     keep_ahead: KeepAhead | None = None
     """Where trees grown ahead are kept as soon as they are grown: the run's state."""
+    stored_trees: Callable[[int, Sequence[RolloutTree]], str] | None = None
+    """Where iteration i's trees lie in the store before its update (they are put there if
+    they are not yet): the trainer actors read them there, not from this process's memory."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def run_iteration(
     def timed_update() -> tuple[UpdateStats, float]:
         start = time.perf_counter()
         if weights.trainers is not None:
-            stats = weights.trainers.update(trees, draws.update_seed)
+            stored = run.stored_trees(i, trees) if run.stored_trees is not None else None
+            stats = weights.trainers.update(stored or trees, draws.update_seed)
         else:
             pad_id = padding_id(run.tokenizer)
             stats = iteration.update(

@@ -227,15 +227,17 @@ class TrainerRank:
         serving = str(self.serving).removeprefix("torch.")
         return {"parameters": params, "serving": serving, "update_seed": self.update_seed}
 
-    def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
+    def update(self, trees: Sequence[RolloutTree] | str, seed: int) -> UpdateStats:
+        """One update on ``trees``, or on the trees stored below the URI ``trees``."""
         from trace_core.policy.update import update_policy
+        from trace_core.store.sync import get_trees
 
         self._wait_saving()  # the checkpoint being written holds these weights
         self.update_seed = seed  # before any step: a failed update is not one to apply again
         return update_policy(
             self.scorer,
             self.optimizer,
-            trees,
+            get_trees(trees) if isinstance(trees, str) else trees,
             self.spec.update,
             np.random.default_rng(seed),
             self.pad_id,
@@ -464,8 +466,11 @@ class TrainerGroup:
             self._plan = ray.get(self.ranks[0].plan.remote())
         return self._plan
 
-    def update(self, trees: Sequence[RolloutTree], seed: int) -> UpdateStats:
-        ref = ray.put(list(trees))  # once in the object store, read by every rank
+    def update(self, trees: Sequence[RolloutTree] | str, seed: int) -> UpdateStats:
+        """The ranks' update on ``trees``, or on the trees each reads where the URI ``trees``
+        names (``store.sync.put_trees``): the store is the hand-off."""
+        # Objects: once in the object store, read by every rank.
+        ref = trees if isinstance(trees, str) else ray.put(list(trees))
         stats: list[UpdateStats] = ray.get([r.update.remote(ref, seed) for r in self.ranks])
         return stats[0]
 

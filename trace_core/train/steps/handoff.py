@@ -4,6 +4,9 @@
     <store>/sessions/<session>/state-0003/   after iteration 3: state.json, log.jsonl,
                                              predictor/, tokenizer/, tree_uris.json and, with
                                              max_staleness k >= 1, ahead/NNNN/trees.parquet
+    <store>/sessions/<session>/trees-0003/   iteration 3's trees, grown in its own step, put
+                                             there for the trainer actors to read (trees grown
+                                             ahead they read in the state they came in)
 
 The iterations are one step run once per iteration (a KFP ``ParallelFor`` of parallelism 1,
 an Argo ``withSequence``), so no step's output can be the next one's input: each reads the
@@ -26,11 +29,16 @@ from trace_core.train.contract import PipelineConfig
 from trace_core.train.steps.session import STATE  # what marks a published state complete
 
 
-def state_uri(config: PipelineConfig, iteration: int) -> str:
-    """Where the run's session keeps its state after ``iteration`` (a path or ``s3://``)."""
+def session_uri(config: PipelineConfig) -> str:
+    """The run's session's folder in the store (a path or ``s3://`` prefix)."""
     if not config.store or not config.engine_name:
         raise ValueError("a run's session needs store_uri and its name (set by prep)")
-    return f"{config.store.rstrip('/')}/sessions/{config.engine_name}/state-{iteration:04d}"
+    return f"{config.store.rstrip('/')}/sessions/{config.engine_name}"
+
+
+def state_uri(config: PipelineConfig, iteration: int) -> str:
+    """Where the run's session keeps its state after ``iteration``."""
+    return f"{session_uri(config)}/state-{iteration:04d}"
 
 
 def last_iteration(config: PipelineConfig, start_iteration: int) -> int:

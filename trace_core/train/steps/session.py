@@ -217,9 +217,13 @@ def iterate_step(
     state_out: Path,
     trees_out: Path,
     suite: TaskSuite | None = None,
+    state_uri: str | None = None,
 ) -> dict[str, float]:
     """Training iteration ``iteration`` on the run's session (``train.phases.run_iteration``):
-    its trees and metrics to ``trees_out``, the state after it to ``state_out``. The metrics
+    its trees and metrics to ``trees_out``, the state after it to ``state_out``. The trainers
+    read the iteration's trees from the store: from the state it starts from (``state_uri``,
+    where ``state_dir`` was read), when an earlier step grew them ahead, else from
+    ``<store>/sessions/<session>/trees-NNNN``, where this step puts them first. The metrics
     include ``s3_bytes``, what this step and the session's actors read and wrote through
     object storage besides checkpoints, and ``checkpoint_bytes``, the files of the checkpoints
     this step committed (its own, and one written in the background since the step before).
@@ -229,9 +233,11 @@ def iterate_step(
     from trace_core.policy.checkpoint import load_tokenizer
     from trace_core.policy.predictor import SharedPredictor
     from trace_core.store.schema import write_trees
+    from trace_core.store.sync import put_trees
     from trace_core.train.ahead import held_ahead, keep_ahead
     from trace_core.train.draws import draw_iteration
     from trace_core.train.phases import fitted_after, iteration_line, run_iteration
+    from trace_core.train.steps.handoff import session_uri
     from trace_core.train.trainer_group import read_written
 
     _check_session(config)
@@ -304,6 +310,16 @@ def iterate_step(
         session.run.serving_version = state.iteration  # the engines serve its weights
         session.run.fitted_through = fitted_after(state.iteration, config.train)
         session.run.ahead = held_ahead(state_dir)  # grown by the steps before, on older weights
+        carried = set(session.run.ahead) if state_uri else set()
+
+        def stored_trees(i: int, trees: Sequence[RolloutTree]) -> str:
+            if i in carried:
+                return f"{state_uri}/ahead/{i:04d}"
+            uri = f"{session_uri(config)}/trees-{i:04d}"
+            put_trees(uri, trees)
+            return uri
+
+        session.run.stored_trees = stored_trees
         session.run.checkpoint_at = checkpoint_at
         session.run.always_checkpoint = not on_cluster(config)
         earlier = list(records)  # the log a checkpoint written in the background goes with
