@@ -219,6 +219,12 @@ def test_pipeline_runs_through_kfp_local(
     assert "load" in tasks and "warmstart" not in tasks
     assert metrics_of(again.run_dir / "load")["resumed_iteration"] == 3
     assert [read_trees(p)[0].info.iteration for p in again.trees] == [4]
+    # Iteration 4 updates on the trees the first run grew ahead (on iteration 2's weights),
+    # which iteration 3's checkpoint kept: as the unbroken run would have, none grown again.
+    ahead = read_trees(tmp_path / "state-3" / "ahead" / "0004" / "trees.parquet")
+    (resumed,) = again.trees
+    assert {t.info.policy_version for t in read_trees(resumed)} == {2}
+    parity.same_trees_but_order(read_trees(resumed), ahead)
     assert (again.start_eval["iteration"], again.final_eval["iteration"]) == (3, 4)
     # The first run's iterations keep their links beside the second's.
     assert sorted(p.name for p in again.trees_dir.glob("iteration-*.parquet")) == [

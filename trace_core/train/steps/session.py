@@ -201,6 +201,7 @@ def open_session_step(
             shown = records[-1].eval or eval_dict(evaluate(session.run, session.run.serving_now))
             state = replace(state, serving=session.run.serving_now, mlflow_run=mlflow_run)
             write_state(state_out, state, records, predictor, tokenizer)
+            _carry_ahead(config, start, state_out)
             log_tracking(config, mlflow_run, records)
     result = {**shown, "iteration": start.iteration}
     (state_out / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
@@ -283,8 +284,17 @@ def iterate_step(
         files = read_written(uri)
         if files is None:  # they did not finish it
             return lost
-        adopted.append(_commit_checkpoint(config, registry, lost.pending_folder, files, records,
-                                          state_dir / "predictor"))  # fmt: skip
+        adopted.append(
+            _commit_checkpoint(
+                config,
+                registry,
+                lost.pending_folder,
+                files,
+                records,
+                state_dir / "predictor",
+                ahead=state_dir,
+            )
+        )
         print(f"the trainers are gone; iteration {lost.pending}'s checkpoint, which they wrote "
               "in full, is committed and the session starts again from it", flush=True)  # fmt: skip
         done = replace(lost, pending=None, pending_folder=None)
@@ -333,27 +343,60 @@ def iterate_step(
             files = pending or session.trainers.saved()  # written while this one rolled out
             assert files is not None  # save_status said it was being written
             # The predictor and log as they were after that iteration: this step's input.
-            committed += _commit_checkpoint(config, registry, state.pending_folder, files,
-                                            earlier, state_dir / "predictor")  # fmt: skip
+            committed += _commit_checkpoint(
+                config,
+                registry,
+                state.pending_folder,
+                files,
+                earlier,
+                state_dir / "predictor",
+                ahead=state_dir,
+            )
             new = _checkpointed(new, state.pending, registry.store.uri(state.pending_folder),
                                 files)  # fmt: skip
         if iteration in background:
             new = replace(new, pending=iteration, pending_folder=reserved[iteration])
-        elif run.checkpointed == iteration:
+        for j, grown in sorted(run.ahead.items()):  # the next steps' trees: the state's
+            keep_ahead(state_out, j, grown.trees)
+        if iteration not in background and run.checkpointed == iteration:
             committed += _commit_checkpoint(
-                config, registry, reserved[iteration], written, records, predictor
+                config, registry, reserved[iteration], written, records, predictor, state_out
             )
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
         moved = session.traffic() - before
         storage = {"s3_bytes": float(moved), "checkpoint_bytes": float(committed)}
         records[-1] = replace(records[-1], storage=storage)  # TensorBoard's, MLflow's figures
         write_state(state_out, new, records, predictor, tokenizer)
-        for j, grown in sorted(run.ahead.items()):  # the next steps' trees: the state's
-            keep_ahead(state_out, j, grown.trees)
         log_tracking(config, new.mlflow_run, records)
     metrics = {**record_metrics(outcome.record), **storage}
     write_metrics(trees_out, metrics)
     return metrics
+
+
+def _carry_ahead(config: PipelineConfig, start: StartPoint, state_out: Path) -> None:
+    """A run resumed from a registry checkpoint at max_staleness k >= 1: the trees grown ahead
+    of it, which the checkpoint keeps (``_commit_checkpoint``), into the session's first
+    state, so its next iterations update on the trees the unbroken run did. Those it lacks
+    (a checkpoint of a run at a smaller k) are grown again, on its policy, said."""
+    from trace_core.store.artifacts import open_store
+    from trace_core.train.ahead import AHEAD
+
+    k, done = config.train.max_staleness, start.iteration
+    if not k or not done:
+        return
+    folder = start.policy.rsplit("/policy", 1)[0]
+    store = open_store(folder)
+    kept = {int(o.key.split("/")[1]): o.key for o in store.list_objects(AHEAD)}
+    missing = [j for j in range(done + 1, done + k + 1) if j not in kept]
+    for j in range(done + 1, done + k + 1):
+        if j in kept:
+            store.get_file(kept[j], state_out / kept[j])
+    if missing:
+        print(
+            f"iterations {missing}: their trees grown ahead are not in {folder}; they are "
+            f"grown again on the policy of iteration {done}",
+            flush=True,
+        )
 
 
 def _checkpointed(
@@ -568,10 +611,13 @@ def _commit_checkpoint(
     written: Mapping[str, tuple[int, str]],
     records: Sequence[IterationRecord],
     predictor: Any,
+    ahead: Path | None = None,
 ) -> int:
     """The predictor (an object, or a folder it was saved to) and the log beside the trainers'
-    files, then the manifest and ``latest``; its transfers count as checkpoint bytes. Returns
-    the checkpoint's bytes (every file's, as committed)."""
+    files, with the trees grown ahead that a state folder ``ahead`` holds (max_staleness >= 1:
+    a run resumed from the checkpoint updates on them, as the unbroken run did), then the
+    manifest and ``latest``; its transfers count as checkpoint bytes. Returns the
+    checkpoint's bytes (every file's, as committed)."""
     from trace_core.store.artifacts import TRAFFIC, file_sha256
     from trace_core.train.steps.start import BASE_MODEL
 
@@ -584,6 +630,10 @@ def _commit_checkpoint(
             predictor.save(root / "predictor")
         (root / "policy").mkdir()
         _write_log(root / "policy" / LOG, records)  # the log travels with the policy
+        from trace_core.train.ahead import AHEAD
+
+        if ahead is not None and (ahead / AHEAD).is_dir():
+            shutil.copytree(ahead / AHEAD, root / AHEAD)
         for path in sorted(p for p in root.rglob("*") if p.is_file()):
             relative = path.relative_to(root).as_posix()
             registry.store.put_file(f"{folder}/{relative}", path)
