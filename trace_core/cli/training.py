@@ -12,7 +12,7 @@ import math
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -20,6 +20,9 @@ from rich.table import Table
 from trace_core.cli.options import config_options
 from trace_core.cli.output import console, fail, progress, read_json, write_json
 from trace_core.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from trace_core.train.compare import CompareResult
 
 DEFAULT_STRATEGIES = "trace,grpo,pcl,treepo"  # compare.DEFAULT_STRATEGIES, without its imports
 
@@ -160,6 +163,13 @@ def compare_command(
         int, typer.Option(help="The first seed: runs seeds FIRST_SEED .. FIRST_SEED+SEEDS-1.")
     ] = 0,
     parallel: Annotated[int, typer.Option(help="Runs at once (one process each).")] = 2,
+    staleness: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated max_staleness values k, 0 among them: every strategy runs "
+            "once per k (trace, trace@k1, ...), each k >= 1 paired against its k = 0 arm.",
+        ),
+    ] = "0",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Plot PNG.")] = Path("build/compare.png"),
     paper_table: Annotated[
@@ -185,7 +195,7 @@ def compare_command(
     """Every strategy from the same warm start, seeds and budget: table, plot, JSON.
 
     A strategy may carry its own budget shape: trace@64x6 is trace with M=64 roots and N=6
-    continuations per root."""
+    continuations per root; and its own max_staleness: trace@k1."""
     from trace_core.train.compare import METRICS as COMPARE_METRICS
     from trace_core.train.compare import (
         PAIRED,
@@ -217,9 +227,12 @@ def compare_command(
                 )
     else:
         arms = tuple(s.strip() for s in strategies.split(",") if s.strip())
+        ks = _staleness_values(staleness)
         if paper_table is not None:
             if strategies != DEFAULT_STRATEGIES:
                 raise fail("--table runs its own strategies: leave out --strategies")
+            if ks != (0,):
+                raise fail("--table runs its own arms: leave out --staleness")
             arms = table_arms(paper_table, run.budget)
         config = CompareConfig(
             task=run.task,
@@ -230,6 +243,7 @@ def compare_command(
             first_seed=first_seed,
             parallel=parallel,
             run=run,
+            staleness=ks,
         )
         with console.status("training every strategy") as status:
             result = run_compare(config, progress=lambda m: status.update(m))
@@ -264,6 +278,18 @@ def compare_command(
             table.add_column(metric.replace("_", " "), justify="right")
         for name, row in result.paired.items():
             table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
+    if result.paired_staleness:
+        console.print(table)
+        table = Table(
+            title="paired against k = 0, seed by seed: arm − the same strategy at k = 0, "
+            "mean [95% interval]",
+            caption="An interval that holds 0 is no evidence of a difference.",
+        )
+        table.add_column("arm")
+        for metric in PAIRED:
+            table.add_column(metric.replace("_", " "), justify="right")
+        for name, row in result.paired_staleness.items():
+            table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
     console.print(table)
     if from_json is None:
         write_json(json_path, result.to_json())
@@ -275,11 +301,41 @@ def compare_command(
         text = table_markdown(paper_table, result, budget, command)
         console.print(text, markup=False, highlight=False)
     else:
-        text = summary_markdown(result, command)
+        text = summary_markdown(result, command) + _staleness_markdown(result)
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(markdown, text)
         console.print(f"wrote {markdown}")
+
+
+def _staleness_values(text: str) -> tuple[int, ...]:
+    """``--staleness 0,1,2`` → (0, 1, 2); the range and the 0 are CompareConfig's to check."""
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise fail(f"--staleness {text}: write whole numbers k >= 0, e.g. 0,1,2") from None
+
+
+def _staleness_markdown(result: CompareResult) -> str:
+    """The paired block against k = 0 (arm − the same strategy at k = 0, per seed), as
+    Markdown: empty without staleness arms."""
+    from trace_core.train.compare import PAIRED
+    from trace_core.train.tables import SUMMARY
+
+    if not result.paired_staleness:
+        return ""
+    paired = [(m, h) for m, h in SUMMARY if m in PAIRED]
+    lines = [
+        "",
+        "Paired against k = 0, seed by seed (arm − the same strategy at k = 0):",
+        "",
+        "| arm | " + " | ".join(header for _, header in paired) + " |",
+        "|---|" + "---|" * len(paired),
+    ]
+    for name, row in result.paired_staleness.items():
+        cells = " | ".join(_interval_text(row[m], signed=True) for m, _ in paired)
+        lines.append(f"| `{name}` | {cells} |")
+    return "\n".join(lines) + "\n"
 
 
 @predictor_app.command("fit")

@@ -32,6 +32,14 @@ metric → {mean, std, lo, hi, n}; std with ddof 1):
 accuracy, pass1 and the two effective ratios (same seed: the same warm start's sampling, pool
 draws and evaluation tasks), with its t interval: the seeds' shared luck cancels. Seeds run
 from ``first_seed``, so a result can be checked on seeds it was not tuned on.
+
+Bounded staleness as arms: ``staleness`` (``--staleness 0,1,2``) runs every strategy at each
+``max_staleness`` k, arm ``trace@k1`` for k = 1 in ``OUTPUT/trace@k1/seed-S``; the k = 0 arm
+keeps the plain name and folder (``trace``), so it is the run a comparison without
+``--staleness`` makes. A strategy may name its k itself too: ``trace@64x6@k1``.
+``paired_staleness`` then holds, for every arm at k ≥ 1, the per-seed difference arm − the same
+strategy (and shape) at k = 0, of the ``paired`` metrics; the pairing against grpo stays for the
+arms that do not name a k (``trace``, not ``trace@k1``).
 """
 
 from __future__ import annotations
@@ -90,6 +98,9 @@ class CompareConfig:
     seed are filled in per run."""
     parallel: int = 2
     """Runs at once, each in its own process."""
+    staleness: tuple[int, ...] = (0,)
+    """Each strategy's ``max_staleness`` values: more than (0,) makes every strategy one arm
+    per k (``trace``, ``trace@k1``, ...); 0 must be among several."""
 
     def __post_init__(self) -> None:
         if not self.strategies:
@@ -97,6 +108,17 @@ class CompareConfig:
         for name in self.strategies:
             if check_strategy(parse_arm(name).strategy).uses_true_value:
                 raise ValueError(f"strategy {name!r} needs the true V: simulator only")
+        ks = self.staleness
+        if not ks or min(ks) < 0 or len(set(ks)) < len(ks):
+            raise ValueError(f"--staleness: distinct values >= 0, e.g. 0,1,2; got {_ks(ks)}")
+        if len(ks) > 1 and 0 not in ks:
+            raise ValueError(f"--staleness {_ks(ks)}: include 0, the arms' paired reference")
+        if ks != (0,):
+            if self.run.max_staleness:
+                raise ValueError("--staleness sets each arm's k: leave out --max-staleness")
+            own = [n for n in self.strategies if parse_arm(n).staleness is not None]
+            if own:
+                raise ValueError(f"--staleness: strategy {own[0]!r} names its own k already")
         if self.seeds < 1 or self.parallel < 1:
             raise ValueError("seeds and parallel must be >= 1")
         if self.first_seed < 0:
@@ -106,14 +128,47 @@ class CompareConfig:
     def seed_list(self) -> list[int]:
         return list(range(self.first_seed, self.first_seed + self.seeds))
 
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """The compared arms: ``strategies``, each at every k of ``staleness`` (``trace@k1``;
+        k = 0 keeps the plain name)."""
+        return tuple(
+            f"{name}@k{k}" if k else name for name in self.strategies for k in self.staleness
+        )
+
     def folder(self, name: str) -> str:
         """The arm's folder under ``output``: an arm whose shape is the run's own M×N is the
-        plain strategy (``trace@128x2`` at M=128, N=2 is ``trace``), so the tables and a plain
-        comparison into one ``--output`` share those runs instead of repeating them."""
+        plain strategy (``trace@128x2`` at M=128, N=2 is ``trace``), and so is one at the run's
+        own k (``trace@k0``), so the tables and a plain comparison into one ``--output`` share
+        those runs instead of repeating them."""
         arm = parse_arm(name)
         same_m = arm.budget in (None, self.run.budget)
         same_n = arm.continuations in (None, self.run.continuations)
-        return arm.strategy if same_m and same_n else name
+        folder = arm.strategy if same_m and same_n else f"{arm.strategy}@{arm.shape}"
+        if arm.staleness not in (None, self.run.max_staleness):
+            folder += f"@k{arm.staleness}"
+        return folder
+
+    def staleness_of(self, name: str) -> int:
+        """The arm's ``max_staleness``: its own ``@kK``, else the run's."""
+        own = parse_arm(name).staleness
+        return self.run.max_staleness if own is None else own
+
+    def reference(self, name: str) -> str | None:
+        """The arm a k ≥ 1 arm is paired against: the same strategy and shape at k = 0."""
+        if self.staleness_of(name) == 0:
+            return None
+        arm = parse_arm(name)
+        shape = (arm.strategy, arm.budget or self.run.budget, self._n(arm))
+        for other in self.arms:
+            them = parse_arm(other)
+            same = (them.strategy, them.budget or self.run.budget, self._n(them)) == shape
+            if same and self.staleness_of(other) == 0:
+                return other
+        return None
+
+    def _n(self, arm: Arm) -> int:
+        return self.run.continuations if arm.continuations is None else arm.continuations
 
     def run_config(self, name: str, seed: int, init: Path) -> TrainConfig:
         arm = parse_arm(name)
@@ -125,33 +180,52 @@ class CompareConfig:
             strategy=arm.strategy,
             seed=seed,
             budget=arm.budget or self.run.budget,
-            continuations=self.run.continuations
-            if arm.continuations is None
-            else arm.continuations,
+            continuations=self._n(arm),
+            max_staleness=self.staleness_of(name),
         )
+
+
+def _ks(values: Sequence[int]) -> str:
+    return ",".join(str(k) for k in values) or "nothing"
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One compared run setting: a strategy, and optionally its own budget shape M×N."""
+    """One compared run setting: a strategy, and optionally its own budget shape M×N and its
+    own ``max_staleness`` k."""
 
     strategy: str
     budget: int | None = None
     continuations: int | None = None
+    staleness: int | None = None
+
+    @property
+    def shape(self) -> str:
+        return f"{self.budget}x{self.continuations}"
 
 
 def parse_arm(name: str) -> Arm:
-    """``trace`` → the run's M and N; ``trace@64x6`` → M=64 roots, N=6 continuations."""
-    strategy, at, shape = name.partition("@")
+    """``trace`` → the run's M, N and k; ``trace@64x6`` → M=64 roots, N=6 continuations;
+    ``trace@k1`` → k = 1; ``trace@64x6@k1`` both."""
+    strategy, *settings = name.split("@")
     check_strategy(strategy)  # names the strategy it does not know
-    if not at:
-        return Arm(strategy)
-    m, x, n = shape.partition("x")
-    if not (x and m.isdigit() and n.isdigit() and int(m) >= 1):
-        raise ValueError(
-            f"strategy {name!r}: write a budget shape as STRATEGY@MxN, e.g. trace@64x6"
-        )
-    return Arm(strategy, int(m), int(n))
+    arm = Arm(strategy)
+    for setting in settings:
+        m, x, n = setting.partition("x")
+        if setting[:1] == "k" and setting[1:].isdigit() and arm.staleness is None:
+            arm = replace(arm, staleness=int(setting[1:]))
+        elif x and m.isdigit() and n.isdigit() and int(m) >= 1 and arm.budget is None:
+            if arm.staleness is not None:
+                break  # the shape comes first
+            arm = replace(arm, budget=int(m), continuations=int(n))
+        else:
+            break
+    else:
+        return arm
+    raise ValueError(
+        f"strategy {name!r}: write a budget shape as STRATEGY@MxN, e.g. trace@64x6, a "
+        "staleness as STRATEGY@kK, e.g. trace@k1, both as trace@64x6@k1"
+    )
 
 
 @dataclass(frozen=True)
@@ -177,6 +251,9 @@ class CompareResult:
     """strategy → metric → the interval of (strategy − grpo) over seeds."""
     per_seed: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """strategy → metric → its value per seed (``seed_list`` order), for other pairings."""
+    paired_staleness: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    """arm at k ≥ 1 → metric → the interval of (arm − the same strategy at k = 0) over seeds;
+    empty without staleness arms."""
 
     def to_json(self) -> dict[str, object]:
         finite = {  # JSON has no Infinity: a strategy that never got there is null
@@ -186,11 +263,15 @@ class CompareResult:
             }
             for name, row in self.strategies.items()
         }
-        return {
+        data: dict[str, object] = {
             "config": self.config,
             "interval": "95% Student t over seeds",
             "strategies": finite,
             "paired_vs_grpo": self.paired,
+        }
+        if self.paired_staleness:
+            data["paired_vs_k0"] = self.paired_staleness
+        return data | {
             "per_seed": self.per_seed,
             "curves": {k: asdict(v) for k, v in self.curves.items()},
             "by_difficulty": self.by_difficulty,
@@ -220,6 +301,9 @@ class CompareResult:
             by_difficulty=data["by_difficulty"],
             paired={name: numbers(row) for name, row in data["paired_vs_grpo"].items()},
             per_seed=data["per_seed"],
+            paired_staleness={
+                name: numbers(row) for name, row in data.get("paired_vs_k0", {}).items()
+            },
         )
 
 
@@ -228,7 +312,7 @@ def run_compare(
 ) -> CompareResult:
     say = progress or (lambda _message: None)
     init = config.init or _warm_start(config, say)
-    jobs = [(name, seed) for seed in config.seed_list for name in config.strategies]
+    jobs = [(name, seed) for seed in config.seed_list for name in config.arms]
     threads = max(1, (os.cpu_count() or 1) // config.parallel)
     runs: dict[tuple[str, int], list[IterationRecord]] = {}
     label = {"trace.compare": config.output.resolve().name}  # MLflow: filter on it, compare
@@ -283,14 +367,19 @@ def summarize(
     config: CompareConfig, runs: dict[tuple[str, int], list[IterationRecord]]
 ) -> CompareResult:
     """The table, curves and per-difficulty accuracy from every run's records."""
-    curves = {name: _curve(name, config, runs) for name in config.strategies}
-    per_seed_rows = {name: _seed_rows(name, config, runs) for name in config.strategies}
+    curves = {name: _curve(name, config, runs) for name in config.arms}
+    per_seed_rows = {name: _seed_rows(name, config, runs) for name in config.arms}
     table: dict[str, dict[str, dict[str, float]]] = {}
     paired: dict[str, dict[str, dict[str, float]]] = {}
+    stale: dict[str, dict[str, dict[str, float]]] = {}
     by_difficulty: dict[str, dict[str, float]] = {}
     grpo = per_seed_rows.get("grpo")
-    for name in config.strategies:
+    for name in config.arms:
         rows = per_seed_rows[name]
+        reference = config.reference(name)
+        if reference is not None:
+            base = per_seed_rows[reference]
+            stale[name] = {m: interval(list(np.subtract(rows[m], base[m]))) for m in PAIRED}
         table[name] = {k: interval(v) for k, v in rows.items()}
         if grpo is not None:
             reach = [
@@ -299,7 +388,7 @@ def summarize(
                 for s in config.seed_list
             ]
             table[name]["tokens_to_grpo_final"] = interval(reach)
-            if name != "grpo":
+            if name != "grpo" and parse_arm(name).staleness is None:
                 paired[name] = {m: interval(list(np.subtract(rows[m], grpo[m]))) for m in PAIRED}
         finals = [_last_eval(runs[name, s]) for s in config.seed_list]
         labels = sorted(finals[0]["mean_k"])  # type: ignore[arg-type]
@@ -307,7 +396,9 @@ def summarize(
             label: float(np.mean([f["mean_k"][label] for f in finals]))  # type: ignore[index]
             for label in labels
         }
-    return CompareResult(_config_json(config), table, curves, by_difficulty, paired, per_seed_rows)
+    return CompareResult(
+        _config_json(config), table, curves, by_difficulty, paired, per_seed_rows, stale
+    )
 
 
 def _seed_rows(
@@ -421,9 +512,10 @@ def _config_json(config: CompareConfig) -> dict[str, object]:
     run = config.run.to_json()
     for per_run in ("task", "output", "init", "strategy", "seed"):
         run.pop(per_run)
-    return {
-        "task": config.task,
-        "strategies": list(config.strategies),
+    data: dict[str, object] = {"task": config.task, "strategies": list(config.strategies)}
+    if config.staleness != (0,):
+        data["staleness"] = list(config.staleness)
+    return data | {
         "seeds": config.seeds,
         "first_seed": config.first_seed,
         "init": str(config.init) if config.init else None,
