@@ -109,6 +109,7 @@ def config_for(
         budget=6,
         continuations=2,
         iterations=2,
+        max_staleness=0,
         checkpoint_every=2,
         ray_jobs_url=address,
         rollout_workers=rollout_workers,

@@ -93,10 +93,17 @@ def pipeline_config(
     """prep's config of the run, on the loopback head (the address the local pipeline gives its
     steps), with its session's name: ``name``, or prep's from the KFP run's id ``kfp_run``."""
     params = PipelineParameters(
-        task="calc", base_model_uri=str(init), budget=6, iterations=3, checkpoint_every=2,
-        run_name=name, store_uri=store, rollout_workers=1,
+        task="calc",
+        base_model_uri=str(init),
+        budget=6,
+        iterations=3,
+        max_staleness=0,  # rollout, then update: k >= 1 is tests/pipelines/test_local_run.py's
+        checkpoint_every=2,
+        run_name=name,
+        store_uri=store,
+        rollout_workers=1,
         settings_json=json.dumps({**SETTINGS, **settings}),
-    )  # fmt: skip
+    )
     prep = prep_step(params, root / "prompts", suite=parity.ParitySuite(), pipeline_run_id=kfp_run)  # type: ignore[arg-type]
     config = PipelineConfig.from_json(prep.config_json)
     engine = replace(config.train.engine, keep_alive_s=ENGINE.keep_alive_s)

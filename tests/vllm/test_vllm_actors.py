@@ -212,6 +212,7 @@ def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
         budget=6,
         continuations=2,
         iterations=1,
+        max_staleness=0,
         ray_jobs_url=head.dashboard_url,
         engine="vllm",
         rollout_workers=1,

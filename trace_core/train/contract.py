@@ -258,10 +258,11 @@ class PipelineParameters:
     """N: continuations per root."""
     iterations: int = 4
     """K: training iterations of this run (after the one it resumes from)."""
-    max_staleness: int = 0
+    max_staleness: int = 1
     """k: how many policy versions older than the ones it updates an iteration's trees may
     be. 0: rollout, then update (synchronous); >= 1: the trees ahead grow on the engines while
-    the trainers update (``train.phases``)."""
+    the trainers update (``train.phases``). 1 by default: on calc-mix it cost no accuracy a
+    paired interval can see, and 2 did (docs/results.md, "Bounded staleness")."""
     seed: int = 0
     """Seed of pools, plans, sampling and updates."""
     checkpoint_every: int = 5
