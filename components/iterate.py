@@ -23,7 +23,7 @@ def iterate(
     the report), the iteration's figures and the S3 bytes it moved as metrics. Run again after
     it committed (a retried pod), it hands on what it wrote then."""
     from trace_core.train.contract import PipelineConfig
-    from trace_core.train.steps.handoff import iterate_on_store
+    from trace_core.train.dispatch import iterate_on_store
 
     config = PipelineConfig.from_json(config_json)
     for key, value in iterate_on_store(config, iteration, prompts, trees).items():

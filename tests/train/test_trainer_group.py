@@ -1,12 +1,14 @@
 """The resident trainer group on an in-process Ray (gloo on CPU): two trainer actors reproduce
 the in-process update, their weights reach every engine actor by broadcast, an engine actor
 replaced between syncs receives the current weights, and a checkpoint holds what they hold;
-idle detached trainers stop themselves and free their devices."""
+idle detached trainers stop themselves and free their devices; a call past its limit ends in one
+line naming what it waited for."""
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.flat import rollout_flat
 from trace_core.rollout.ray_pool import RayEnginePool, ray_session
 from trace_core.rollout.ray_worker import StaleWeightsError
+from trace_core.rollout.waits import WaitTimeoutError
 from trace_core.train.trainer_group import StartState, TrainerGroup, TrainerSpec
 
 pytestmark = pytest.mark.slow
@@ -158,3 +161,38 @@ def test_idle_trainers_stop_themselves_and_free_their_devices(setup):  # type: i
         time.sleep(0.2)
     else:
         raise AssertionError(f"still held: {held()}, {ray.available_resources()}")
+
+
+def test_a_call_past_its_limit_ends_in_one_line_naming_it(setup):  # type: ignore[no-untyped-def]
+    """An actor alive but stuck would hang the run: every wait on the trainers and the engines
+    is bounded (``rollout.waits``), and past its limit one line names who did not answer, the
+    call, the limit and its setting, which the CLI prints as its error. The call goes on where
+    it runs: the next call, within its limit, gets its answer."""
+    from trace_core.cli.output import describe, is_expected
+
+    policy, trees, _, prompt = setup
+    with (
+        TrainerGroup(TrainerSpec(CONFIG), StartState(str(policy))) as trainers,
+        RayEnginePool(policy, workers=1, call_timeout_s=0.001) as pool,
+    ):
+        patient = trainers.spec
+        trainers.spec = replace(patient, wait_timeout_s=0.001)  # an update takes ~0.1 s
+        with pytest.raises(WaitTimeoutError) as late:
+            trainers.update(trees, seed=7)
+        assert str(late.value) == (
+            "trainer ranks [0] did not answer within 0.001 s (wait_timeout_s) for update (seed "
+            "7): alive but stuck (a hung collective or engine, a frozen node), or the call needs "
+            "longer: look at their logs, or raise wait_timeout_s"
+        )
+        assert is_expected(late.value) and describe(late.value) == str(late.value)
+        trainers.spec = patient
+        assert len(trainers.pids()) == 1  # answered once the update behind it is done
+
+        with pytest.raises(WaitTimeoutError) as late:
+            pool.generate([prompt], PARAMS, seed=5)
+        assert str(late.value).startswith(
+            "engine workers [0] did not answer within 0.001 s (call_timeout_s) for generate "
+            "(call 1): "
+        )
+        pool.call_timeout_s = 600.0
+        assert len(pool.generate([prompt], PARAMS, seed=5)[0]) == PARAMS.n

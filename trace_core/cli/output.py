@@ -43,6 +43,7 @@ EXPECTED_ELSEWHERE = frozenset(
         "minio.error.MinioException",  # an S3 reply the store did not translate
         "huggingface_hub.errors.HFValidationError",  # a path HF took for a repo id
         "trace_core.rollout.engine_start.EngineStartError",  # engines that did not start: the cause
+        "trace_core.rollout.waits.WaitTimeoutError",  # actors stuck in a call: which, which call
         "trace_core.train.weights.TrainersLostError",  # the checkpoint a rerun resumes from
         "trace_core.train.weights.EnginesLostError",  # the checkpoint a rerun resumes from
     }

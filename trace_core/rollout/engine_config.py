@@ -57,6 +57,11 @@ class EngineConfig:
     cluster that covers a GPU node scaled from zero (minutes), the image pull (≈10 GB), the
     policy's download (16 GB at 8B) and vLLM's compilation and CUDA graphs: 30 min by default,
     20 at the least for such a start."""
+    call_timeout_s: float = 3600.0
+    """How long a Ray engine pool waits for its actors to answer a call once started (a
+    sub-batch, a turn, a weight load) before it stops the run with one line naming them: an
+    actor alive but stuck (a deadlocked engine, a frozen node) would hang it forever. Above the
+    longest call, a restart after a fault included (``ready_timeout_s``): 1 h by default."""
     dtype: str = "auto"
     """vLLM: the engine's weights and arithmetic: auto (vLLM's choice: bfloat16 for a float32
     checkpoint), float32, bfloat16 or float16. The update's old_logprobs=auto recomputes π_old
@@ -141,6 +146,8 @@ class EngineConfig:
             )
         if not self.ready_timeout_s > 0:
             raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        if not self.call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
         if self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.engine == "vllm" and self.tensor_parallel > self.gpus_per_node:

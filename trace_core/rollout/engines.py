@@ -65,6 +65,7 @@ def open_engine(
             serving=serving,
             driver=config.pool_driver,  # type: ignore[arg-type]  # checked by EngineConfig
             ready_timeout_s=config.ready_timeout_s,
+            call_timeout_s=config.call_timeout_s,
             **config.vllm_kwargs(),
         ) as pool:
             yield pool

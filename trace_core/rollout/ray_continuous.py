@@ -24,7 +24,8 @@ Faults: an actor answers every call with its pid. When Ray restarts a dead actor
 has restarts left) the new process holds nothing, so the turns an earlier pid took are
 submitted to it again, same seeds, as soon as any call shows the new pid; an actor gone for
 good has its turns sent to the least-loaded live worker. A turn answered twice is handed back
-once.
+once. The wait for the collects is bounded by the pool's ``call_timeout_s`` (``rollout.waits``):
+an engine stuck in a step answers none.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ray.exceptions import ActorDiedError, RayActorError
 from trace_core.policy.engine import Completion, SamplingParams
 from trace_core.rollout.ray_stream import Pool
 from trace_core.rollout.routing import SubBatch
+from trace_core.rollout.waits import first
 from trace_core.rollout.worker_result import Collected
 
 UPSTREAM = (
@@ -92,7 +94,10 @@ class ContinuousStream(Generic[Tag]):
             raise RuntimeError("nothing in flight: submit turns first")
         while True:
             self._check_submits()
-            [ref], _ = ray.wait(list(self._collecting), num_returns=1)
+            workers = list(self._collecting.values())
+            ref = first(
+                list(self._collecting), self._pool._wait(workers, "collect (their turns in flight)")
+            )
             worker = self._collecting.pop(ref)
             try:
                 pid, got = ray.get(ref)

@@ -43,7 +43,9 @@ seed, to the least-loaded surviving worker. Every sub-batch is answered exactly 
 result is taken per sub-batch, never per attempt. A sub-batch is a pure function of its
 inputs given the seed, up to float rounding between cached and recomputed KV, so a rerun
 samples what the first attempt would have. The wait for a restarted actor before a weight
-sync (``worker_pids``) is bounded by ``ready_timeout_s``, past which one line names it.
+sync (``worker_pids``) is bounded by ``ready_timeout_s``, and every wait for a call's answer by
+``call_timeout_s``: an actor alive but stuck ends the run with one line naming it
+(``rollout.waits``).
 
 **In-process Ray.** Without an address and without an existing connection, the pool starts
 Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS`` or
@@ -68,10 +70,11 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Literal
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
@@ -89,6 +92,7 @@ from trace_core.rollout.ray_worker import (
 )
 from trace_core.rollout.routing import PrefixOwners, SubBatch, split_work
 from trace_core.rollout.turn import Episode
+from trace_core.rollout.waits import Wait, first, get
 from trace_core.rollout.worker_result import SubBatchResult
 
 UPSTREAM = (
@@ -104,7 +108,6 @@ UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",
     "ray.exceptions.ActorDiedError",
     "ray.exceptions.RayActorError",
-    "ray.exceptions.GetTimeoutError",
     "ray.util.placement_group.PlacementGroup",
     "ray.util.placement_group.remove_placement_group(placement_group, /)",
     "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
@@ -170,6 +173,7 @@ class RayEnginePool:
         max_restarts: int = 3,
         slack: float = 0.15,
         ready_timeout_s: float = 1800.0,
+        call_timeout_s: float = 3600.0,
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
         max_num_seqs: int | None = None,
@@ -184,7 +188,8 @@ class RayEnginePool:
         """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
         may be loaded with prompts it already holds before they move; ``ready_timeout_s``: how
-        long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster).
+        long to wait for the actors to start (they wait for free CPUs/GPUs on the cluster);
+        ``call_timeout_s``: for the answer to a call once they run (``rollout.waits``).
         ``max_model_len``, ``kv_cache_bytes``, ``max_num_seqs``, ``max_num_batched_tokens``,
         ``eager``, ``dtype``: vLLM's.
         ``name`` and ``keep_alive_s`` > 0: kept actors (see the module docstring).
@@ -206,6 +211,7 @@ class RayEnginePool:
         self.checkpoint = str(checkpoint)
         self.ready_timeout_s = ready_timeout_s
         """Also how long a worker restarted after a fault may take to answer (``worker_pids``)."""
+        self.call_timeout_s = call_timeout_s
         self.slack = slack
         self.name, self.kept = name, bool(name) and keep_alive_s > 0
         self._serving = serving
@@ -326,21 +332,21 @@ class RayEnginePool:
         """The process id of every live worker, in worker order; a worker Ray is restarting
         after a fault (it waits for free CPUs/GPUs) has ``ready_timeout_s`` to answer."""
         refs = [self._actors[w].pid.remote() for w in self._live]
-        try:
-            return [int(p) for p in ray.get(refs, timeout=self.ready_timeout_s)]
-        except GetTimeoutError:
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            late = [w for w, ref in zip(self._live, refs, strict=True) if ref not in done]
-            raise EngineStartError(
-                f"engine workers {late} did not answer within {self.ready_timeout_s:g} s "
-                "(ready_timeout_s) for their process ids: restarted after a fault, they wait for "
-                "free CPUs/GPUs on the cluster; raise ready_timeout_s, or give the cluster room "
-                "for the engines"
-            ) from None
+        hint = (
+            "restarted after a fault, they wait for free CPUs/GPUs on the cluster; raise "
+            "ready_timeout_s, or give the cluster room for the engines"
+        )
+        what, timeout_s = "their process ids", self.ready_timeout_s
+        wait = Wait("engine workers", self._live, what, timeout_s, "ready_timeout_s", hint)
+        return [int(p) for p in get(refs, replace(wait, error=EngineStartError))]
+
+    def _wait(self, workers: Sequence[int], what: str) -> Wait:
+        """A wait for ``workers``' answers to ``what``, bounded by ``call_timeout_s``."""
+        return Wait("engine workers", list(workers), what, self.call_timeout_s, "call_timeout_s")
 
     def kill_worker_process(self, worker: int, sig: int) -> int:
         """Send ``sig`` to worker ``worker``'s process (fault injection); returns its pid."""
-        pid = int(ray.get(self._actors[worker].pid.remote()))
+        pid = int(get([self._actors[worker].pid.remote()], self._wait([worker], "its pid"))[0])
         os.kill(pid, sig)
         return pid
 
@@ -368,7 +374,8 @@ class RayEnginePool:
         extra = self.stats.extra
         busy = dict.fromkeys(self._live, 0.0)  # engine seconds per worker in this call
         while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
+            what = f"generate (call {self._calls})"
+            ref = first(list(pending), self._wait([s.worker for s in pending.values()], what))
             sub = pending.pop(ref)
             try:
                 result: SubBatchResult = ray.get(ref)
@@ -503,7 +510,8 @@ class RayEnginePool:
         start = time.perf_counter()
         self.checkpoint = str(checkpoint)
         chosen = self._live if workers is None else workers
-        ray.get([self._actors[w].load.remote(self.checkpoint) for w in chosen])
+        refs = [self._actors[w].load.remote(self.checkpoint) for w in chosen]
+        get(refs, self._wait(chosen, f"update_weights ({self.checkpoint})"))
         self._owners.clear()
         seconds = time.perf_counter() - start
         extra = self.stats.extra
@@ -526,7 +534,8 @@ class RayEnginePool:
 
     def placement(self) -> list[dict[str, object]]:
         """Where each live worker runs: pid, node id, GPU ids, engine and checkpoint."""
-        return list(ray.get([self._actors[w].where.remote() for w in self._live]))
+        refs = [self._actors[w].where.remote() for w in self._live]
+        return get(refs, self._wait(self._live, "placement"))
 
     def close(self) -> None:
         """Stop the engines and actors (kept ones stay up), and Ray itself if this pool started

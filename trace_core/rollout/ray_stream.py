@@ -24,7 +24,8 @@ request from its own (``sampling.KeyedDraws``, vLLM's per-request seed), so whic
 in a sub-batch, which depends on timing and on the number of workers, does not change what
 they sample (up to float rounding in batched kernels). Faults: a sub-batch whose actor died is
 started again, same turns and seed, on the least-loaded live worker
-(``RayEnginePool._reroute``); turns queued for a worker gone for good are routed again.
+(``RayEnginePool._reroute``); turns queued for a worker gone for good are routed again. The
+wait for a sub-batch is bounded by the pool's ``call_timeout_s`` (``rollout.waits``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ from ray.exceptions import RayActorError
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.rollout.routing import SubBatch
+from trace_core.rollout.waits import Wait, first
 from trace_core.rollout.worker_result import SubBatchResult
 
 UPSTREAM = (
     "ray.get(object_refs, /)",
-    "ray.wait(ray_waitables, /, num_returns)",
     "ray.exceptions.RayActorError",
     "ray.ObjectRef",
 )
@@ -80,6 +81,8 @@ class Pool(Protocol):
     ) -> SubBatch: ...
 
     def _submitted(self, call: int, plan: Sequence[SubBatch]) -> None: ...
+
+    def _wait(self, workers: Sequence[int], what: str) -> Wait: ...
 
 
 class TurnStream(Generic[Tag]):
@@ -122,7 +125,8 @@ class TurnStream(Generic[Tag]):
             raise RuntimeError("nothing in flight: submit turns first")
         pool = self._pool
         while True:
-            [ref], _ = ray.wait(list(self._running), num_returns=1)
+            workers = [s.worker for s in self._running.values()]
+            ref = first(list(self._running), pool._wait(workers, "a sub-batch of turns"))
             sub = self._running.pop(ref)
             try:
                 result: SubBatchResult = ray.get(ref)

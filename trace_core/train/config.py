@@ -71,6 +71,11 @@ class TrainConfig:
     train_fsdp: bool = False
     """Shard the policy, its gradients and AdamW's moments across the trainer actors (FSDP)
     instead of replicating them (DDP): for policies whose replicas do not fit."""
+    wait_timeout_s: float = 3600.0
+    """How long the driver waits for the trainer actors to answer a call (start, update,
+    checkpoint) before it stops the run with one line naming them: an actor alive but stuck (a
+    hung NCCL call, a frozen node) would hang it forever. 1 h: an 8B update takes about two
+    minutes, its checkpoint's upload a few (``engine.call_timeout_s`` bounds the engines')."""
     checkpoint_every: int = 5
     """Write the policy, its optimizer state and master weights every this many iterations and
     after the last (the iterations between keep their trees, metrics and predictor); a resumed
@@ -109,6 +114,8 @@ class TrainConfig:
             raise ValueError("train_gpus needs train_workers >= 1 (one trainer actor per GPU)")
         if self.train_fsdp and not self.train_workers:
             raise ValueError("train_fsdp needs train_workers >= 1 (the ranks it shards across)")
+        if not self.wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         for name in ("eval_tasks", "eval_k", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

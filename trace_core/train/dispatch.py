@@ -1,6 +1,7 @@
 """Running a step: here, as a Ray job, or from the command line (``trace-rl step``).
 
     run_step(StepCall("iterate", 3, inputs, outputs), config)   # a KFP component's call
+    iterate_on_store(config, 3, prompts, trees)   # the iterate component: state via the store
     execute_cli_step("iterate", 3, {"state": "s3://b/s", ...}, {"trees": ..., "state": ...}, cfg)
 
 A step's folders may be local paths or s3:// prefixes: remote inputs are downloaded into a
@@ -20,7 +21,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import (
@@ -51,6 +52,35 @@ def run_step(call: StepCall, config: PipelineConfig) -> dict[str, float]:
     else:
         execute_step(call, config)
     return read_metrics(Path(next(iter(call.outputs.values()))))
+
+
+def iterate_on_store(
+    config: PipelineConfig, iteration: int, prompts: Any, trees: Any
+) -> dict[str, float]:
+    """The iterate component's body: iteration ``iteration`` from the state the one before
+    published, its trees into the KFP artifact ``trees`` (``.path``, ``.uri``; likewise
+    ``prompts``), its state published. Its figures, as the step's metrics."""
+    from trace_core.train.steps.finish import record_trees
+    from trace_core.train.steps.handoff import done_before, publish, state_uri
+
+    before, after = state_uri(config, iteration - 1), state_uri(config, iteration)
+    figures = done_before(after, iteration, Path(trees.path))
+    if figures is not None:
+        return figures
+    with tempfile.TemporaryDirectory(prefix="trace-iterate-") as scratch:
+        new_state = Path(scratch, "state")
+        call = StepCall(
+            "iterate",
+            iteration,
+            {"prompts": prompts.path, "state": before},
+            {"trees": trees.path, "state": str(new_state)},
+            input_uris={"prompts": prompts.uri, "state": before},
+        )
+        figures = run_step(call, config)
+        # Where this iteration's trees land, beside the earlier ones': the report shows all.
+        record_trees(before, new_state, iteration, trees.uri)
+        publish(new_state, after)
+    return figures
 
 
 def execute_step(call: StepCall, config: PipelineConfig) -> None:

@@ -27,7 +27,9 @@ The trainers' devices (one CPU, and one GPU with ``use_gpu``, each) are reserved
 placement group, all or nothing (``rollout.placement.reserve``): a group that does not fit
 within ``place_timeout_s`` is removed and the error names the shortfall. Detached trainers (a
 pipeline run's) hold a lease (``train.lease``): each call renews it, and with ``idle_exit_s``
-they stop themselves, their group with them, once their run is gone.
+they stop themselves, their group with them, once their run is gone. Every wait on them is
+bounded by ``wait_timeout_s`` (``rollout.waits``): a rank alive but stuck (a hung NCCL call, a
+frozen node) ends the run with one line naming it and the call.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from trace_core.policy.update_config import UpdateConfig
 from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
 from trace_core.rollout.lease import Lease
 from trace_core.rollout.placement import in_bundle, named_groups, reserve
+from trace_core.rollout.waits import Wait, get
 from trace_core.store.sync import local_copy
 from trace_core.store.uri import is_remote
 from trace_core.train.lease import leased
@@ -101,6 +104,8 @@ class TrainerSpec:
     """> 0: a trainer without a call for this long stops itself (``train.lease``)."""
     place_timeout_s: float = 1800.0
     """How long the group waits for its devices, reserved together (``rollout.placement``)."""
+    wait_timeout_s: float = 3600.0
+    """How long the driver waits for the ranks to answer a call (``TrainConfig``'s)."""
 
 
 WRITTEN = "written.json"
@@ -425,8 +430,8 @@ class TrainerGroup:
             for r in range(spec.workers)
         ]
         try:
-            host, port = ray.get(self.ranks[0].endpoint.remote())
-            infos = ray.get([r.setup.remote(host, port, start) for r in self.ranks])
+            host, port = self._get([self.ranks[0].endpoint.remote()], "their start", [0])[0]
+            infos = self._get([r.setup.remote(host, port, start) for r in self.ranks], "setup")
         except BaseException:
             self.close()
             raise
@@ -457,13 +462,13 @@ class TrainerGroup:
         if len(ranks) < spec.workers or not group.alive():
             group.close()
             return None
-        group._attached(ray.get(ranks[0].info.remote()))
+        group._attached(group._get([ranks[0].info.remote()], "info", [0])[0])
         return group
 
     @property
     def plan(self) -> WeightPlan:
         if self._plan is None:
-            self._plan = ray.get(self.ranks[0].plan.remote())
+            self._plan = self._get([self.ranks[0].plan.remote()], "plan", [0])[0]
         return self._plan
 
     def update(self, trees: Sequence[RolloutTree] | str, seed: int) -> UpdateStats:
@@ -471,7 +476,8 @@ class TrainerGroup:
         names (``store.sync.put_trees``): the store is the hand-off."""
         # Objects: once in the object store, read by every rank.
         ref = trees if isinstance(trees, str) else ray.put(list(trees))
-        stats: list[UpdateStats] = ray.get([r.update.remote(ref, seed) for r in self.ranks])
+        refs = [r.update.remote(ref, seed) for r in self.ranks]
+        stats: list[UpdateStats] = self._get(refs, f"update (seed {seed})")
         return stats[0]
 
     def sync(
@@ -488,7 +494,7 @@ class TrainerGroup:
         plan = self.plan
         members = [*pids, os.getpid() if local is not None else 0]
         if members != self._members:
-            source = ray.get(self.ranks[0].sync_device.remote())
+            source = self._get([self.ranks[0].sync_device.remote()], "sync_device", [0])[0]
             self._group = build_sync(
                 self.ranks[0].open_sync, self.ranks[0].join_sync, engines, local is not None,
                 source=source,
@@ -498,7 +504,9 @@ class TrainerGroup:
         receives = [e.receive.remote(plan, label) for e in engines]
         if local is not None:
             apply_weights(plan, self._group, local)
-        ray.get(sends + receives)
+        ranks, engine_ids = range(len(sends)), range(len(receives))
+        names = [*(f"rank {r}" for r in ranks), *(f"engine {e}" for e in engine_ids)]
+        self._get(sends + receives, f"sync ({label})", names, who="sync members")
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
@@ -506,31 +514,43 @@ class TrainerGroup:
     def save(self, target: str | Path) -> dict[str, tuple[int, str]]:
         """Checkpoint to ``target`` (a folder or ``s3://`` prefix); rank 0's files (relative
         path → size, sha256)."""
-        files: list[dict[str, tuple[int, str]]] = ray.get(
-            [r.save.remote(str(target)) for r in self.ranks]
-        )
+        refs = [r.save.remote(str(target)) for r in self.ranks]
+        files: list[dict[str, tuple[int, str]]] = self._get(refs, f"save ({target})")
         return files[0]
 
     def save_in_background(self, target: str | Path) -> None:
         """Start the checkpoint to ``target`` on the trainer actors and return at once (the
         next rollout runs while they write it); ``saved`` waits for its files. The next update
         waits for it first."""
-        ray.get([r.save_in_background.remote(str(target)) for r in self.ranks])
+        refs = [r.save_in_background.remote(str(target)) for r in self.ranks]
+        self._get(refs, f"save_in_background ({target})")
 
     def save_status(self) -> list[str]:
         """Each rank's ``TrainerRank.save_status``."""
-        return list(ray.get([r.save_status.remote() for r in self.ranks]))
+        return self._get([r.save_status.remote() for r in self.ranks], "save_status")
 
     def saved(self) -> dict[str, tuple[int, str]] | None:
         """Rank 0's files of the checkpoint started by ``save_in_background``, once written;
         None when none was started (these actors are not the ones that started it)."""
-        files: list[dict[str, tuple[int, str]] | None] = ray.get(
-            [r.saved.remote() for r in self.ranks]
-        )
+        refs = [r.saved.remote() for r in self.ranks]
+        files: list[dict[str, tuple[int, str]] | None] = self._get(refs, "saved (its checkpoint)")
         return files[0]
 
     def pids(self) -> list[int]:
-        return [int(p) for p in ray.get([r.pid.remote() for r in self.ranks])]
+        return [int(p) for p in self._get([r.pid.remote() for r in self.ranks], "pid")]
+
+    def _get(
+        self,
+        refs: list[Any],
+        what: str,
+        ranks: Sequence[object] | None = None,
+        who: str = "trainer ranks",
+    ) -> list[Any]:
+        """``ray.get(refs)``, the answers of ``ranks`` (default: every rank, in order) to
+        ``what``, within ``spec.wait_timeout_s``; past it one line names the ranks that did
+        not answer (``rollout.waits``)."""
+        names = range(len(refs)) if ranks is None else ranks
+        return get(refs, Wait(who, names, what, self.spec.wait_timeout_s, "wait_timeout_s"))
 
     def alive(self) -> bool:
         """Whether every trainer actor still answers (its state is then intact)."""

@@ -71,7 +71,11 @@ class Weights:
 
             self._stack.enter_context(ray_session(config.ray_address))
             spec = TrainerSpec(
-                config.objective(), config.train_workers, config.train_gpus, config.train_fsdp
+                config.objective(),
+                config.train_workers,
+                config.train_gpus,
+                config.train_fsdp,
+                wait_timeout_s=config.wait_timeout_s,
             )
             self.trainers = TrainerGroup(spec, self.start, name=self.name)
         return self

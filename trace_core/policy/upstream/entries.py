@@ -28,6 +28,7 @@ MODULES = (
     "trace_core.rollout.lease",
     "trace_core.rollout.ray_stream",
     "trace_core.rollout.ray_continuous",
+    "trace_core.rollout.waits",
     "trace_core.train.trainer_group",
     "trace_core.train.sync_source",
     "trace_core.train.lease",

@@ -14,19 +14,19 @@ state after the iteration before it from here and publishes its own. A state is 
 whole or not at all: every file, then ``state.json`` (what ``committed`` looks for) last; what
 a step that died while publishing left is removed before the step publishes again. A state is
 never replaced once committed: a retried iteration whose first attempt committed hands on
-what that attempt wrote (``iterate`` in ``components``).
+what that attempt wrote (``train.dispatch.iterate_on_store``).
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
-from typing import Any
 
 from trace_core.store.artifacts import open_store
 from trace_core.store.sync import download_folder
 from trace_core.train.contract import PipelineConfig
-from trace_core.train.steps.session import STATE  # what marks a published state complete
+
+STATE = "state.json"
+"""The run state's file (``steps.session.RunState``): published last, it marks a state whole."""
 
 
 def session_uri(config: PipelineConfig) -> str:
@@ -85,36 +85,6 @@ def fetch(uri: str, folder: Path) -> Path:
         )
     download_folder(uri, folder)
     return folder
-
-
-def iterate_on_store(
-    config: PipelineConfig, iteration: int, prompts: Any, trees: Any
-) -> dict[str, float]:
-    """The iterate component's body: iteration ``iteration`` from the state the one before
-    published, its trees into the KFP artifact ``trees`` (``.path``, ``.uri``; likewise
-    ``prompts``), its state published. Its figures, as the step's metrics."""
-    from trace_core.train.contract import StepCall
-    from trace_core.train.dispatch import run_step
-    from trace_core.train.steps.finish import record_trees
-
-    before, after = state_uri(config, iteration - 1), state_uri(config, iteration)
-    figures = done_before(after, iteration, Path(trees.path))
-    if figures is not None:
-        return figures
-    with tempfile.TemporaryDirectory(prefix="trace-iterate-") as scratch:
-        new_state = Path(scratch, "state")
-        call = StepCall(
-            "iterate",
-            iteration,
-            {"prompts": prompts.path, "state": before},
-            {"trees": trees.path, "state": str(new_state)},
-            input_uris={"prompts": prompts.uri, "state": before},
-        )
-        figures = run_step(call, config)
-        # Where this iteration's trees land, beside the earlier ones': the report shows all.
-        record_trees(before, new_state, iteration, trees.uri)
-        publish(new_state, after)
-    return figures
 
 
 def done_before(uri: str, iteration: int, trees_out: Path) -> dict[str, float] | None:

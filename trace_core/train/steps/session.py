@@ -29,7 +29,6 @@ otherwise it stops with one line naming that checkpoint and how the run resumes 
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -51,7 +50,17 @@ from trace_core.train.contract import (
 )
 from trace_core.train.lost import SessionLostError, lost_line, stop_if_updated
 from trace_core.train.record import LOG, IterationRecord, read_log
+from trace_core.train.steps.commit import (
+    MASTER,
+    carry_ahead,
+    commit_checkpoint,
+    optimizer_files,
+    registry_run,
+    run_registry,
+    write_log,
+)
 from trace_core.train.steps.finish import eval_metrics, record_metrics
+from trace_core.train.steps.handoff import STATE, session_uri
 from trace_core.train.steps.tracked import log_tracking, open_tracking
 from trace_core.train.tracking import write_tensorboard
 
@@ -59,9 +68,7 @@ UPSTREAM = ("ray.get(object_refs, /)", "ray.actor.ActorMethod.remote")
 """What the steps call in Ray directly (``policy.upstream``: entry syntax there); the session's
 actors are ``rollout.ray_pool``'s and ``train.trainer_group``'s."""
 
-STATE = "state.json"
 KIND = "trace.run-state"
-MASTER = "master.safetensors"
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,7 @@ def write_state(
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / STATE).write_text(state.to_json())
-    _write_log(folder / LOG, records)
+    write_log(folder / LOG, records)
     write_tensorboard(folder, records)
     predictor.save(folder / "predictor")
     tokenizer.save_pretrained(folder / "tokenizer")
@@ -134,10 +141,6 @@ def read_state(folder: Path) -> tuple[RunState, list[IterationRecord]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; pass the state output of the previous step")
     return RunState.from_json(path.read_text(), str(path)), read_log(folder)
-
-
-def _write_log(path: Path, records: Sequence[IterationRecord]) -> None:
-    path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
 
 
 # --- the steps --------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ def open_session_step(
     _check_session(config)
     optimizer = master = None
     if start.optimizer:
-        optimizer, master = _optimizer_files(start.optimizer)
+        optimizer, master = optimizer_files(start.optimizer)
     state = RunState(
         iteration=start.iteration,
         checkpoint=start.iteration,
@@ -201,7 +204,7 @@ def open_session_step(
             shown = records[-1].eval or eval_dict(evaluate(session.run, session.run.serving_now))
             state = replace(state, serving=session.run.serving_now, mlflow_run=mlflow_run)
             write_state(state_out, state, records, predictor, tokenizer)
-            _carry_ahead(config, start, state_out)
+            carry_ahead(config, start.policy, start.iteration, state_out)
             log_tracking(config, mlflow_run, records)
     result = {**shown, "iteration": start.iteration}
     (state_out / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
@@ -238,7 +241,6 @@ def iterate_step(
     from trace_core.train.ahead import held_ahead, keep_ahead
     from trace_core.train.draws import draw_iteration
     from trace_core.train.phases import fitted_after, iteration_line, run_iteration
-    from trace_core.train.steps.handoff import session_uri
     from trace_core.train.trainer_group import read_written
 
     _check_session(config)
@@ -250,7 +252,7 @@ def iterate_step(
         )
     tokenizer = load_tokenizer(state_dir / "tokenizer")
     predictor = SharedPredictor.load(state_dir / "predictor", tokenizer)
-    registry = _registry(config)
+    registry = run_registry(config)
     reserved: dict[int, str] = {}
     written: dict[str, tuple[int, str]] = {}
     background: list[int] = []
@@ -258,7 +260,7 @@ def iterate_step(
 
     def checkpoint_at(i: int) -> str:
         if i not in reserved:
-            reserved[i] = registry.reserve(_registry_run(config), i)
+            reserved[i] = registry.reserve(registry_run(config), i)
         return registry.store.uri(reserved[i])
 
     def persist(
@@ -285,7 +287,7 @@ def iterate_step(
         if files is None:  # they did not finish it
             return lost
         adopted.append(
-            _commit_checkpoint(
+            commit_checkpoint(
                 config,
                 registry,
                 lost.pending_folder,
@@ -343,7 +345,7 @@ def iterate_step(
             files = pending or session.trainers.saved()  # written while this one rolled out
             assert files is not None  # save_status said it was being written
             # The predictor and log as they were after that iteration: this step's input.
-            committed += _commit_checkpoint(
+            committed += commit_checkpoint(
                 config,
                 registry,
                 state.pending_folder,
@@ -359,7 +361,7 @@ def iterate_step(
         for j, grown in sorted(run.ahead.items()):  # the next steps' trees: the state's
             keep_ahead(state_out, j, grown.trees)
         if iteration not in background and run.checkpointed == iteration:
-            committed += _commit_checkpoint(
+            committed += commit_checkpoint(
                 config, registry, reserved[iteration], written, records, predictor, state_out
             )
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
@@ -371,32 +373,6 @@ def iterate_step(
     metrics = {**record_metrics(outcome.record), **storage}
     write_metrics(trees_out, metrics)
     return metrics
-
-
-def _carry_ahead(config: PipelineConfig, start: StartPoint, state_out: Path) -> None:
-    """A run resumed from a registry checkpoint at max_staleness k >= 1: the trees grown ahead
-    of it, which the checkpoint keeps (``_commit_checkpoint``), into the session's first
-    state, so its next iterations update on the trees the unbroken run did. Those it lacks
-    (a checkpoint of a run at a smaller k) are grown again, on its policy, said."""
-    from trace_core.store.artifacts import open_store
-    from trace_core.train.ahead import AHEAD
-
-    k, done = config.train.max_staleness, start.iteration
-    if not k or not done:
-        return
-    folder = start.policy.rsplit("/policy", 1)[0]
-    store = open_store(folder)
-    kept = {int(o.key.split("/")[1]): o.key for o in store.list_objects(AHEAD)}
-    missing = [j for j in range(done + 1, done + k + 1) if j not in kept]
-    for j in range(done + 1, done + k + 1):
-        if j in kept:
-            store.get_file(kept[j], state_out / kept[j])
-    if missing:
-        print(
-            f"iterations {missing}: their trees grown ahead are not in {folder}; they are "
-            f"grown again on the policy of iteration {done}",
-            flush=True,
-        )
 
 
 def _checkpointed(
@@ -522,6 +498,7 @@ class _Session:
                 train.train_fsdp,
                 idle_exit_s=keep,
                 place_timeout_s=train.engine.ready_timeout_s,
+                wait_timeout_s=train.wait_timeout_s,
             )
             name = f"{state.session}-trainer"
             trainers = TrainerGroup.find(spec, name)
@@ -590,74 +567,3 @@ def _check_session(config: PipelineConfig) -> None:
         )
     if not config.store:
         raise ValueError("a run's session needs store_uri: its checkpoints are written there")
-
-
-def _registry(config: PipelineConfig) -> Any:
-    from trace_core.store.artifacts import open_store
-    from trace_core.store.registry import CheckpointRegistry
-
-    return CheckpointRegistry(open_store(config.store))
-
-
-def _registry_run(config: PipelineConfig) -> str:
-    """The registry name the run's checkpoints go under: its run_name, else its session's."""
-    return config.run_name or config.engine_name
-
-
-def _commit_checkpoint(
-    config: PipelineConfig,
-    registry: Any,
-    folder: str,
-    written: Mapping[str, tuple[int, str]],
-    records: Sequence[IterationRecord],
-    predictor: Any,
-    ahead: Path | None = None,
-) -> int:
-    """The predictor (an object, or a folder it was saved to) and the log beside the trainers'
-    files, with the trees grown ahead that a state folder ``ahead`` holds (max_staleness >= 1:
-    a run resumed from the checkpoint updates on them, as the unbroken run did), then the
-    manifest and ``latest``; its transfers count as checkpoint bytes. Returns the
-    checkpoint's bytes (every file's, as committed)."""
-    from trace_core.store.artifacts import TRAFFIC, file_sha256
-    from trace_core.train.steps.start import BASE_MODEL
-
-    files = dict(written)
-    with tempfile.TemporaryDirectory(prefix="trace-checkpoint-") as scratch, TRAFFIC.checkpoint():
-        root = Path(scratch)
-        if isinstance(predictor, Path):
-            shutil.copytree(predictor, root / "predictor")
-        else:
-            predictor.save(root / "predictor")
-        (root / "policy").mkdir()
-        _write_log(root / "policy" / LOG, records)  # the log travels with the policy
-        from trace_core.train.ahead import AHEAD
-
-        if ahead is not None and (ahead / AHEAD).is_dir():
-            shutil.copytree(ahead / AHEAD, root / AHEAD)
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            relative = path.relative_to(root).as_posix()
-            registry.store.put_file(f"{folder}/{relative}", path)
-            files[relative] = (path.stat().st_size, file_sha256(path))
-        registry.commit(
-            _registry_run(config),
-            records[-1].iteration,
-            folder,
-            files,
-            metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
-        )
-    return sum(size for size, _ in files.values())
-
-
-def _optimizer_files(folder: str) -> tuple[str | None, str | None]:
-    """The optimizer state and master weights a start folder holds (None: none)."""
-    from trace_core.store.uri import is_remote
-
-    if is_remote(folder):
-        from trace_core.store.artifacts import open_store
-
-        keys = {o.key.rsplit("/", 1)[-1] for o in open_store(folder).list_objects("")}
-        has = keys.__contains__
-    else:
-        has = lambda name: Path(folder, name).is_file()  # noqa: E731
-    optimizer = f"{folder}/{OPTIMIZER}" if has(OPTIMIZER) else None
-    return optimizer, (folder if has(MASTER) else None)
