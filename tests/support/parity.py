@@ -3,6 +3,7 @@ config, and the comparisons of two runs' logs and trees."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -188,4 +189,19 @@ def _nodes(tree: RolloutTree) -> list[tuple[tuple[object, ...], list[float], flo
             bool(tree.truncated[node]),
         )
         out.append((exact, tree.logprobs[node].tolist(), float(tree.predicted_v[node])))
+    return out
+
+
+def signature(trees: list[RolloutTree]) -> list[tuple[object, ...]]:
+    """What was grown, not when: each tree's prompt, version and turns (the tokens from the
+    root to the turn's end, the turn's tokens, its reward), in a canonical order (node ids
+    follow the order turns came back, which on engine actors depends on timing)."""
+    out: list[tuple[object, ...]] = []
+    for tree in trees:
+        turns = []
+        for node in range(1, len(tree.parent)):
+            history = tuple(int(t) for n in tree.path(node)[1:] for t in tree.gen_tokens[int(n)])
+            reward = None if math.isnan(tree.reward[node]) else float(tree.reward[node])
+            turns.append((history, tuple(tree.gen_tokens[node].tolist()), reward))
+        out.append((tree.info.prompt_id, tree.info.policy_version, sorted(turns, key=str)))
     return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from support import parity
@@ -34,21 +33,6 @@ def trees_of(out: Path, i: int) -> list[RolloutTree]:
     return read_trees(iteration_dir(out, i) / "trees.parquet")
 
 
-def signature(trees: list[RolloutTree]) -> list[tuple[object, ...]]:
-    """What was grown, not when: each tree's prompt, version and turns (the tokens from the
-    root to the turn's end, the turn's tokens, its reward), in a canonical order (node ids
-    follow the order turns came back, which on engine actors depends on timing)."""
-    out = []
-    for tree in trees:
-        turns = []
-        for node in range(1, len(tree.parent)):
-            history = tuple(int(t) for n in tree.path(node)[1:] for t in tree.gen_tokens[int(n)])
-            reward = None if np.isnan(tree.reward[node]) else float(tree.reward[node])
-            turns.append((history, tuple(tree.gen_tokens[node].tolist()), reward))
-        out.append((tree.info.prompt_id, tree.info.policy_version, sorted(turns, key=str)))
-    return out
-
-
 def weights(out: Path, i: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -68,7 +52,9 @@ def test_trees_grow_ahead_on_older_weights_and_the_same_command_grows_the_same_t
         assert set(r.idle) == {"engines", "trainers"} and min(r.idle.values()) >= 0
     again = run(parity.tiny(init, tmp_path / "b", 4, max_staleness=2))
     for i in range(1, 5):
-        assert signature(trees_of(tmp_path / "a", i)) == signature(trees_of(tmp_path / "b", i))
+        assert parity.signature(trees_of(tmp_path / "a", i)) == parity.signature(
+            trees_of(tmp_path / "b", i)
+        )
     assert [r.rollout for r in again] == [r.rollout for r in records]
 
 
@@ -80,7 +66,9 @@ def test_a_resumed_run_reads_the_trees_it_grew_ahead_and_equals_an_unbroken_one(
     stopped = run(parity.tiny(init, tmp_path / "resumed", 2, max_staleness=1))
     assert [r.iteration for r in stopped] == [0, 1, 2]
     kept = tmp_path / "resumed" / "ahead" / "0003" / "trees.parquet"  # grown while 2 updated
-    assert signature(read_trees(kept)) == signature(trees_of(tmp_path / "straight", 3))
+    assert parity.signature(read_trees(kept)) == parity.signature(
+        trees_of(tmp_path / "straight", 3)
+    )
     resumed = run(parity.tiny(init, tmp_path / "resumed", 3, max_staleness=1))
     assert [r.rollout for r in resumed] == [r.rollout for r in straight]
     a, b = weights(tmp_path / "straight", 3), weights(tmp_path / "resumed", 3)

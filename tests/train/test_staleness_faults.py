@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import pytest
 import ray
 from support import parity
@@ -104,20 +103,6 @@ def trees_of(out: Path, i: int) -> list[RolloutTree]:
     return read_trees(iteration_dir(out, i) / "trees.parquet")
 
 
-def signature(trees: list[RolloutTree]) -> list[tuple[object, ...]]:
-    """What was grown, not when (``test_staleness.signature``): each tree's prompt, version and
-    turns, in a canonical order (node ids follow the order an engine actor's turns came back)."""
-    out: list[tuple[object, ...]] = []
-    for tree in trees:
-        turns = []
-        for node in range(1, len(tree.parent)):
-            history = tuple(int(t) for n in tree.path(node)[1:] for t in tree.gen_tokens[int(n)])
-            reward = None if np.isnan(tree.reward[node]) else float(tree.reward[node])
-            turns.append((history, tuple(tree.gen_tokens[node].tolist()), reward))
-        out.append((tree.info.prompt_id, tree.info.policy_version, sorted(turns, key=str)))
-    return out
-
-
 def same_run(out: Path, records: list[IterationRecord], straight: Straight) -> None:
     """``out`` and its records are the unbroken run's: every iteration's rollout and trees,
     and the trees it grew ahead for the iteration after its last."""
@@ -126,8 +111,8 @@ def same_run(out: Path, records: list[IterationRecord], straight: Straight) -> N
     assert [r.rollout for r in records] == [r.rollout for r in want]
     assert [r.staleness for r in records] == [r.staleness for r in want]
     for i in range(1, ITERATIONS + 1):
-        assert signature(trees_of(out, i)) == signature(trees_of(want_out, i)), i
-    assert signature(ahead(out)) == signature(ahead(want_out))
+        assert parity.signature(trees_of(out, i)) == parity.signature(trees_of(want_out, i)), i
+    assert parity.signature(ahead(out)) == parity.signature(ahead(want_out))
 
 
 def ahead(out: Path) -> list[RolloutTree]:

@@ -22,7 +22,7 @@ from trace_core.cli.output import console, fail, progress, read_json, write_json
 from trace_core.train.config import TrainConfig
 
 if TYPE_CHECKING:
-    from trace_core.train.compare import CompareResult
+    pass
 
 DEFAULT_STRATEGIES = "trace,grpo,pcl,treepo"  # compare.DEFAULT_STRATEGIES, without its imports
 
@@ -267,29 +267,22 @@ def compare_command(
         table.add_column(metric.replace("_", " "), justify="right")
     for name, row in result.strategies.items():
         table.add_row(name, *(_interval_text(row.get(m), m == "tokens") for m in COMPARE_METRICS))
-    if result.paired:
-        console.print(table)
-        table = Table(
-            title="paired against grpo, seed by seed: strategy − grpo, mean [95% interval]",
-            caption="An interval that holds 0 is no evidence of a difference.",
-        )
-        table.add_column("strategy")
-        for metric in PAIRED:
-            table.add_column(metric.replace("_", " "), justify="right")
-        for name, row in result.paired.items():
-            table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
-    if result.paired_staleness:
-        console.print(table)
-        table = Table(
-            title="paired against k = 0, seed by seed: arm − the same strategy at k = 0, "
-            "mean [95% interval]",
-            caption="An interval that holds 0 is no evidence of a difference.",
-        )
-        table.add_column("arm")
-        for metric in PAIRED:
-            table.add_column(metric.replace("_", " "), justify="right")
-        for name, row in result.paired_staleness.items():
-            table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
+    blocks = (
+        (result.paired, "against grpo, seed by seed: strategy − grpo", "strategy"),
+        (result.paired_staleness, "against k = 0, seed by seed: arm − the same strategy", "arm"),
+    )
+    for paired, title, label in blocks:
+        if paired:
+            console.print(table)
+            table = Table(
+                title=f"paired {title}, mean [95% interval]",
+                caption="An interval that holds 0 is no evidence of a difference.",
+            )
+            table.add_column(label)
+            for metric in PAIRED:
+                table.add_column(metric.replace("_", " "), justify="right")
+            for name, row in paired.items():
+                table.add_row(name, *(_interval_text(row[m], signed=True) for m in PAIRED))
     console.print(table)
     if from_json is None:
         write_json(json_path, result.to_json())
@@ -301,7 +294,7 @@ def compare_command(
         text = table_markdown(paper_table, result, budget, command)
         console.print(text, markup=False, highlight=False)
     else:
-        text = summary_markdown(result, command) + _staleness_markdown(result)
+        text = summary_markdown(result, command)
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(markdown, text)
@@ -316,29 +309,6 @@ def _staleness_values(text: str) -> tuple[int, ...]:
         raise fail(f"--staleness {text}: write whole numbers k >= 0, e.g. 0,1,2") from None
 
 
-def _staleness_markdown(result: CompareResult) -> str:
-    """The paired block against k = 0 (arm − the same strategy at k = 0, per seed), as
-    Markdown: empty without staleness arms."""
-    from trace_core.train.compare import PAIRED
-    from trace_core.train.tables import SUMMARY
-
-    if not result.paired_staleness:
-        return ""
-    paired = [(m, h) for m, h in SUMMARY if m in PAIRED]
-    lines = [
-        "",
-        "Paired against k = 0, seed by seed (arm − the same strategy at k = 0):",
-        "",
-        "| arm | " + " | ".join(header for _, header in paired) + " |",
-        "|---|" + "---|" * len(paired),
-    ]
-    for name, row in result.paired_staleness.items():
-        cells = " | ".join(_interval_text(row[m], signed=True) for m, _ in paired)
-        lines.append(f"| `{name}` | {cells} |")
-    return "\n".join(lines) + "\n"
-
-
-@predictor_app.command("fit")
 def predictor_fit(
     trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
     output: Annotated[Path, typer.Option(help="Predictor directory to write.")],

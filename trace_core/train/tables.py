@@ -18,6 +18,7 @@ of values. Each measured cell is the mean over seeds with its 95% Student-t inte
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,18 +117,30 @@ def summary_markdown(result: CompareResult, command: str) -> str:
         cells = " | ".join(_summary_cell(metric, row.get(metric), count) for metric, _ in SUMMARY)
         lines.append(f"| `{name}` | {cells} |")
     if result.paired:
-        paired = [(m, h) for m, h in SUMMARY if m in next(iter(result.paired.values()))]
-        lines += [
-            "",
-            "Paired against grpo, seed by seed (strategy − grpo):",
-            "",
-            "| strategy | " + " | ".join(header for _, header in paired) + " |",
-            "|---|" + "---|" * len(paired),
-        ]
-        for name, row in result.paired.items():
-            cells = " | ".join(_cell(row[metric], signed=True) for metric, _ in paired)
-            lines.append(f"| `{name}` | {cells} |")
+        title = "Paired against grpo, seed by seed (strategy − grpo):"
+        lines += _paired_markdown(result.paired, title, "strategy")
+    if result.paired_staleness:
+        title = "Paired against k = 0, seed by seed (arm − the same strategy at k = 0):"
+        lines += _paired_markdown(result.paired_staleness, title, "arm")
     return "\n".join(lines) + "\n"
+
+
+def _paired_markdown(
+    paired: Mapping[str, Mapping[str, dict[str, float]]], title: str, label: str
+) -> list[str]:
+    """A block of paired differences (``label`` → metric → its stats), under ``title``."""
+    columns = [(m, h) for m, h in SUMMARY if m in next(iter(paired.values()))]
+    lines = [
+        "",
+        title,
+        "",
+        f"| {label} | " + " | ".join(header for _, header in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for name, row in paired.items():
+        cells = " | ".join(_cell(row[metric], signed=True) for metric, _ in columns)
+        lines.append(f"| `{name}` | {cells} |")
+    return lines
 
 
 def _summary_cell(metric: str, stats: dict[str, float] | None, seeds: int) -> str:
