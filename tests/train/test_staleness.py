@@ -50,6 +50,17 @@ def test_trees_grow_ahead_on_older_weights_and_the_same_command_grows_the_same_t
     assert sorted(p.name for p in (tmp_path / "a" / "ahead").iterdir()) == ["0005", "0006"]
     for r in records[1:]:
         assert set(r.idle) == {"engines", "trainers"} and min(r.idle.values()) >= 0
+    # trace-rl inspect says how old the trees' weights were, iteration by iteration.
+    folder, out = tmp_path / "trees", tmp_path / "summary.json"
+    folder.mkdir()
+    for i in range(1, 5):
+        (folder / f"{i}.parquet").symlink_to(iteration_dir(tmp_path / "a", i) / "trees.parquet")
+    shown = CliRunner().invoke(app, ["inspect", "summary", str(folder), "--json", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "staleness 0..2 (trees on older weights: iterations 2, 3, 4)" in " ".join(
+        shown.output.split()
+    )
+    assert json.loads(out.read_text())["staleness"] == {"1": 0, "2": 1, "3": 2, "4": 2}
     again = run(parity.tiny(init, tmp_path / "b", 4, max_staleness=2))
     for i in range(1, 5):
         assert parity.signature(trees_of(tmp_path / "a", i)) == parity.signature(

@@ -73,6 +73,9 @@ class TreeSetSummary:
     iterations: tuple[int, ...]
     strategies: dict[str, GroupSummary]
     total: GroupSummary
+    staleness: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Per iteration, how many versions older than the weights it updated its trees' policy
+    was at most (``iteration - 1 - policy_version``; 0 for a synchronous run)."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -80,6 +83,7 @@ class TreeSetSummary:
             "files": self.files,
             "runs": list(self.runs),
             "iterations": list(self.iterations),
+            "staleness": {str(i): s for i, s in sorted(self.staleness.items())},
             "strategies": {k: v.to_json() for k, v in self.strategies.items()},
             "total": self.total.to_json(),
         }
@@ -141,12 +145,16 @@ def summarize(
     by_strategy: dict[str, list[RolloutTree]] = defaultdict(list)
     runs: Counter[str] = Counter()
     iterations: set[int] = set()
+    staleness: dict[int, int] = {}
     for i, key in enumerate(source.keys):
         part = dataclasses.replace(source, keys=(key,))
         for tree in metric_trees(part.read(METRIC_COLUMNS)):
-            by_strategy[tree.info.strategy].append(tree)
-            runs[tree.info.run_id] += 1
-            iterations.add(tree.info.iteration)
+            info = tree.info
+            by_strategy[info.strategy].append(tree)
+            runs[info.run_id] += 1
+            iterations.add(info.iteration)
+            stale = info.iteration - 1 - info.policy_version
+            staleness[info.iteration] = max(staleness.get(info.iteration, 0), stale)
         if progress:
             progress(i + 1, len(source.keys))
     every = [t for trees in by_strategy.values() for t in trees]
@@ -157,7 +165,18 @@ def summarize(
         iterations=tuple(sorted(iterations)),
         strategies={name: summarize_trees(by_strategy[name]) for name in sorted(by_strategy)},
         total=summarize_trees(every),
+        staleness=staleness,
     )
+
+
+def _staleness_text(staleness: dict[int, int]) -> str:
+    """ "; staleness 0..1 (trees on older weights: iterations 3, 4)", or "" when none was."""
+    stale = sorted(i for i, s in staleness.items() if s > 0)
+    if not stale:
+        return ""
+    values = sorted(set(staleness.values()))
+    shown = ", ".join(map(str, stale[:8])) + (", ..." if len(stale) > 8 else "")
+    return f"; staleness {values[0]}..{values[-1]} (trees on older weights: iterations {shown})"
 
 
 def summary_table(summary: TreeSetSummary) -> Table:
@@ -172,6 +191,7 @@ def summary_table(summary: TreeSetSummary) -> Table:
         title=Text(
             f"{summary.uri}: {summary.total.trees:,} trees, {summary.total.nodes:,} nodes in "
             f"{summary.files} file(s); runs {', '.join(summary.runs)}; iterations {span}"
+            f"{_staleness_text(summary.staleness)}"
         ),
         caption="prompt mix: trees whose leaves are all 0 / mixed / all 1. prompt eff.: share "
         "of prompts whose leaves hold both rewards (the paper's effective ratio). anchor eff.: "
