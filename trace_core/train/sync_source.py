@@ -13,13 +13,20 @@ from typing import Any
 import ray
 
 from trace_core.policy.weight_sync import BUCKET_BYTES
+from trace_core.rollout.waits import Wait, get
 
 UPSTREAM = (
-    "ray.get(object_refs, /)",
     "ray.util.get_node_ip_address()",
     "ray.actor.ActorMethod.remote",
 )
 """What this module calls in Ray (``policy.upstream``: entry syntax there)."""
+SYNC_WAIT_S = 900.0
+"""How long a sync waits for the engine actors: above the sync group's own 600 s timeout
+(``weight_sync.sync_group``), for an actor alive but stuck before it reaches the group."""
+
+
+def _engines(what: str, count: int) -> Wait:
+    return Wait("engine workers", range(count), what, SYNC_WAIT_S, "SYNC_WAIT_S")
 
 
 class LocalSource:
@@ -48,7 +55,7 @@ class LocalSource:
             self._members = list(pids)
         receives = [e.receive.remote(self.plan, label) for e in engines]
         send_weights(self.model, self.plan, self._group, staging_device(self._backend, device))
-        ray.get(receives)
+        get(receives, _engines(f"the weights of {label}", len(engines)))
         seconds = time.perf_counter() - start
         self.sync_seconds += seconds
         return seconds
@@ -82,14 +89,16 @@ def build_sync(
     NCCL, CUDA IPC or gloo). Every member joins at once; returns this process's group."""
     from trace_core.policy.weight_sync import choose_backend, sync_group
 
-    per_engine: list[list[str | None]] = ray.get([e.sync_devices.remote() for e in engines])
+    devices_of = [e.sync_devices.remote() for e in engines]
+    per_engine: list[list[str | None]] = get(devices_of, _engines("their devices", len(engines)))
     devices = [source, *(d for members in per_engine for d in members)]
     size = len(devices) + int(local)
     backend = choose_backend(devices + [None] * int(local))  # this process receives on CPU
     if here:
         host, port = open_sync(size)
     else:
-        host, port = ray.get(open_sync.remote(size))
+        opening = Wait("trainer ranks", [0], "the sync group's store", SYNC_WAIT_S, "SYNC_WAIT_S")
+        host, port = get([open_sync.remote(size)], opening)[0]
     joins = [] if here else [join_sync.remote(host, port, size, backend)]
     first = 1
     for engine, members in zip(engines, per_engine, strict=True):
@@ -98,5 +107,5 @@ def build_sync(
     group = join_sync(host, port, size, backend) if here else None
     if local:
         group = sync_group(host, port, size - 1, size, backend)
-    ray.get(joins)
+    get(joins, Wait("sync members", range(len(joins)), "joining", SYNC_WAIT_S, "SYNC_WAIT_S"))
     return group
