@@ -309,6 +309,7 @@ def _staleness_values(text: str) -> tuple[int, ...]:
         raise fail(f"--staleness {text}: write whole numbers k >= 0, e.g. 0,1,2") from None
 
 
+@predictor_app.command("fit")
 def predictor_fit(
     trees: Annotated[str, typer.Option(help="Parquet trees: a directory, a file or a glob.")],
     output: Annotated[Path, typer.Option(help="Predictor directory to write.")],
