@@ -12,6 +12,7 @@ from components.images import image
 def prep(
     task: str,
     dataset_uri: str,
+    retriever_url: str,
     base_model_uri: str,
     strategy: str,
     budget: int,

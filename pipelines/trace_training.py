@@ -22,15 +22,16 @@ The iterations are one ``iterate`` task in a ``ParallelFor`` of parallelism 1 ov
 and so is ``max_staleness``; the DAG is the same size for any number. Each iteration reads the
 state the one before published and publishes its own, whole or not at all; an iteration run
 again after it committed (a retried pod) hands on what it wrote. Every run parameter is set in
-the KFP UI: task, dataset_uri, base_model_uri, strategy, budget (M), continuations (N),
-iterations, max_staleness, seed, checkpoint_every, ray_address (the Ray head's GCS address
-HOST:6379 the steps connect to), ray_jobs_url (a dashboard http://HEAD:8265 to submit the Ray
-steps to as Ray jobs instead), the rollout engine (engine: torch, hf or vllm; rollout_workers:
-Ray engine actors; gpus_per_worker: the GPUs each asks for), run_name (resume from / register
-under this name), store_uri, settings_json (any other ``TrainConfig`` field, as JSON),
-mlflow_tracking_uri (an MLflow server the run logs its config, figures, report and plots to),
-the GPU pods' request and placement (gpus, accelerator, gpu_node_selector, gpu_node_affinity,
-gpu_tolerations) and the Secrets (s3_secret, ray_auth_secret).
+the KFP UI: task, dataset_uri, retriever_url (a retrieval service http://HOST:PORT that multihop
+and hotpotqa search; empty: their in-process index), base_model_uri, strategy, budget (M),
+continuations (N), iterations, max_staleness, seed, checkpoint_every, ray_address (the Ray
+head's GCS address HOST:6379 the steps connect to), ray_jobs_url (a dashboard http://HEAD:8265
+to submit the Ray steps to as Ray jobs instead), the rollout engine (engine: torch, hf or vllm;
+rollout_workers: Ray engine actors; gpus_per_worker: the GPUs each asks for), run_name (resume
+from / register under this name), store_uri, settings_json (any other ``TrainConfig`` field, as
+JSON), mlflow_tracking_uri (an MLflow server the run logs its config, figures, report and plots
+to), the GPU pods' request and placement (gpus, accelerator, gpu_node_selector,
+gpu_node_affinity, gpu_tolerations) and the Secrets (s3_secret, ray_auth_secret).
 
 Why both branches hold the session: KFP's local runner resolves ``dsl.OneOf`` only for
 parameters, not for the policy and predictor artifacts, and the local run must be this same
@@ -188,6 +189,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
     def trace_training(
         task: str = "calc",
         dataset_uri: str = "",
+        retriever_url: str = "",
         base_model_uri: str = "",
         strategy: str = "trace",
         budget: int = 128,
@@ -258,6 +260,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 prep(
                     task=task,
                     dataset_uri=dataset_uri,
+                    retriever_url=retriever_url,
                     base_model_uri=base_model_uri,
                     strategy=strategy,
                     budget=budget,

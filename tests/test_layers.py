@@ -1,7 +1,7 @@
 """The layers import only downward and nothing imports in a circle (README.md, Layers; this
 file is its enforcement):
 
-    algo < envs, policy, store < rollout < train, bench < components < pipelines < cli
+    algo < envs, policy, store < rollout, retriever < train, bench < components < pipelines < cli
 
 Every ``import`` of every module under trace_core/, components/ and pipelines/ is read with
 ``ast`` (module level, ``if TYPE_CHECKING:`` blocks and function bodies alike: a lazy import
@@ -25,6 +25,7 @@ RANK = {
     "policy": 1,
     "store": 1,
     "rollout": 2,
+    "retriever": 2,
     "train": 3,
     "bench": 3,
     "components": 4,

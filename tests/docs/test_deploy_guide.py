@@ -52,6 +52,16 @@ RULES: list[tuple[str, str, str]] = [
         "a model folder of the user's and the cluster's store (test_cli_commands.py runs it)",
     ),
     (r"argo submit .*", CLUSTER, "submits to a cluster's Argo controller"),
+    (
+        r"trace-rl retriever build --corpus corpus\.parquet .* --output s3://\S+",
+        CLUSTER,
+        "a corpus of the user's and the cluster's store",
+    ),
+    (
+        r"kubectl -n trace-rl rollout status deployment/trace-retriever .*",
+        CLUSTER,
+        "waits for a live Deployment",
+    ),
 ]
 
 
@@ -117,13 +127,16 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     calls = kfp.calls()
     assert ("POST", f"{API}/pipelines/upload") in calls
     started = [r.body for r in kfp.requests if (r.method, r.path) == ("POST", f"{API}/runs")]
-    assert len(started) == 3  # the smoke test, the real run, Qwen3-8B
+    assert len(started) == 4  # the smoke test, the real run, Qwen3-8B, the retriever's run
     smoke = started[0]["runtime_config"]["parameters"]  # type: ignore[index]
     assert smoke["run_name"] == "smoke" and smoke["budget"] == 8 and smoke["ray_jobs_url"] == ""
     assert "gpus" not in smoke  # the package's default: 0 (the GPUs are the Ray cluster's)
     assert json.loads(smoke["settings_json"]) == {
         "prompts": 16, "eval_tasks": 8, "eval_k": 1, "warmstart_steps": 20,
     }  # fmt: skip
+    multihop = started[3]["runtime_config"]["parameters"]  # type: ignore[index]
+    assert multihop["task"] == "multihop"
+    assert multihop["retriever_url"] == "http://trace-retriever.trace-rl.svc.cluster.local:8000"
     scheduled = kfp.last("POST", f"{API}/recurringruns").body
     assert scheduled["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * *"  # type: ignore[index]
     assert ("GET", f"{API}/runs") in calls

@@ -10,6 +10,8 @@ import pytest
 
 from trace_core.envs.base import Step, Task, replay
 from trace_core.envs.hotpotqa import MAX_ACTION_CHARS, HotpotQASuite, load_hotpotqa
+from trace_core.envs.remote import RemoteSearch
+from trace_core.envs.retrieval import Passage, render
 
 HOTPOT = [
     {
@@ -87,6 +89,42 @@ def test_hotpotqa_suite_searches_each_tasks_own_passages(tmp_path: Path) -> None
     stranger = Task("x", "q", "a", "hotpotqa", "eval")
     with pytest.raises(ValueError, match="is not in"):
         env.reset(stranger)
+
+
+def test_hotpotqa_corpus_is_every_distinct_paragraph(tmp_path: Path) -> None:
+    """The corpus a retrieval service holds for the suite: each paragraph once, the title as
+    its id (a suffix when another paragraph has the title), rendered back to the very passage
+    the in-process index shows."""
+    context = [
+        ["Kiss and Tell (1945 film)", ["Kiss and Tell stars Shirley Temple as Corliss."]],
+        ["Ed Wood", ["Other."]],
+    ]
+    again = {"id": "c", "question": "Who?", "answer": "Ed", "context": context}
+    suite = HotpotQASuite(write_json(tmp_path / "dev.json", [*HOTPOT, again]))
+    corpus = suite.corpus()
+    assert [p.id for p in corpus] == [
+        "Ed Wood",
+        "Scott Derrickson",
+        "Woodson, Arkansas",
+        "Kiss and Tell (1945 film)",
+        "Shirley Temple",
+        "Ed Wood (2)",
+    ]
+    assert corpus[0].text == "Edward Davis Wood Jr. was an American filmmaker. He died in 1978."
+    assert corpus[-1] == Passage("Ed Wood (2)", "Ed Wood", "Other.")
+    every = {p for passages in suite.data.passages.values() for p in passages}
+    assert sorted(render(p.contents) for p in corpus) == sorted(every)
+
+
+def test_hotpotqa_with_a_retriever_searches_the_service(tmp_path: Path) -> None:
+    url = "http://trace-retriever:8000"
+    suite = HotpotQASuite(write_json(tmp_path / "dev.json", HOTPOT), retriever_url=url)
+    first, second = suite.data.tasks
+    search = suite.index_for(first)
+    assert isinstance(search, RemoteSearch) and search.url == url
+    assert suite.index_for(second) is search
+    with pytest.raises(ValueError, match="is not in"):
+        suite.index_for(Task("x", "q", "a", "hotpotqa", "eval"))
 
 
 def test_hotpotqa_bad_rows_are_named(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from trace_core.envs.multihop import (
     reference,
     relation_chains,
 )
-from trace_core.envs.retrieval import SearchIndex
+from trace_core.envs.retrieval import SearchIndex, render
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,20 @@ def test_every_fact_is_found_first_by_name_and_keyword(suite: MultihopSuite) -> 
     for subject, relation in suite.world.facts:
         top = suite.index.search(f"{subject} {RELATIONS[relation].keyword}", 1)
         assert top == [suite.world.passage(subject, relation)]
+
+
+def test_corpus_is_the_worlds_passages_and_searches_the_same(suite: MultihopSuite) -> None:
+    """A retrieval service over ``corpus()`` (its contents rendered) is the in-process index."""
+    corpus = suite.corpus()
+    assert len(corpus) == len(suite.world.facts) == len(suite.index.passages)
+    assert corpus[0].id == "multihop-0-000000" and len({p.id for p in corpus}) == len(corpus)
+    assert all(p.title == "" for p in corpus)
+    served = SearchIndex([render(p.contents) for p in corpus])
+    assert served.passages == suite.index.passages
+    for task in suite.tasks("eval"):
+        for turn in task.reference[:-1]:
+            query = turn.removeprefix("search[").removesuffix("]")
+            assert served.search(query, 3) == suite.index.search(query, 3)
 
 
 def test_references_replay_to_reward_one(suite: MultihopSuite) -> None:

@@ -89,19 +89,26 @@ def test_overlays_hold_what_they_promise(built: dict[str, list[Manifest]]) -> No
         }
 
     # KFP: no store of its own; the Ray token also where KFP's steps run; KFP's store admits Ray.
-    assert "Deployment" not in {o["kind"] for o in built["kfp"]}
+    assert names("kfp", "Deployment") == {"trace-rl/trace-retriever"}
+    assert names("kfp", "Service") == {"trace-rl/trace-retriever"}
+    assert not names("kfp", "PersistentVolumeClaim")
     assert names("kfp", "Secret") == {
         "trace-rl/trace-s3",
         "trace-rl/trace-ray-auth",
         "kubeflow/trace-ray-auth",
     }
     assert "kubeflow/seaweedfs-from-trace-rl" in names("kfp", "NetworkPolicy")
-    settings = next(o for o in built["kfp"] if o["kind"] == "ConfigMap")["data"]
+    (settings,) = [
+        o["data"]
+        for o in built["kfp"]
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "trace-rl-settings"
+    ]
     assert settings["AWS_ENDPOINT_URL_S3"] == DEFAULT_S3_ENDPOINT  # test_kfp_store.py: why
-    # standalone and dev: the store; standalone: the Argo CronWorkflow of the pipeline.
-    for overlay in ("standalone", "dev"):
-        assert names(overlay, "Deployment") == {"trace-rl/trace-store"}
-        assert names(overlay, "Service") == {"trace-rl/trace-store"}
+    # standalone and dev: the store; standalone and kfp: the retrieval server (not dev: its
+    # envs search the in-process BM25); standalone: the Argo CronWorkflow of the pipeline.
+    for overlay, retriever in (("standalone", {"trace-rl/trace-retriever"}), ("dev", set())):
+        assert names(overlay, "Deployment") == {"trace-rl/trace-store", *retriever}
+        assert names(overlay, "Service") == {"trace-rl/trace-store", *retriever}
         assert names(overlay, "PersistentVolumeClaim") == {"trace-rl/trace-store"}
     assert names("standalone", "CronWorkflow"), "the standalone overlay has no Argo CronWorkflow"
     # dev: no GPU anywhere.

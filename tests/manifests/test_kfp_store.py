@@ -3,23 +3,21 @@ read from that release's own manifests, kept unchanged in tests/data/kfp/<releas
 first line names where in kubeflow/pipelines it comes from):
 
 - the default S3 endpoint's Service and port exist in that release, and lead to the store pods;
-- KFP's network policies and the overlay's, together, admit the Ray pods of trace-rl and the
-  pipeline's step pods (in kubeflow, or in a profile's namespace) to the store's S3 port;
+- KFP's network policies and the overlay's, together, admit the Ray pods and the retrieval
+  server of trace-rl and the pipeline's step pods (in kubeflow, or in a profile's namespace) to
+  the store's S3 port;
 - the default store prefix is one a profile's keys may write (KFP's profile controller, sync.py).
 
-Network policies are evaluated as the Kubernetes API defines them (networking.k8s.io/v1): a pod
-that no Ingress policy selects admits every connection; one that some select admits a connection
-any of their rules allows. A rule allows a source when one of its peers matches (a peer's
-podSelector alone means the policy's own namespace; namespaceSelector with podSelector in one
-peer must both match) on one of its ports (none: every port). Pods' and namespaces' labels are
-those the API server and KubeRay set (``kubernetes.io/metadata.name``; ``kuberay_pods``).
+Network policies are evaluated as the Kubernetes API defines them (``support.netpol``). Pods'
+and namespaces' labels are those the API server and KubeRay set (``kubernetes.io/metadata.name``;
+``kuberay_pods``).
 """
 
 from __future__ import annotations
 
 import ast
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from support import render
+from support.netpol import admits, namespace_labels, selects, sends
 
 from components.cluster import (
     DEFAULT_S3_ENDPOINT,
@@ -84,74 +83,7 @@ def store_pod(version: str) -> tuple[dict[str, str], list[int]]:
     return template["metadata"]["labels"], ports
 
 
-# -- network policies -------------------------------------------------------------------------
-
-
-def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
-    """A label selector (matchLabels, matchExpressions) against labels; {} selects everything."""
-    selector = selector or {}
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expression in selector.get("matchExpressions") or []:
-        key, operator, values = expression["key"], expression["operator"], expression.get("values")
-        match operator:
-            case "In":
-                ok = key in labels and labels[key] in values
-            case "NotIn":
-                ok = key not in labels or labels[key] not in values
-            case "Exists":
-                ok = key in labels
-            case "DoesNotExist":
-                ok = key not in labels
-            case _:
-                raise AssertionError(f"unknown operator {operator}")
-        if not ok:
-            return False
-    return True
-
-
-def namespace_labels(name: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    return {"kubernetes.io/metadata.name": name, **(extra or {})}
-
-
-def admits(
-    policies: list[Manifest],
-    target: tuple[str, Mapping[str, str], int],
-    source: tuple[str, Mapping[str, str], Mapping[str, str]],
-) -> bool:
-    """Whether ``policies`` let ``source`` (namespace, its labels, pod labels) reach ``target``
-    (namespace, pod labels, container port) over TCP."""
-    target_ns, target_labels, port = target
-    source_ns, source_ns_labels, source_labels = source
-    selecting = [
-        p
-        for p in policies
-        if p["metadata"]["namespace"] == target_ns
-        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-        and selects(p["spec"]["podSelector"], target_labels)
-    ]
-    if not selecting:
-        return True
-    for policy in selecting:
-        for rule in policy["spec"].get("ingress") or []:
-            ports = rule.get("ports")
-            if ports and not any(
-                p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port) for p in ports
-            ):
-                continue
-            peers = rule.get("from")
-            if not peers:
-                return True
-            for peer in peers:
-                if "ipBlock" in peer:
-                    continue
-                if "namespaceSelector" in peer:
-                    ns_ok = selects(peer["namespaceSelector"], source_ns_labels)
-                else:
-                    ns_ok = source_ns == target_ns
-                if ns_ok and selects(peer.get("podSelector"), source_labels):
-                    return True
-    return False
+# -- network policies ---------------------------------------------------------------------
 
 
 def kfp_policies(version: str) -> list[Manifest]:
@@ -232,7 +164,11 @@ def test_no_single_legacy_address_serves_both_releases() -> None:
 def test_the_settings_hold_only_what_the_pods_read(built: render.Builds, overlay: str) -> None:
     """trace-rl-settings: the S3 endpoint and region, which the Ray pods' and steps' env read;
     kfp's endpoint is the default. No key that nothing reads (a store URI, a Ray address)."""
-    (settings,) = [o for o in built[overlay] if o["kind"] == "ConfigMap"]
+    (settings,) = [
+        o
+        for o in built[overlay]
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "trace-rl-settings"
+    ]
     assert set(settings["data"]) == {"AWS_ENDPOINT_URL_S3", "AWS_REGION"}
     read = {
         env["valueFrom"]["configMapKeyRef"]["key"]
@@ -267,6 +203,25 @@ def test_the_ray_pods_reach_the_store(
         assert admits(kfp_policies(version) + overlay_policies(built), store, source), pod.source
         # KFP's policies alone would refuse them: the overlay's policy is what admits them.
         assert not admits(kfp_policies(version), store, source), pod.source
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_retriever_reaches_the_store(built: render.Builds, version: str) -> None:
+    """The retrieval server downloads its index from KFP's store: its own egress rule lets it
+    out, the overlay's policy in kubeflow lets it in; KFP's policies alone would refuse it."""
+    labels, _ = store_pod(version)
+    port = KFP_VERSIONS[version].pod_port
+    store = (KFP_NAMESPACE, labels, port)
+    (namespace,) = [o for o in built["kfp"] if o["kind"] == "Namespace"]
+    trace_ns = namespace["metadata"]["name"]
+    trace_labels = namespace_labels(trace_ns, namespace["metadata"].get("labels"))
+    (deployment,) = [o for o in built["kfp"] if o["kind"] == "Deployment"]
+    source = (trace_ns, trace_labels, deployment["spec"]["template"]["metadata"]["labels"])
+    assert admits(kfp_policies(version) + overlay_policies(built), store, source)
+    assert not admits(kfp_policies(version), store, source)
+    target = (KFP_NAMESPACE, namespace_labels(KFP_NAMESPACE), labels)
+    assert sends(overlay_policies(built), source, target, port)
+    assert not sends(overlay_policies(built), source, target, port + 1)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

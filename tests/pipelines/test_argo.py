@@ -306,6 +306,7 @@ def test_trace_rl_step_accepts_the_command(name: str) -> None:
         train = parse_parameters(values).config().train
         assert train.iterations == argo.ArgoOptions().iterations
         assert train.max_staleness == int(default["max_staleness"])
+        assert default["retriever_url"] == "" and train.retriever_url is None  # in process
 
 
 def test_cron_workflow_references_the_template_and_resumes() -> None:
@@ -346,7 +347,7 @@ def test_every_run_parameter_is_a_workflow_parameter_and_reaches_prep() -> None:
     template = _workflow_template()
     declared = {p["name"]: p["value"] for p in template["spec"]["arguments"]["parameters"]}
     assert list(declared) == list(fields) == list(argo.PARAMETERS)
-    assert {"iterations", "max_staleness"} <= set(declared)
+    assert {"iterations", "max_staleness", "retriever_url"} <= set(declared)
     assert {n: v for n, v in declared.items() if v != fields[n]} == {
         "store_uri": "s3://trace-rl/runs"
     }

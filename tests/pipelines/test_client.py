@@ -400,7 +400,12 @@ def test_cli_schedules_the_committed_pipeline(
     code, out = _cli(*schedule, "--param", "store_uri=s3://mlpipeline/trace", "--param", "k=2")
     assert code == 2
     assert "error: --param k: the pipeline has no such parameter" in out
-    params = ("store_uri=s3://mlpipeline/trace", "iterations=20", "max_staleness=1")
+    params = (
+        "store_uri=s3://mlpipeline/trace",
+        "iterations=20",
+        "max_staleness=1",
+        "retriever_url=http://trace-retriever:8000",
+    )
     code, out = _cli(*schedule, *(part for p in params for part in ("--param", p)))
     assert code == 0, out
     body = kfp_api.last("POST", f"{API}/recurringruns").body
@@ -411,6 +416,7 @@ def test_cli_schedules_the_committed_pipeline(
             "store_uri": "s3://mlpipeline/trace",
             "iterations": 20,
             "max_staleness": 1,
+            "retriever_url": "http://trace-retriever:8000",
         }
     }
 

@@ -118,6 +118,8 @@ def test_the_iterations_are_a_loop_one_at_a_time_over_the_run_parameter(
         PipelineOptions().iterations
     )
     assert "max_staleness" in spec["root"]["inputDefinitions"]["parameters"]
+    retriever = spec["root"]["inputDefinitions"]["parameters"]["retriever_url"]
+    assert retriever == {"defaultValue": "", "isOptional": True, "parameterType": "STRING"}
     tasks = _tasks(spec)
     assert tasks["schedule"]["inputs"]["parameters"]["config_json"]
     loops = {name: task for name, task in tasks.items() if name.startswith("for-loop")}

@@ -31,10 +31,12 @@ def repository_copy(target: Path) -> Path:
     # The venv is this environment's, made from the checkout: date the copy's setup inputs no
     # later than its stamp, or `make` in the copy would reinstall it, editable, from the copy.
     stamp = Path(sys.prefix) / ".installed"
+    # In nanoseconds, as make compares them: a float of seconds rounds by up to ≈ 0.1 µs, which
+    # may date the copy's file after the stamp, and make would then reinstall the shared venv.
     if stamp.is_file():
-        made = stamp.stat().st_mtime
+        made = stamp.stat().st_mtime_ns
         for name in ("pyproject.toml", "requirements/constraints.txt"):
             copied = target / name
-            if copied.stat().st_mtime > made:
-                os.utime(copied, (made, made))
+            if copied.stat().st_mtime_ns > made:
+                os.utime(copied, ns=(made, made))
     return target

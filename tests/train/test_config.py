@@ -68,6 +68,32 @@ def test_settings_json_may_not_override_the_engine_parameters(settings: str, mes
         PipelineParameters(settings_json=settings).config()
 
 
+def test_retriever_url_travels_from_the_run_parameter_and_is_checked() -> None:
+    """Empty: the in-process index; a URL: checked, kept through the JSON every step reads; a
+    task without passages refuses it. The flags: ``trace-rl train --retriever-url`` and ``trace-rl
+    run-local --retriever-url`` (both built from the fields)."""
+    url = "http://trace-retriever:8000"
+    train = PipelineParameters(task="multihop", retriever_url=url).config().train
+    assert train.retriever_url == url
+    assert TrainConfig.from_json(train.to_json()) == train
+    assert PipelineParameters(task="multihop").config().train.retriever_url is None
+    assert TrainConfig.from_json({"task": "multihop", "retriever_url": ""}).retriever_url == ""
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"task": "multihop", "retriever_url": "trace-retriever:8000"}, "^retriever_url '"),
+        ({"task": "multihop", "retriever_url": 8000}, "^retriever_url must be text"),
+        ({"task": "calc", "retriever_url": url}, "task 'calc' searches no passages"),
+    ]
+    for body, message in cases:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_json(body)
+    with pytest.raises(ValueError, match="settings_json sets retriever_url"):
+        PipelineParameters(task="multihop", settings_json=f'{{"retriever_url": "{url}"}}').config()
+    for name in ("train", "run-local"):
+        command = get_command(app).commands[name]  # type: ignore[attr-defined]
+        flag = next(p for p in command.params if p.name == "retriever_url")
+        assert flag.opts == ["--retriever-url"] and "retrieval service" in (flag.help or "")
+
+
 def test_train_flags_are_the_config_fields_with_their_docstrings() -> None:
     command = get_command(app).commands["train"]  # type: ignore[attr-defined]
     flags = {p.name: p for p in command.params}

@@ -17,6 +17,7 @@ from trace_core.cli import (
     bench_scale,  # noqa: F401  (its commands join the bench group)
     models,
     pipeline,
+    retriever,
     tasks,
     training,
     trees,
@@ -48,6 +49,7 @@ app.add_typer(tasks.task_app, name="task")
 app.add_typer(training.predictor_app, name="predictor")
 app.add_typer(trees.app, name="inspect")
 app.add_typer(pipeline.app, name="pipeline")
+app.add_typer(retriever.app, name="retriever")
 app.command("warmstart")(tasks.warmstart_command)
 app.command("rollout-demo")(tasks.rollout_demo)
 app.command("prep")(tasks.prep_command)

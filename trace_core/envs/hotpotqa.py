@@ -4,7 +4,9 @@
 
 The distractor setting: a question's index holds just the paragraphs of its ``context`` (gold
 and distractors), built on first use and cached. Answers are scored by HotpotQA's exact match
-(``multihop.normalize_answer``).
+(``multihop.normalize_answer``). With ``retriever_url`` every question searches one retrieval
+service instead, whose corpus is every paragraph of the dataset (``HotpotQASuite.corpus``); its
+passages read as the in-process ones do ("title: sentences").
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 
 from trace_core.envs.base import Split, Task, parse_action
 from trace_core.envs.multihop import MultihopEnv
-from trace_core.envs.retrieval import SearchIndex
+from trace_core.envs.remote import RemoteSearch
+from trace_core.envs.retrieval import Passage, Searcher, SearchIndex
 from trace_core.envs.source import read_records
 
 MAX_ACTION_CHARS = 4_000
@@ -41,6 +44,8 @@ class HotpotQA:
     tasks: tuple[Task, ...]
     passages: Mapping[str, tuple[str, ...]]
     """Task id -> "title: sentence sentence ..." per paragraph of its ``context``."""
+    titles: Mapping[str, tuple[str, ...]]
+    """Task id -> the title of each of its paragraphs, in ``passages``' order."""
 
 
 def load_hotpotqa(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> HotpotQA:
@@ -63,17 +68,20 @@ def load_hotpotqa(uri: str, split_seed: int = 0, eval_fraction: float = 0.1) -> 
     eval_rows = set(order[: round(eval_fraction * len(rows))].tolist())
     tasks: list[Task] = []
     passages: dict[str, tuple[str, ...]] = {}
+    titles: dict[str, tuple[str, ...]] = {}
     for i, row in enumerate(rows):
         split: Split = "eval" if i in eval_rows else "train"
-        task, paragraphs = _hotpotqa_task(uri, i, row, split)
+        task, paragraphs, named = _hotpotqa_task(uri, i, row, split)
         if task.id in passages:
             raise ValueError(f"{uri}: row {i} repeats id {task.id!r}")
         tasks.append(task)
-        passages[task.id] = paragraphs
-    return HotpotQA(tuple(tasks), passages)
+        passages[task.id], titles[task.id] = paragraphs, named
+    return HotpotQA(tuple(tasks), passages, titles)
 
 
-def _hotpotqa_task(uri: str, i: int, row: object, split: Split) -> tuple[Task, tuple[str, ...]]:
+def _hotpotqa_task(
+    uri: str, i: int, row: object, split: Split
+) -> tuple[Task, tuple[str, ...], tuple[str, ...]]:
     where = f"{uri}: row {i}"
     if not isinstance(row, dict):
         raise ValueError(f"{where} is a {type(row).__name__}, expected an object")
@@ -115,7 +123,7 @@ def _hotpotqa_task(uri: str, i: int, row: object, split: Split) -> tuple[Task, t
         split=split,
         reference=turns,
     )
-    return task, tuple(paragraphs)
+    return task, tuple(paragraphs), tuple(str(entry[0]) for entry in context)
 
 
 def _writable(tool: str, argument: str) -> bool:
@@ -128,7 +136,8 @@ def _writable(tool: str, argument: str) -> bool:
 
 
 class HotpotQASuite:
-    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs.
+    """HotpotQA in ``MultihopEnv``, each question searching its own context paragraphs, or with
+    ``retriever_url`` the retrieval service holding ``corpus()``.
 
     Turns up to ``MAX_ACTION_CHARS`` are read, longer ones refused as in any ``MultihopEnv``.
     """
@@ -144,11 +153,13 @@ class HotpotQASuite:
         eval_fraction: float = 0.1,
         max_turns: int = 8,
         top_k: int = 2,
+        retriever_url: str | None = None,
     ) -> None:
         if max_turns < 1 or top_k < 1:
             raise ValueError(f"max_turns and top_k must be >= 1, got {max_turns}, {top_k}")
         self.uri, self.max_turns, self.top_k = uri, max_turns, top_k
         self.data = load_hotpotqa(uri, split_seed, eval_fraction)
+        self.remote = RemoteSearch(retriever_url) if retriever_url else None
         self._indexes: OrderedDict[str, SearchIndex] = OrderedDict()
         self._lock = threading.Lock()  # envs of one suite may reset from several threads
 
@@ -158,10 +169,13 @@ class HotpotQASuite:
     def make_env(self) -> MultihopEnv:
         return MultihopEnv(self.index_for, self.max_turns, self.top_k, MAX_ACTION_CHARS)
 
-    def index_for(self, task: Task) -> SearchIndex:
-        """The BM25 index over ``task``'s own paragraphs (built on first use, then cached)."""
+    def index_for(self, task: Task) -> Searcher:
+        """The BM25 index over ``task``'s own paragraphs (built on first use, then cached); with
+        ``retriever_url``, the service."""
         if task.id not in self.data.passages:
             raise ValueError(f"task {task.id} is not in {self.uri}")
+        if self.remote is not None:
+            return self.remote
         with self._lock:
             if task.id not in self._indexes:
                 self._indexes[task.id] = SearchIndex(self.data.passages[task.id])
@@ -169,3 +183,27 @@ class HotpotQASuite:
                     self._indexes.popitem(last=False)
             self._indexes.move_to_end(task.id)
             return self._indexes[task.id]
+
+    def corpus(self) -> list[Passage]:
+        """Every distinct paragraph of the dataset, in the order the rows first give them: the
+        title as its id, and ``title (2)``, ``title (3)``, ... for other paragraphs under a title
+        already taken; its text is the sentences as the in-process passage joins them."""
+        ids: dict[tuple[str, str], str] = {}
+        taken: set[str] = set()
+        following: dict[str, int] = {}  # title -> the suffix its next paragraph tries first
+        for task in self.data.tasks:
+            named = self.data.titles[task.id]
+            for title, passage in zip(named, self.data.passages[task.id], strict=True):
+                text = passage[len(title) + 2 :]  # the passage is f"{title}: {text}"
+                if (title, text) in ids:
+                    continue
+                base = title or "untitled"
+                n = following.get(base, 1)
+                pid = base if n == 1 else f"{base} ({n})"
+                while pid in taken:
+                    n += 1
+                    pid = f"{base} ({n})"
+                following[base] = n + 1
+                ids[(title, text)] = pid
+                taken.add(pid)
+        return [Passage(pid, title, text) for (title, text), pid in ids.items()]

@@ -17,10 +17,13 @@ each hop is found by searching the entity's name plus the relation's keyword, wh
 fact first (tests check it for every task). Texts are short and lower case so that a tiny
 word-level policy can learn them from the scripted demonstrations (``demonstration``).
 
-``MultihopEnv`` searches whatever index its caller gives each task (``retrieval.SearchIndex``)
-and scores answers by HotpotQA's exact match (``normalize_answer``); the HotpotQA suite
-(``hotpotqa``) runs in it too, each question over its own paragraphs, with its own turn length
-limit (``max_action_chars``; ``MAX_ACTION_CHARS`` here).
+``MultihopEnv`` searches whatever index its caller gives each task (``retrieval.SearchIndex``,
+or a retrieval service, ``remote.RemoteSearch``) and scores answers by HotpotQA's exact match
+(``normalize_answer``); the HotpotQA suite (``hotpotqa``) runs in it too, each question over its
+own paragraphs, with its own turn length limit (``max_action_chars``; ``MAX_ACTION_CHARS`` here).
+With ``retriever_url`` the suite's questions search the service, which holds the world's
+passages (``MultihopSuite.corpus``); the scripted demonstrations and the vocabulary read the
+in-process index over the same passages, so they never wait on the service.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from trace_core.envs.base import (
     parse_action,
     refuse_long,
 )
-from trace_core.envs.retrieval import SearchIndex
+from trace_core.envs.remote import RemoteSearch
+from trace_core.envs.retrieval import Passage, Searcher, SearchIndex
 
 NO_RESULTS = "no results"
 NO_ACTION = "error: no action . end the turn with search[...] or answer[...]"
@@ -128,12 +132,15 @@ class MultihopEnv:
     """``search[query]`` returns the top passages of the task's index; ``answer[x]`` ends it.
 
     A turn longer than ``max_action_chars`` is refused unread, as a malformed one is: the
-    observation says so and the episode goes on.
+    observation says so and the episode goes on. A search runs under the tools' time bound
+    (``base.bounded_call``: past it, an ``error:`` observation), except on an index that bounds
+    its own calls (a ``deadline_s``, as ``RemoteSearch``), which is called as it is; an index
+    that raises (``RetrieverUnavailable``) makes ``step`` raise, and the rollout drops the prompt.
     """
 
     def __init__(
         self,
-        index_for: Callable[[Task], SearchIndex],
+        index_for: Callable[[Task], Searcher],
         max_turns: int = 8,
         top_k: int = 2,
         max_action_chars: int = MAX_ACTION_CHARS,
@@ -145,7 +152,7 @@ class MultihopEnv:
             )
         self.max_turns, self.top_k, self.max_action_chars = max_turns, top_k, max_action_chars
         self._index_for = index_for
-        self._index: SearchIndex | None = None
+        self._index: Searcher | None = None
         self._episode = EpisodeState()
 
     def reset(self, task: Task) -> str:
@@ -171,13 +178,16 @@ class MultihopEnv:
             observation = f"error: unknown tool {parsed.name} . use search or answer"
         return self._episode.observe(observation, self.max_turns)
 
-    def _search(self, index: SearchIndex, query: str) -> str:
+    def _search(self, index: Searcher, query: str) -> str:
         if not query:
             return "error: empty query"
-        try:
-            passages = bounded_call(lambda: index.search(query, self.top_k))
-        except ToolTimeout as err:
-            return f"error: {err}"
+        if hasattr(index, "deadline_s"):  # bounded by itself; it raises past its deadline
+            passages = index.search(query, self.top_k)
+        else:
+            try:
+                passages = bounded_call(lambda: index.search(query, self.top_k))
+            except ToolTimeout as err:
+                return f"error: {err}"
         return "\n".join(passages) if passages else NO_RESULTS
 
 
@@ -331,7 +341,11 @@ def reference(world: World, chain: Chain) -> tuple[str, ...]:
 
 
 class MultihopSuite:
-    """Seeded multi-hop questions over a synthetic world, 2, 3 and 4 hops in equal shares."""
+    """Seeded multi-hop questions over a synthetic world, 2, 3 and 4 hops in equal shares.
+
+    ``retriever_url``: a retrieval service holding ``corpus()`` that every task searches; None
+    searches the in-process index (``index``).
+    """
 
     name = "multihop"
     instructions = INSTRUCTIONS
@@ -344,6 +358,7 @@ class MultihopSuite:
         eval_size: int = 200,
         max_turns: int = 8,
         top_k: int = 2,
+        retriever_url: str | None = None,
     ) -> None:
         """``entities`` is the number of people; cities, companies and countries scale with it."""
         if train_size < 0 or eval_size < 0:
@@ -355,6 +370,7 @@ class MultihopSuite:
         self.seed, self.max_turns, self.top_k = seed, max_turns, top_k
         self.world = draw_world(np.random.default_rng([seed, 0]), entities)
         self.index = SearchIndex(self.world.passages())
+        self.searcher: Searcher = RemoteSearch(retriever_url) if retriever_url else self.index
         self._tasks = self._draw_tasks(np.random.default_rng([seed, 1]), train_size, eval_size)
 
     def _draw_tasks(
@@ -402,7 +418,18 @@ class MultihopSuite:
         return list(self._tasks[split])
 
     def make_env(self) -> MultihopEnv:
+        return MultihopEnv(lambda task: self.searcher, self.max_turns, self.top_k)
+
+    def _local_env(self) -> MultihopEnv:
+        """An env on the in-process index, whatever ``retriever_url`` says."""
         return MultihopEnv(lambda task: self.index, self.max_turns, self.top_k)
+
+    def corpus(self) -> list[Passage]:
+        """The world's passages as a retrieval corpus, in index order, without titles."""
+        return [
+            Passage(f"multihop-{self.seed}-{i:06d}", "", text)
+            for i, text in enumerate(self.index.passages)
+        ]
 
     def mistake_rate_for(self, task: Task) -> float:
         """Per-action slip probability for demonstrations of ``task``, rising with hops."""
@@ -440,7 +467,7 @@ class MultihopSuite:
         if not 0.0 <= mistake_rate <= 1.0:
             raise ValueError(f"mistake_rate must be in [0, 1], got {mistake_rate}")
         chain = self.chain_of(task)
-        env = self.make_env()
+        env = self._local_env()
         seen = env.reset(task)
         turns: list[str] = []
         entity = chain.start
@@ -490,7 +517,7 @@ class MultihopSuite:
             for task in self._tasks[split]:
                 texts.add(task.prompt)
                 texts.update(task.reference)
-        env = self.make_env()
+        env = self._local_env()
         tasks = self._tasks["train"] or self._tasks["eval"]
         for action in ("search[]", "search[zzz]", "calc[1+1]", "hello") if tasks else ():
             env.reset(tasks[0])

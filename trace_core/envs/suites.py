@@ -22,12 +22,25 @@ SYNTHETIC = ("calc", "calc-mix", "multihop")
 TASK_HELP = f"{', '.join(SUITES[:-1])} or {SUITES[-1]}."
 """The ``--task`` help of every command."""
 """The suites with scripted demonstrations: the only ones the tiny policy warm-starts on."""
+RETRIEVAL = ("multihop", "hotpotqa")
+"""The suites that can search a retrieval service (``retriever_url``) instead of their own
+in-process index."""
 
 
-def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
-    """The suite called ``name``; ``data`` is the dataset URI of the loader suites."""
+def make_suite(
+    name: str, data: str | None = None, seed: int = 0, retriever_url: str | None = None
+) -> TaskSuite:
+    """The suite called ``name``; ``data`` is the dataset URI of the loader suites;
+    ``retriever_url`` the retrieval service the ``RETRIEVAL`` suites search (None or empty: their
+    in-process index)."""
     if name in ("deepscaler", "hotpotqa") and not data:
         raise ValueError(f"task {name!r} reads a dataset: pass its path or URI (--data)")
+    if retriever_url and name in SUITES and name not in RETRIEVAL:
+        raise ValueError(
+            f"retriever_url {retriever_url!r}: task {name!r} searches no passages (only "
+            f"{' and '.join(RETRIEVAL)} do); leave it empty"
+        )
+    retriever_url = retriever_url or None
     match name:
         case "calc":
             from trace_core.envs.calc import CalcSuite
@@ -40,7 +53,7 @@ def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
         case "multihop":
             from trace_core.envs.multihop import MultihopSuite
 
-            return MultihopSuite(seed=seed)
+            return MultihopSuite(seed=seed, retriever_url=retriever_url)
         case "bfcl":
             from trace_core.envs.bfcl import BfclSuite
 
@@ -52,7 +65,7 @@ def make_suite(name: str, data: str | None = None, seed: int = 0) -> TaskSuite:
         case "hotpotqa":
             from trace_core.envs.hotpotqa import HotpotQASuite
 
-            return HotpotQASuite(str(data))
+            return HotpotQASuite(str(data), retriever_url=retriever_url)
     raise ValueError(f"unknown task {name!r}; choose one of {', '.join(SUITES)}")
 
 

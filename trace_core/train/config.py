@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from trace_core.algo.plan import Budget, strategy
-from trace_core.envs.suites import SYNTHETIC
+from trace_core.envs.remote import check_retriever_url
+from trace_core.envs.suites import RETRIEVAL, SYNTHETIC
 from trace_core.policy.update_config import UpdateConfig
 from trace_core.rollout.engine_config import EngineConfig
 
@@ -26,6 +27,9 @@ class TrainConfig:
     """Task suite: calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa."""
     data: str | None = None
     """Dataset path or URI of the loader tasks."""
+    retriever_url: str | None = None
+    """A retrieval service http(s)://HOST:PORT (Search-R1's /retrieve) that multihop and
+    hotpotqa search instead of their in-process BM25; empty: in process."""
     output: Path = Path("build/train/calc-trace")
     """Run folder: checkpoints, trees, log, plot (see the module docstring)."""
     init: Path | str | None = None
@@ -132,6 +136,13 @@ class TrainConfig:
             raise ValueError(f"warmstart_steps must be >= 0 (0: the task's), got {steps}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.retriever_url:
+            check_retriever_url(self.retriever_url)
+            if self.task not in RETRIEVAL:
+                raise ValueError(
+                    f"retriever_url {self.retriever_url!r}: task {self.task!r} searches no "
+                    f"passages (only {' and '.join(RETRIEVAL)} do); leave it empty"
+                )
         if self.init is None and self.task not in SYNTHETIC:
             raise ValueError(
                 f"task {self.task!r} has no built-in warm start: pass a policy with --init "

@@ -248,6 +248,9 @@ class PipelineParameters:
     """calc, calc-mix, multihop, bfcl, deepscaler or hotpotqa."""
     dataset_uri: str = ""
     """Dataset path or URI of the loader tasks (deepscaler, hotpotqa)."""
+    retriever_url: str = ""
+    """A retrieval service http(s)://HOST:PORT (Search-R1's /retrieve) that multihop and
+    hotpotqa search instead of their in-process BM25 (empty: in process)."""
     base_model_uri: str = ""
     """Starting policy: an HF directory or s3:// prefix; empty warm-starts calc/multihop."""
     strategy: str = "trace"
@@ -298,7 +301,7 @@ class PipelineParameters:
             raise ValueError("settings_json must be a JSON object of TrainConfig fields")
         own = {
             "task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed",
-            "checkpoint_every", "max_staleness",
+            "checkpoint_every", "max_staleness", "retriever_url",
         }  # fmt: skip
         clash = sorted(own & set(settings))
         if clash:
@@ -334,6 +337,7 @@ class PipelineParameters:
                 "engine": engine,
                 "task": self.task,
                 "data": self.dataset_uri or None,
+                "retriever_url": self.retriever_url.strip() or None,
                 "init": self.base_model_uri or None,
                 "strategy": self.strategy,
                 "budget": self.budget,

@@ -121,7 +121,7 @@ def train(
     """
     say = progress or (lambda _message: None)
     out = config.output
-    suite = suite or make_suite(config.task, config.data, config.seed)
+    suite = suite or make_suite(config.task, config.data, config.seed, config.retriever_url)
     local_init = local_path(config.init) if config.init else None
     if local_init:  # a remote one is checked once downloaded
         check_checkpoint(local_init, "--init")

@@ -482,7 +482,7 @@ class _Session:
         config, state, train = self.config, self.state, self.config.train
         task, train_tasks = read_prompts(str(self.prompts_dir / PROMPTS_TRAIN))
         _, eval_tasks = read_prompts(str(self.prompts_dir / PROMPTS_EVAL))
-        suite = self.suite or make_suite(task, train.data, train.seed)
+        suite = self.suite or make_suite(task, train.data, train.seed, train.retriever_url)
         address = worker_address(config)
         self._stack = contextlib.ExitStack()
         self._stack.__enter__()

@@ -74,7 +74,7 @@ def prep_step(
 
     config = with_session(_base_model_defaults(params.config(), params), pipeline_run_id)
     train = config.train
-    suite = suite or make_suite(train.task, train.data, train.seed)
+    suite = suite or make_suite(train.task, train.data, train.seed, train.retriever_url)
     train_tasks = suite.tasks("train")
     eval_tasks = suite.tasks("eval")[: train.eval_tasks]
     write_prompts(prompts_dir / PROMPTS_TRAIN, train.task, train_tasks)
