@@ -61,3 +61,29 @@ def test_each_table_is_what_the_stored_result_prints(command: str, tmp_path: Pat
     if plot and shown and shown.exists():
         made = (tmp_path / plot.group(1)).read_bytes()
         assert made == shown.read_bytes(), f"{command} plots other pixels than {shown.name}"
+
+
+def test_the_retrieval_tables_are_the_stored_bench() -> None:
+    """The retrieval section's two tables and its build time are docs/results/retriever.json,
+    the --json of the `trace-rl bench retriever` the section names, as the command prints it."""
+    import json
+
+    data = json.loads((REPO / "docs" / "results" / "retriever.json").read_text())
+    text = PAGE.read_text()
+    section = text[text.index("## The retrieval service") :]
+    section = section[: section.index("\n## ")]
+    assert "`trace-rl bench retriever --json build/bench/retriever.json`" in section
+    assert f"took {data['build_seconds']:.0f} s" in section
+    for level in data["levels"]:
+        row = (
+            f"| {level['clients']} | {level['qps']:.1f} | {level['vs_serial']:.2f}× | "
+            f"{level['p50_ms']:.1f} | {level['p99_ms']:.1f} | {level['mean_batch']:.1f} |"
+        )
+        assert row in section, row
+    recall = data["recall"]
+    for kind, name in (("dense", "dense"), ("bm25", "BM25")):
+        got = recall[kind]
+        keys = ("recall@1", "recall@3", "recall@10", "first_hop@10", "hop@1", "hop@3")
+        row = f"| {name} | " + " | ".join(f"{got[k]:.3f}" for k in keys) + " |"
+        assert row in section, row
+    assert f"{recall['questions']} eval questions" in section

@@ -112,6 +112,8 @@ def test_the_command_serves_the_configured_index(built: render.Builds, overlay: 
     params = serve.make_context("serve", list(args)).params
     assert (params["index"], params["port"], params["host"]) == ("$(INDEX_URI)", PORT, "0.0.0.0")
     assert str(params["cache_dir"]) == arg(args, "--cache-dir")
+    limit = found["resources"]["limits"]["cpu"]
+    assert params["threads"] == int(limit), "torch's threads are the pod's CPU limit"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -1,7 +1,8 @@
 """The retrieval service end to end: an index built by ``trace-rl retriever build``, served by
-``trace-rl retriever serve`` on 127.0.0.1 (one server for the file, stopped by pid), queried
-through Search-R1's API, attacked with hostile requests, killed under a client, and searched
-by one multi-hop training iteration.
+``trace-rl retriever serve`` on 127.0.0.1 (one dense server for the file; the fault test starts
+its own BM25 ones; all stopped by pid), queried through Search-R1's API, attacked with hostile
+requests, searched by HotpotQA's envs, killed under a client, and searched by one multi-hop
+training iteration.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import pytest
 import urllib3
 
 from trace_core.bench.retriever import ServedIndex
+from trace_core.envs.base import replay
+from trace_core.envs.hotpotqa import HotpotQASuite
 from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.remote import RemoteSearch, RetrieverUnavailable
 from trace_core.envs.retrieval import SearchIndex, render
@@ -60,6 +63,44 @@ def served(dense: Path, work: Path) -> Iterator[ServedIndex]:
     yield server
     server.stop()
     assert server.process.poll() is not None
+
+
+HOTPOT = [
+    {
+        "_id": "5a8b57f25542995d1e6f1371",
+        "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
+        "answer": "yes",
+        "supporting_facts": [["Scott Derrickson", 0], ["Ed Wood", 0]],
+        "context": [
+            ["Ed Wood", ["Edward Davis Wood Jr. was an American filmmaker."]],
+            ["Scott Derrickson", ["Scott Derrickson is an American director."]],
+        ],
+    },
+    {
+        "_id": "5a8c7595554299585d9e36b6",
+        "question": "What government position was held by the woman who portrayed Corliss?",
+        "answer": "Chief of Protocol",
+        "supporting_facts": [["Shirley Temple", 0]],
+        "context": [
+            ["Kiss and Tell (1945 film)", ["Kiss and Tell stars Shirley Temple as Corliss."]],
+            ["Shirley Temple", ["Shirley Temple served as Chief of Protocol of the US."]],
+        ],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def hotpot(work: Path) -> tuple[Path, Path]:
+    """A HotpotQA file and the BM25 index of its paragraphs, built by the CLI's loader option."""
+    data, out = work / "hotpot_dev.json", work / "hotpot-bm25"
+    data.write_text(json.dumps(HOTPOT))
+    run = trace_rl(
+        "retriever", "build", "--task", "hotpotqa", "--data", str(data), "--kind", "bm25",
+        "--output", str(out), cwd=work,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"wrote {out}: 4 passages (bm25)" in run.stdout
+    return data, out
 
 
 def post(url: str, body: bytes, **headers: str) -> urllib3.BaseHTTPResponse:
@@ -202,11 +243,18 @@ def test_an_index_in_the_store_is_loaded_from_it(s3_env: dict[str, str], tmp_pat
 
 
 def test_a_killed_server_is_waited_for_and_a_dead_one_fails_in_one_line(
-    work: Path, tmp_path: Path
+    hotpot: tuple[Path, Path], work: Path, tmp_path: Path
 ) -> None:
-    index = tmp_path / "bm25"
-    build_index(from_passages("multihop", MultihopSuite(seed=0).corpus()), str(index), "bm25", None)
+    """HotpotQA's questions searching the service: its envs see the paragraphs the in-process
+    index shows; a server killed under a client is waited for; one that stays down fails the
+    call in one line naming it."""
+    data, index = hotpot
     first = ServedIndex(index, work / "cache", tmp_path / "a.log", timeout_s=180)
+    suite = HotpotQASuite(str(data), retriever_url=first.url)
+    task = suite.data.tasks[0]
+    observations, last = replay(suite.make_env(), task, task.reference)
+    assert last is not None and last.reward == 1.0
+    assert observations[1].startswith("Scott Derrickson: Scott Derrickson is an American")
     client = RemoteSearch(first.url, retries=8, backoff_s=0.25, timeout_s=5.0)
     answers: list[list[str]] = []
     errors: list[BaseException] = []
@@ -215,7 +263,7 @@ def test_a_killed_server_is_waited_for_and_a_dead_one_fails_in_one_line(
     def search() -> None:
         while not stop.is_set():
             try:
-                answers.append(client.search("kara city", 2))
+                answers.append(client.search("Shirley Temple", 2))
             except BaseException as err:
                 errors.append(err)
                 return
@@ -236,11 +284,12 @@ def test_a_killed_server_is_waited_for_and_a_dead_one_fails_in_one_line(
         worker.join(60)
         assert not errors, errors
         assert len(answers) >= before + 5 and all(a == answers[0] for a in answers)
+        assert answers[0][0].startswith("Shirley Temple: ")
     finally:
         second.stop()
     dead = RemoteSearch(second.url, retries=2, backoff_s=0.05, timeout_s=1.0)
     with pytest.raises(RetrieverUnavailable) as caught:
-        dead.search("kara city", 2)
+        dead.search("Shirley Temple", 2)
     assert second.url in str(caught.value) and "\n" not in str(caught.value)
 
 

@@ -73,22 +73,26 @@ def bench_corpus(passages: int) -> Corpus:
     return from_passages(f"bench:multihop-worlds:{passages}", rows[:passages])
 
 
-def _index_for(corpus: Corpus, folder: Path, say: Callable[[str], None]) -> Path:
-    """The dense index of ``corpus`` in ``folder``: reused if it is that corpus's, else built."""
+def _index_for(
+    corpus: Corpus, folder: Path, say: Callable[[str], None]
+) -> tuple[Path, float | None]:
+    """The dense index of ``corpus`` in ``folder`` and the seconds its build took: reused (None)
+    if it is that corpus's, else built."""
     import json
 
     path = folder / f"dense-{len(corpus)}-{corpus.sha256[:12]}"
     manifest = path / "index.json"
     if manifest.is_file() and json.loads(manifest.read_text())["corpus"]["sha256"] == corpus.sha256:
         say(f"reusing the index at {path}")
-        return path
+        return path, None
     shutil.rmtree(path, ignore_errors=True)  # an unfinished build of this same corpus
     say(f"building a dense index of {len(corpus):,} passages into {path} (once)")
     encoder = Encoder(BUILTIN, folder / "cache")
     start = time.perf_counter()
     build_index(corpus, str(path), "dense", encoder)
-    say(f"built in {time.perf_counter() - start:.0f} s")
-    return path
+    seconds = time.perf_counter() - start
+    say(f"built in {seconds:.0f} s")
+    return path, seconds
 
 
 def free_port() -> int:
@@ -257,7 +261,7 @@ def run_retriever_bench(
     config.index_dir.mkdir(parents=True, exist_ok=True)
     cache = config.index_dir / "cache"
     corpus = bench_corpus(config.passages)
-    index = _index_for(corpus, config.index_dir, say)
+    index, build_seconds = _index_for(corpus, config.index_dir, say)
     queries = [task.prompt for task in MultihopSuite(seed=0).tasks("train")]
     server = ServedIndex(
         index, cache, config.index_dir / "serve.log", config.threads, config.ready_timeout_s
@@ -285,6 +289,7 @@ def run_retriever_bench(
         "corpus_sha256": corpus.sha256,
         "model": BUILTIN,
         "faiss": "flat",
+        "build_seconds": build_seconds,
         "topk": config.topk,
         "seconds_per_level": config.seconds,
         "cpus": os.cpu_count(),
