@@ -139,6 +139,42 @@ def test_pass1_and_mean_k_by_hand() -> None:
     assert {p.stop_token_ids for p in engine.params} == {(FMT.end_of_turn_id,)}
 
 
+def test_a_task_whose_env_fails_is_left_out_in_one_line() -> None:
+    """A retrieval service that stays down fails one task's env on its searches (``calc[...]``
+    here; task 1 stalls on them in one of its samples): that task is left out of every figure,
+    named with the error's one line, and the evaluation goes on; when every task fails, it
+    stops naming one."""
+    from trace_core.envs.remote import RetrieverUnavailable
+
+    class DownOnCalc:
+        def __init__(self, inner: object, down: set[str], on: str) -> None:
+            self.inner, self.down, self.on, self.task = inner, down, on, ""
+
+        def reset(self, task: Task) -> str:
+            self.task = task.id
+            return self.inner.reset(task)  # type: ignore[attr-defined, no-any-return]
+
+        def step(self, action: str):  # type: ignore[no-untyped-def]
+            if self.task in self.down and action.startswith(self.on):
+                raise RetrieverUnavailable("retriever http://r:8000: no answer after 5 attempts")
+            return self.inner.step(action)  # type: ignore[attr-defined]
+
+    def make_env(down: set[str], on: str = "calc["):  # type: ignore[no-untyped-def]
+        return lambda: DownOnCalc(SUITE.make_env(), down, on)
+
+    report = evaluate_policy(KnownAnswers(), FMT, make_env({"calc-eval-00001"}), TASKS, k=4, seed=0)
+    line = "RetrieverUnavailable: retriever http://r:8000: no answer after 5 attempts"
+    assert report.left_out == (("calc-eval-00001", line),)
+    assert report.as_dict()["left_out"] == [["calc-eval-00001", line]]
+    assert report.task_ids == ("calc-eval-00000", "calc-eval-00009", "calc-eval-00010")
+    # The other three as counted above: pass@1 1, 1, 0; mean@4 1, 0.5, 0.
+    assert report.pass1 == {D1: 1.0, D2: 0.0, ALL: 2 / 3}
+    assert report.mean_k == {D1: 0.75, D2: 0.0, ALL: 0.5}
+    every = {t.id for t in TASKS}
+    with pytest.raises(RuntimeError, match="every held-out task's env failed; task calc-eval"):
+        evaluate_policy(KnownAnswers(), FMT, make_env(every, on=""), TASKS, k=4, seed=0)
+
+
 def test_k_zero_evaluates_greedy_only() -> None:
     engine = KnownAnswers()
     report = evaluate_policy(engine, FMT, SUITE.make_env, TASKS, k=0, seed=0)

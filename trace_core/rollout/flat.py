@@ -32,11 +32,14 @@ def rollout_flat(
     params: SamplingParams,
     seed: int,
     info: Callable[[int, Task], TreeInfo] | None = None,
+    failed: dict[int, str] | None = None,
 ) -> list[RolloutTree]:
     """``params.n`` episodes of every task; one tree per task, in task order.
 
     ``params.n`` is the group size: each task's first turn is sampled n times from one
-    prefill; every later turn is sampled once per episode.
+    prefill; every later turn is sampled once per episode. With ``failed``, an env that raises
+    (a retrieval service that stays down) ends that task's episodes and is recorded there, task
+    index -> one line, instead of ending the rollout; that task's tree is then incomplete.
     """
     turn_params = SamplingParams(
         n=1,
@@ -68,11 +71,22 @@ def rollout_flat(
     first = engine.generate(
         prompts, first_params, seed=[request_seed(seed, i) for i in range(len(tasks))]
     )
+
+    def fail(task: int, err: Exception) -> None:
+        if failed is None:
+            raise err
+        lines = str(err).strip().splitlines()
+        failed.setdefault(task, f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": "))
+
     pending = []
     for i, task in enumerate(tasks):
         for j, completion in enumerate(first[i]):
             env = make_env()
-            env.reset(task)
+            try:
+                env.reset(task)
+            except Exception as err:  # the task's env: recorded in failed, or raised
+                fail(i, err)
+                break
             pending.append((Episode(i, env, ROOT, list(prompts[i]), key=(j,)), completion))
 
     origins: list[dict[int, tuple[int, ...]]] = [{} for _ in tasks]  # node -> (sample, turn)
@@ -81,7 +95,13 @@ def rollout_flat(
         """Play the returned turns; the episodes that go on."""
         going = []
         for e, c in turns:
-            step = play_turn(e, c, fmt, builders[e.owner])
+            if failed and e.owner in failed:  # a task already failed: its episodes end
+                continue
+            try:
+                step = play_turn(e, c, fmt, builders[e.owner])
+            except Exception as err:  # the task's env: recorded in failed, or raised
+                fail(e.owner, err)
+                continue
             origins[e.owner][e.node] = (*e.key, e.turns)
             if not step.done:
                 going.append(e)

@@ -42,6 +42,9 @@ class EvalReport:
     """Each task's greedy reward (``pass1``) and mean sampled reward (``mean_k``), in the order
     of ``task_ids``: what a paired comparison of two evaluations reads (``paired_change``)."""
     task_ids: tuple[str, ...] = ()
+    left_out: tuple[tuple[str, str], ...] = ()
+    """Held-out tasks whose env failed (a retrieval service that stayed down), each with its
+    one-line error: not in any figure above."""
 
     def as_dict(self) -> dict[str, object]:
         body: dict[str, object] = {
@@ -54,6 +57,8 @@ class EvalReport:
         }
         if self.per_task is not None:
             body["per_task"] = {"ids": list(self.task_ids), **self.per_task}
+        if self.left_out:
+            body["left_out"] = [list(pair) for pair in self.left_out]
         return body
 
 
@@ -105,14 +110,17 @@ def evaluate_policy(
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     say(f"greedy episodes on {len(tasks)} held-out tasks")
+    failed: dict[int, str] = {}
     greedy = rollout_flat(
-        engine, fmt, make_env, tasks, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed
+        engine,
+        fmt,
+        make_env,
+        tasks,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        seed,
+        failed=failed,
     )
-    played = list(greedy)
-    greedy_scores = [float(t.reward[t.leaf_mask].mean()) for t in greedy]
-    pass1 = _by_difficulty(tasks, greedy_scores)
-    per_task = {"pass1": greedy_scores}
-    mean_k: dict[str, float] = {}
+    sampled: list[RolloutTree] = []
     if k:
         say(f"{k} sampled episodes on each of the {len(tasks)} tasks")
         sampled = rollout_flat(
@@ -122,16 +130,35 @@ def evaluate_policy(
             tasks,
             SamplingParams(n=k, temperature=1.0, max_tokens=max_tokens),
             seed + 1,
+            failed=failed,
         )
-        played += sampled
-        sampled_scores = [float(t.reward[t.leaf_mask].mean()) for t in sampled]
-        mean_k = _by_difficulty(tasks, sampled_scores)
+    # A task whose env failed in either pass is left out of both: its figures would be those
+    # of the episodes that happened to finish.
+    kept = [i for i in range(len(tasks)) if i not in failed]
+    if not kept:
+        first = min(failed)
+        raise RuntimeError(
+            f"every held-out task's env failed; task {tasks[first].id}: {failed[first]}"
+        )
+    scored = [tasks[i] for i in kept]
+    played = [greedy[i] for i in kept]
+    greedy_scores = [float(greedy[i].reward[greedy[i].leaf_mask].mean()) for i in kept]
+    pass1 = _by_difficulty(scored, greedy_scores)
+    per_task = {"pass1": greedy_scores}
+    mean_k: dict[str, float] = {}
+    if k:
+        played += [sampled[i] for i in kept]
+        sampled_scores = [float(sampled[i].reward[sampled[i].leaf_mask].mean()) for i in kept]
+        mean_k = _by_difficulty(scored, sampled_scores)
         per_task["mean_k"] = sampled_scores
     tokens = sum(t.generated_tokens for t in played)
     truncated = [bool(cut) for t in played for cut in t.truncated[1:]]
     cut = float(np.mean(truncated)) if truncated else 0.0
-    ids = tuple(task.id for task in tasks)
-    return EvalReport(len(tasks), k, pass1, mean_k, tokens, parse_rate(played), cut, per_task, ids)
+    ids = tuple(task.id for task in scored)
+    left_out = tuple((tasks[i].id, failed[i]) for i in sorted(failed))
+    return EvalReport(
+        len(scored), k, pass1, mean_k, tokens, parse_rate(played), cut, per_task, ids, left_out
+    )
 
 
 def parse_rate(trees: Sequence[RolloutTree]) -> float:

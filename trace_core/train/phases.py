@@ -230,6 +230,8 @@ def run_iteration(
         start = time.perf_counter()
         report = evaluate(run, run.serving_now)
         seconds["eval"] = time.perf_counter() - start
+        for task, error in report.left_out:
+            say(f"iteration {i}: held-out task {task} left out of the evaluation: {error}")
         skill = iteration.held_out_root_skill(run.predictor, run.fmt, run.eval_tasks, report)
         held_out = {"eval_root_skill": skill} if math.isfinite(skill) else {}
     if session.reload_seconds > reloaded:  # the kept engine took a policy in place
