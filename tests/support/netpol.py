@@ -53,69 +53,54 @@ def admits(
     """Whether ``policies`` let ``source`` (namespace, its labels, pod labels) reach ``target``
     (namespace, pod labels, container port) over TCP."""
     target_ns, target_labels, port = target
-    source_ns, source_ns_labels, source_labels = source
-    selecting = [
-        p
-        for p in policies
-        if p["metadata"]["namespace"] == target_ns
-        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-        and selects(p["spec"]["podSelector"], target_labels)
-    ]
-    if not selecting:
-        return True
-    for policy in selecting:
-        for rule in policy["spec"].get("ingress") or []:
-            ports = rule.get("ports")
-            if ports and not any(
-                p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port) for p in ports
-            ):
-                continue
-            peers = rule.get("from")
-            if not peers:
-                return True
-            for peer in peers:
-                if "ipBlock" in peer:
-                    continue
-                if "namespaceSelector" in peer:
-                    ns_ok = selects(peer["namespaceSelector"], source_ns_labels)
-                else:
-                    ns_ok = source_ns == target_ns
-                if ns_ok and selects(peer.get("podSelector"), source_labels):
-                    return True
-    return False
+    return _allowed(policies, "Ingress", (target_ns, target_labels), source, port)
 
 
 def sends(policies: list[Manifest], source: Endpoint, target: Endpoint, port: int) -> bool:
     """Whether the Egress policies of ``source``'s namespace let it reach ``target`` on TCP
     ``port`` (the pod's port: policies see connections after a Service's address is resolved)."""
     source_ns, _, source_labels = source
-    target_ns, target_ns_labels, target_labels = target
+    return _allowed(policies, "Egress", (source_ns, source_labels), target, port)
+
+
+def _allowed(
+    policies: list[Manifest],
+    kind: str,
+    pod: tuple[str, Mapping[str, str]],
+    peer_pod: Endpoint,
+    port: int,
+) -> bool:
+    """Whether the ``kind`` (Ingress or Egress) policies selecting ``pod`` (namespace, labels)
+    allow a TCP connection on ``port`` with ``peer_pod``."""
+    namespace, labels = pod
+    peer_ns, peer_ns_labels, peer_labels = peer_pod
+    rules, peers_key = ("ingress", "from") if kind == "Ingress" else ("egress", "to")
     selecting = [
         p
         for p in policies
-        if p["metadata"]["namespace"] == source_ns
-        and "Egress" in p["spec"].get("policyTypes", [])
-        and selects(p["spec"]["podSelector"], source_labels)
+        if p["metadata"]["namespace"] == namespace
+        and kind in p["spec"].get("policyTypes", ["Ingress"])
+        and selects(p["spec"]["podSelector"], labels)
     ]
     if not selecting:
         return True
     for policy in selecting:
-        for rule in policy["spec"].get("egress") or []:
+        for rule in policy["spec"].get(rules) or []:
             ports = rule.get("ports")
             if ports and not any(
                 p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port) for p in ports
             ):
                 continue
-            peers = rule.get("to")
+            peers = rule.get(peers_key)
             if not peers:
                 return True
             for peer in peers:
                 if "ipBlock" in peer:
                     continue
                 if "namespaceSelector" in peer:
-                    ns_ok = selects(peer["namespaceSelector"], target_ns_labels)
+                    ns_ok = selects(peer["namespaceSelector"], peer_ns_labels)
                 else:
-                    ns_ok = target_ns == source_ns
-                if ns_ok and selects(peer.get("podSelector"), target_labels):
+                    ns_ok = peer_ns == namespace
+                if ns_ok and selects(peer.get("podSelector"), peer_labels):
                     return True
     return False
