@@ -22,7 +22,6 @@ from rich.table import Table
 
 from trace_core.cli.bench import app as bench_app
 from trace_core.cli.output import console, fail, progress, write_json
-from trace_core.envs.suites import TASK_HELP
 from trace_core.retriever.index import HNSW_ABOVE, INDEX_TYPES, KINDS
 
 app = typer.Typer(help="A retrieval service for the multi-hop envs (Search-R1's HTTP API).")
@@ -104,10 +103,10 @@ def build_command(
 
 
 def _task_corpus(task: str, data: str | None, seed: int) -> tuple[str, list]:  # type: ignore[type-arg]
-    from trace_core.envs.suites import make_suite
+    from trace_core.envs.suites import RETRIEVAL, make_suite
 
-    if task not in ("multihop", "hotpotqa"):
-        raise ValueError(f"--task {task}: only multihop and hotpotqa have a corpus; {TASK_HELP}")
+    if task not in RETRIEVAL:
+        raise ValueError(f"--task {task}: only {' and '.join(RETRIEVAL)} have a corpus")
     suite = make_suite(task, data, seed)
     name = f"task:{task}" + (f":{data}" if data else f":seed={seed}")
     return name, suite.corpus()  # type: ignore[attr-defined]
