@@ -35,9 +35,9 @@ frozen node) ends the run with one line naming it and the call.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -78,7 +78,10 @@ UPSTREAM = (
     "ray.kill(actor, /, no_restart)",
     "ray.exceptions.RayActorError",
     "ray.exceptions.GetTimeoutError",
-    "torch.distributed.init_process_group(backend, /, init_method, rank, world_size)",
+    "torch.distributed.init_process_group(backend, /, store, rank, world_size)",
+    "torch.distributed.TCPStore(host_name, port, world_size, is_master, timeout, /, "
+    "wait_for_workers)",
+    "torch.distributed.TCPStore.port",
     "torch.nn.parallel.DistributedDataParallel(module, /, device_ids)",
     "torch.set_num_threads",
 )
@@ -86,6 +89,8 @@ UPSTREAM = (
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"
+STORE_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long a rank waits to reach the trainers' store (rank 0's) before it fails."""
 
 
 @dataclass(frozen=True)
@@ -164,11 +169,18 @@ class TrainerRank:
         return TRAFFIC.counts()
 
     def endpoint(self) -> tuple[str, int]:
-        """This node's address and a free port on it (rank 0's: where the others dial)."""
+        """Rank 0's address and the port of the group's store, which it opens here on a port
+        the system picks and keeps listening (a port found free and bound later may be taken
+        in between): where the other ranks dial."""
+        import torch.distributed as dist
+
         host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, int(s.getsockname()[1])
+        if self.spec.workers == 1:
+            return host, 0
+        self._store = dist.TCPStore(
+            host, 0, self.spec.workers, True, STORE_TIMEOUT, wait_for_workers=False
+        )
+        return host, int(self._store.port)
 
     def setup(self, host: str, port: int, start: StartState) -> dict[str, object]:
         """Join the trainers' process group and load the state; returns what the driver needs."""
@@ -188,11 +200,11 @@ class TrainerRank:
         spec, world = self.spec, self.spec.workers
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if world > 1:
+            store = getattr(self, "_store", None) or dist.TCPStore(
+                host, port, world, False, STORE_TIMEOUT
+            )
             dist.init_process_group(
-                "nccl" if spec.use_gpu else "gloo",
-                init_method=f"tcp://{host}:{port}",
-                rank=self.rank,
-                world_size=world,
+                "nccl" if spec.use_gpu else "gloo", store=store, rank=self.rank, world_size=world
             )
         self._policy_dir = str(self._local(start.policy, "policy"))
         self.model, tokenizer, self.serving = load_for_training(
