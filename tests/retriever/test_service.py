@@ -108,6 +108,8 @@ def post(url: str, body: bytes, **headers: str) -> urllib3.BaseHTTPResponse:
 
 
 def test_search_r1_api_answers_what_the_index_finds(served: ServedIndex, dense: Path) -> None:
+    # /health said 503 while the index loaded (the port opens first), then 200.
+    assert served.statuses[-1] == 200 and 503 in served.statuses
     suite = MultihopSuite(seed=0)
     queries = [t.prompt for t in suite.tasks("eval")[:5]]
     local = load_index(str(dense), dense.parent / "cache").search(queries, 3)
@@ -173,6 +175,12 @@ def test_a_dense_index_refuses_another_model(dense: Path, tmp_path: Path) -> Non
     (other / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
     with pytest.raises(IndexUnusable, match=r"was built with model minilm .* is another"):
         load_index(str(dense), tmp_path, model=str(other))
+    # Served with it, the server stops with status 1 and says why in one line.
+    log = tmp_path / "serve.log"
+    with pytest.raises(RuntimeError, match=r"the retriever exited \(1\)"):
+        ServedIndex(dense, tmp_path, log, timeout_s=180, more=("--model", str(other)))
+    said = [line for line in log.read_text().splitlines() if "did not load" in line]
+    assert len(said) == 1 and "IndexUnusable" in said[0] and "is another" in said[0], said
 
 
 def test_an_hnsw_index_finds_what_the_exact_one_finds(dense: Path, tmp_path: Path) -> None:
@@ -236,6 +244,16 @@ def test_an_index_in_the_store_is_loaded_from_it(s3_env: dict[str, str], tmp_pat
     build_index(corpus, "s3://trace/indexes/multihop-bm25", "bm25", None)
     index = load_index("s3://trace/indexes/multihop-bm25", tmp_path)
     assert index.ids == list(corpus.ids) and index.kind == "bm25"
+    # Served from the store as the Deployment serves it: downloaded into the cache, then loaded.
+    uri = "s3://trace/indexes/multihop-bm25"
+    server = ServedIndex(uri, tmp_path / "cache", tmp_path / "serve.log", timeout_s=180)
+    try:
+        assert RemoteSearch(server.url).search("kara city", 2) == [
+            render(index.contents[r]) for r, _ in index.search(["kara city"], 2)[0]
+        ]
+    finally:
+        server.stop()
+    assert any((tmp_path / "cache" / "indexes").rglob("index.json"))
     with pytest.raises(FileExistsError, match="already holds objects"):
         build_index(corpus, "s3://trace/indexes/multihop-bm25", "bm25", None)
     with pytest.raises(IndexUnusable, match=r"no index\.json there"):
@@ -312,3 +330,21 @@ def test_one_multihop_iteration_trains_against_the_served_index(
     config = json.loads((out / "config.json").read_text())
     assert config["retriever_url"] == served.url
     assert int(served.health()["queries"]) > before  # its searches went to the service
+
+
+def test_bench_retriever_prints_each_level_against_one_client(work: Path) -> None:
+    """`trace-rl bench retriever`, small: its levels, their ratios to one client's serial
+    queries, and recall for both kinds, in its table and its JSON."""
+    out = work / "bench.json"
+    run = trace_rl(
+        "bench", "retriever", "--passages", "1000", "--seconds", "0.5", "--clients", "1,4",
+        "--index-dir", str(work / "bench"), "--json", str(out), cwd=work,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [level["clients"] for level in data["levels"]] == [1, 4]
+    assert data["levels"][0]["vs_serial"] == 1.0 and data["passages"] == 1000
+    assert all(level["errors"] == 0 and level["requests"] > 0 for level in data["levels"])
+    assert set(data["recall"]) == {"questions", "hop_queries", "dense", "bm25"}
+    assert data["recall"]["bm25"]["hop@1"] == 1.0  # each hop's search finds its passage
+    assert "vs 1 client" in run.stdout and "1.00×" in run.stdout

@@ -106,18 +106,22 @@ class ServedIndex:
 
     def __init__(
         self,
-        index: Path,
+        index: Path | str,
         cache: Path,
         log: Path,
         threads: int = 0,
         timeout_s: float = 600.0,
         port: int = 0,
+        more: tuple[str, ...] = (),
     ) -> None:
+        """``more``: further flags of ``trace-rl retriever serve``."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.statuses: list[int] = []
+        """The /health statuses seen while waiting for it to be ready, in order."""
         command = [sys.executable, "-m", "trace_core.cli", "retriever", "serve"]
         command += ["--index", str(index), "--port", str(self.port), "--cache-dir", str(cache)]
-        command += ["--threads", str(threads)]
+        command += ["--threads", str(threads), *more]
         self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready(timeout_s, log)
@@ -132,7 +136,8 @@ class ServedIndex:
                 self.stop()
                 raise RuntimeError(f"the retriever exited ({self.process.returncode}); see {log}")
             try:
-                if http.request("GET", f"{self.url}/health").status == 200:
+                self.statuses.append(http.request("GET", f"{self.url}/health").status)
+                if self.statuses[-1] == 200:
                     return
             except urllib3.exceptions.HTTPError:
                 pass
