@@ -79,9 +79,7 @@ UPSTREAM = (
     "ray.exceptions.RayActorError",
     "ray.exceptions.GetTimeoutError",
     "torch.distributed.init_process_group(backend, /, store, rank, world_size)",
-    "torch.distributed.TCPStore(host_name, port, world_size, is_master, timeout, /, "
-    "wait_for_workers)",
-    "torch.distributed.TCPStore.port",
+    "torch.distributed.TCPStore(host_name, port, world_size, is_master, timeout, /)",
     "torch.nn.parallel.DistributedDataParallel(module, /, device_ids)",
     "torch.set_num_threads",
 )
@@ -89,8 +87,7 @@ UPSTREAM = (
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"
-STORE_TIMEOUT = datetime.timedelta(minutes=10)
-"""How long a rank waits to reach the trainers' store (rank 0's) before it fails."""
+STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank's wait to reach rank 0's store
 
 
 @dataclass(frozen=True)
@@ -169,18 +166,14 @@ class TrainerRank:
         return TRAFFIC.counts()
 
     def endpoint(self) -> tuple[str, int]:
-        """Rank 0's address and the port of the group's store, which it opens here on a port
-        the system picks and keeps listening (a port found free and bound later may be taken
-        in between): where the other ranks dial."""
-        import torch.distributed as dist
+        """Rank 0's address and the port of the trainers' store, opened here and kept open (a
+        port found free now and bound later could be taken in between): where the others dial."""
+        from trace_core.policy.weight_sync import open_store
 
         host = ray.util.get_node_ip_address()
-        if self.spec.workers == 1:
-            return host, 0
-        self._store = dist.TCPStore(
-            host, 0, self.spec.workers, True, STORE_TIMEOUT, wait_for_workers=False
-        )
-        return host, int(self._store.port)
+        store = open_store(host, self.spec.workers) if self.spec.workers > 1 else None
+        self._group_store = store
+        return host, int(store.port) if store else 0
 
     def setup(self, host: str, port: int, start: StartState) -> dict[str, object]:
         """Join the trainers' process group and load the state; returns what the driver needs."""
@@ -200,7 +193,7 @@ class TrainerRank:
         spec, world = self.spec, self.spec.workers
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if world > 1:
-            store = getattr(self, "_store", None) or dist.TCPStore(
+            store = getattr(self, "_group_store", None) or dist.TCPStore(
                 host, port, world, False, STORE_TIMEOUT
             )
             dist.init_process_group(
