@@ -288,9 +288,8 @@ def load_index(index: str, cache: Path, model: str | None = None) -> LoadedIndex
         else:
             import torch
 
-            # The exact index's vectors, searched with torch's GEMM and top-k: faiss-cpu's own
-            # flat search of a batch of 64 queries over 100,000 passages took 4.5x as long on
-            # the 2-core machine of docs/deploy.md's figures (the same answers).
+            # The exact index's vectors, searched with torch's GEMM and top-k (the same inner
+            # products as IndexFlatIP.search, one matrix product per batch of queries).
             loaded._matrix = torch.from_numpy(stored.reconstruct_n(0, stored.ntotal))
     else:
         import bm25s
