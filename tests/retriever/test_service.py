@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 import urllib3
 
-from trace_core.bench.retriever import ServedIndex
 from trace_core.envs.base import replay
 from trace_core.envs.hotpotqa import HotpotQASuite
 from trace_core.envs.multihop import MultihopSuite
 from trace_core.envs.remote import RemoteSearch, RetrieverUnavailable
 from trace_core.envs.retrieval import SearchIndex, render
+from trace_core.retriever.bench import ServedIndex
 from trace_core.retriever.corpus import from_passages, read_corpus
 from trace_core.retriever.encoder import BUILTIN, model_folder
 from trace_core.retriever.index import IndexUnusable, build_index, load_index
@@ -94,10 +94,8 @@ def hotpot(work: Path) -> tuple[Path, Path]:
     """A HotpotQA file and the BM25 index of its paragraphs, built by the CLI's loader option."""
     data, out = work / "hotpot_dev.json", work / "hotpot-bm25"
     data.write_text(json.dumps(HOTPOT))
-    run = trace_rl(
-        "retriever", "build", "--task", "hotpotqa", "--data", str(data), "--kind", "bm25",
-        "--output", str(out), cwd=work,
-    )  # fmt: skip
+    build = f"retriever build --task hotpotqa --data {data} --kind bm25 --output {out}"
+    run = trace_rl(*build.split(), cwd=work)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"wrote {out}: 4 passages (bm25)" in run.stdout
     return data, out
@@ -112,14 +110,15 @@ def test_search_r1_api_answers_what_the_index_finds(served: ServedIndex, dense: 
     assert served.statuses[-1] == 200 and 503 in served.statuses
     suite = MultihopSuite(seed=0)
     queries = [t.prompt for t in suite.tasks("eval")[:5]]
-    local = load_index(str(dense), dense.parent / "cache").search(queries, 3)
+    index = load_index(str(dense), dense.parent / "cache")
+    local = index.search(queries, 3)
     reply = post(
         served.url, json.dumps({"queries": queries, "topk": 3, "return_scores": True}).encode()
     )
     assert reply.status == 200
     result = reply.json()["result"]
     assert len(result) == len(queries)
-    rows = {pid: row for row, pid in enumerate(load_index(str(dense), dense.parent / "cache").ids)}
+    rows = {pid: row for row, pid in enumerate(index.ids)}
     for hits, expected in zip(result, local, strict=True):
         assert [set(h) for h in hits] == [{"document", "score"}] * 3
         assert [set(h["document"]) for h in hits] == [{"id", "contents"}] * 3
@@ -317,12 +316,10 @@ def test_one_multihop_iteration_trains_against_the_served_index(
     """40 SFT steps: enough for the tiny policy to search (10 searches at seed 0)."""
     before = int(served.health()["queries"])
     out = work / "train"
-    run = trace_rl(
-        "train", "--task", "multihop", "--retriever-url", served.url, "--output", str(out),
-        "--warmstart-steps", "40", "--iterations", "1", "--budget", "4", "--prompts", "8",
-        "--eval-tasks", "2", "--eval-k", "1", "--eval-every", "1", "--threads", "1",
-        "--max-tokens", "16", cwd=work, timeout=600,
-    )  # fmt: skip
+    small = "--warmstart-steps 40 --iterations 1 --budget 4 --prompts 8 --eval-tasks 2"
+    small += " --eval-k 1 --eval-every 1 --threads 1 --max-tokens 16"
+    command = f"train --task multihop --retriever-url {served.url} --output {out} {small}"
+    run = trace_rl(*command.split(), cwd=work, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [line["iteration"] for line in lines] == [0, 1]
@@ -336,10 +333,10 @@ def test_bench_retriever_prints_each_level_against_one_client(work: Path) -> Non
     """`trace-rl bench retriever`, small: its levels, their ratios to one client's serial
     queries, and recall for both kinds, in its table and its JSON."""
     out = work / "bench.json"
+    small = "--passages 1000 --seconds 0.5 --clients 1,4"
     run = trace_rl(
-        "bench", "retriever", "--passages", "1000", "--seconds", "0.5", "--clients", "1,4",
-        "--index-dir", str(work / "bench"), "--json", str(out), cwd=work,
-    )  # fmt: skip
+        *f"bench retriever {small} --index-dir {work / 'bench'} --json {out}".split(), cwd=work
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     data = json.loads(out.read_text())
     assert [level["clients"] for level in data["levels"]] == [1, 4]

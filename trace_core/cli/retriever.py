@@ -172,7 +172,7 @@ def bench_retriever_command(
 ) -> None:
     """Queries/s and p50/p99 latency at 1, 16 and 64 clients (each against one client's serial
     queries), and recall@k on the multihop task, dense against BM25."""
-    from trace_core.bench.retriever import RetrieverBenchConfig, run_retriever_bench
+    from trace_core.retriever.bench import RetrieverBenchConfig, run_retriever_bench
 
     try:
         config = RetrieverBenchConfig(

