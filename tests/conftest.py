@@ -100,6 +100,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test that used the session's S3 server gets the server's last error lines in
+    its report: its ``InternalError`` answers say nothing of why."""
+    report = yield
+    server = getattr(item, "funcargs", {}).get("seaweed")
+    if report.failed and server is not None:
+        errors = server.errors()
+        if errors:
+            report.sections.append(("SeaweedFS errors", "\n".join(errors)))
+    return report
+
+
 @dataclass(frozen=True)
 class RayHead:
     address: str

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -270,8 +273,30 @@ def test_the_server_listens_on_loopback_only_and_stops_by_pid(tmp_path: Path) ->
         assert ("127.0.0.1", server.ports["s3.port"]) in sockets
         assert {ip for ip, _ in sockets} == {"127.0.0.1"}, sockets
         assert {port for _, port in sockets} <= set(server.ports.values())
+        # 64 MiB volume slots, whatever the disk's size: the master counts about one a 64 MiB of
+        # free space (1 GiB slots, mini's own choice on a large disk, would give 16 times fewer).
+        master = f"http://127.0.0.1:{server.ports['master.port']}/dir/status"
+        with urllib.request.urlopen(master, timeout=10) as answer:
+            slots = json.load(answer)["Topology"]["Max"]
+        assert slots >= shutil.disk_usage(tmp_path).free // (128 << 20), slots
+        assert server.errors() == []
     finally:
         server.stop()
     assert not server.running()
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     assert not list(Path("/tmp").glob(f"seaweedfs-*-{server.ports['s3.port']}.sock"))
+
+
+def test_the_servers_error_lines_are_read_from_its_log(tmp_path: Path) -> None:
+    server = SeaweedServer(tmp_path, "key", "secret", {}, ())
+    assert server.errors() == []  # no log yet
+    lines = [
+        "I1206 19:24:08.1 master.go:1] started",
+        "E1206 19:24:08.3 upload_chunked.go:281 chunked upload failed: no free volumes left",
+        "W1206 19:24:08.5 worker.go:180 stream ended",
+        "Error: not a glog line",
+        "E1206 19:24:09.8 s3api_object_handlers_put.go:626 putToFiler: chunked upload failed",
+    ]
+    server.log_path.write_text("\n".join(lines) + "\n")
+    assert server.errors() == [lines[1], lines[4]]
+    assert server.errors(last=1) == [lines[4]]

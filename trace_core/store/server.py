@@ -148,6 +148,11 @@ class SeaweedServer:
             "-master.telemetry=false",
             # One master: after a restart it re-elects itself within 1 s, not the default 10 s.
             "-master.electionTimeout=1s",
+            # Mini sizes its volume slots from the disk's total size (up to 1 GiB each) and counts
+            # them against the free space: on a nearly full disk a 1 GiB slot size leaves two or
+            # three, and once they are used up every upload fails with "no free volumes left".
+            # 64 MiB slots stretch the same free space over sixteen times as many.
+            "-master.volumeSizeLimitMB=64",
             "-webdav=false",
             "-admin.ui=false",
             "-s3.port.iceberg=0",
@@ -219,6 +224,16 @@ class SeaweedServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def errors(self, last: int = 5) -> list[str]:
+        """The server's last ``last`` error lines (glog's ``E`` lines), oldest first: why an
+        upload or a read answered ``InternalError``."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        found = [line for line in lines if len(line) > 1 and line[0] == "E" and line[1].isdigit()]
+        return found[-last:] if last > 0 else []
 
     def kill(self) -> None:
         """SIGKILL: a crash, with no chance to flush or finish requests."""
