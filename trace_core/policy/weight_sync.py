@@ -198,7 +198,7 @@ def sync_group(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = torch.distributed.TCPStore(host, port, size, False, timeout)
+        store = dial_store(host, port, size, timeout_s)
     prefixed = torch.distributed.PrefixStore("trace-weight-sync", store)
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
@@ -212,6 +212,15 @@ def open_store(host: str, size: int, timeout_s: float = 600.0) -> torch.distribu
     """Rank 0's store on a port the system picks (``store.port`` is what the others dial)."""
     return torch.distributed.TCPStore(
         host, 0, size, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def dial_store(
+    host: str, port: int, size: int, timeout_s: float = 600.0
+) -> torch.distributed.TCPStore:
+    """A client of the store ``open_store`` opened on ``host:port``."""
+    return torch.distributed.TCPStore(
+        host, port, size, False, datetime.timedelta(seconds=timeout_s)
     )
 
 

@@ -35,7 +35,6 @@ frozen node) ends the run with one line naming it and the call.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import tempfile
@@ -53,7 +52,14 @@ from ray.util.placement_group import remove_placement_group
 from trace_core.algo.tree import RolloutTree
 from trace_core.policy.update import UpdateStats
 from trace_core.policy.update_config import UpdateConfig
-from trace_core.policy.weight_sync import BUCKET_BYTES, WeightPlan, WeightSink, apply_weights
+from trace_core.policy.weight_sync import (
+    BUCKET_BYTES,
+    WeightPlan,
+    WeightSink,
+    apply_weights,
+    dial_store,
+    open_store,
+)
 from trace_core.rollout.lease import Lease
 from trace_core.rollout.placement import in_bundle, named_groups, reserve
 from trace_core.rollout.waits import Wait, get
@@ -79,7 +85,6 @@ UPSTREAM = (
     "ray.exceptions.RayActorError",
     "ray.exceptions.GetTimeoutError",
     "torch.distributed.init_process_group(backend, /, store, rank, world_size)",
-    "torch.distributed.TCPStore(host_name, port, world_size, is_master, timeout, /)",
     "torch.nn.parallel.DistributedDataParallel(module, /, device_ids)",
     "torch.set_num_threads",
 )
@@ -87,7 +92,6 @@ UPSTREAM = (
 
 OPTIMIZER = "optimizer.safetensors"
 TRAINER_NAMESPACE = "trace-trainers"
-STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank's wait to reach rank 0's store
 
 
 @dataclass(frozen=True)
@@ -168,8 +172,6 @@ class TrainerRank:
     def endpoint(self) -> tuple[str, int]:
         """Rank 0's address and the port of the trainers' store, opened here and kept open (a
         port found free now and bound later could be taken in between): where the others dial."""
-        from trace_core.policy.weight_sync import open_store
-
         host = ray.util.get_node_ip_address()
         store = open_store(host, self.spec.workers) if self.spec.workers > 1 else None
         self._group_store = store
@@ -193,9 +195,7 @@ class TrainerRank:
         spec, world = self.spec, self.spec.workers
         self.device = torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
         if world > 1:
-            store = getattr(self, "_group_store", None) or dist.TCPStore(
-                host, port, world, False, STORE_TIMEOUT
-            )
+            store = getattr(self, "_group_store", None) or dial_store(host, port, world)
             dist.init_process_group(
                 "nccl" if spec.use_gpu else "gloo", store=store, rank=self.rank, world_size=world
             )
@@ -266,8 +266,6 @@ class TrainerRank:
 
     def open_sync(self, size: int) -> tuple[str, int]:
         """Host the sync group's store (rank 0); returns where the engines dial."""
-        from trace_core.policy.weight_sync import open_store
-
         self._sync = None
         host = ray.util.get_node_ip_address()
         self._store = open_store(host, size)
