@@ -284,14 +284,20 @@ def test_a_seed_grows_the_same_trees_on_any_number_of_workers_with_either_driver
     )  # fmt: skip
     check_planned(local)
     assert sum(t.generated_tokens for t in local) > 0
-    for workers, driver in [(1, "async"), (2, "async"), (2, "lock-step"), (2, "continuous")]:
-        with RayEnginePool(checkpoint, workers=workers, driver=driver) as pool:
+    # (workers, driver, threads a worker): a 2-thread worker's TorchEngine decodes on two
+    # forked replicas (policy.replicas).
+    runs = [(1, "async", 1), (2, "async", 1), (2, "lock-step", 1), (2, "continuous", 1)]
+    for workers, driver, threads in [*runs, (1, "continuous", 2)]:
+        with RayEnginePool(
+            checkpoint, workers=workers, driver=driver, threads_per_worker=threads
+        ) as pool:
             trees = grow(pool, fmt)
             # The pool counts every token its workers generated, and every one is in a tree.
             assert pool.stats.generated_tokens == sum(t.generated_tokens for t in trees)
         share = differing_turns(trees, local)
-        print(f"{workers} workers, {driver}: {share:.1%} of turns differ")
-        assert share <= 0.1, f"{workers} workers, {driver}: {share:.1%} of turns differ"
+        name = f"{workers} workers × {threads} threads, {driver}"
+        print(f"{name}: {share:.1%} of turns differ")
+        assert share <= 0.1, f"{name}: {share:.1%} of turns differ"
 
 
 class KillingPool(RayEnginePool):

@@ -100,30 +100,18 @@ def run_engine_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        if checkpoint is None:
-            words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
-            tokenizer = build_word_tokenizer([" ".join(words[:280])])
-            model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
-            first = len(SPECIAL_TOKENS)
-        else:
-            model, tokenizer = load_checkpoint(checkpoint)
-            model.float()
-            first = max(tokenizer.all_special_ids, default=-1) + 1
+        model, tokenizer, random_tokens = bench_policy(seed, checkpoint)
         torch.nn.Module.to(model, torch.device(device))  # in place
-        rng = np.random.default_rng(seed)
-        vocab = len(tokenizer)
-
-        def random_tokens(n: int) -> list[int]:  # any id but the specials
-            return [int(t) for t in rng.integers(first, vocab, size=n)]
-
         prompts = [random_tokens(prompt_tokens) for _ in range(batch)]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens)
-        torch_engine = TorchEngine(model, device=device, max_batch=max(batch, 256))
+        # On a CPU, one replica per thread (``policy.replicas``), as an engine picks by itself.
+        torch_engine = TorchEngine(model, device=device, max_batch=max(batch, 256), replicas=0)
         hf_engine = HFGenerateEngine(model)
         # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
         torch_runs, hf_runs = _paired_seconds(
-            [(torch_engine, torch_engine.cache.clear), (hf_engine, None)], prompts, params, repeats
+            [(torch_engine, torch_engine.clear_cache), (hf_engine, None)], prompts, params, repeats
         )
+        torch_engine.close()
         ratios = [h / t for t, h in zip(torch_runs, hf_runs, strict=True)]
         torch_s, hf_s = float(np.median(torch_runs)), float(np.median(hf_runs))
         floor_s = _kernel_floor_seconds(
@@ -131,8 +119,9 @@ def run_engine_bench(
         )
         produced = batch * new_tokens
         parts: dict[str, float] = {}
-        if profile:
-            found = profile_generate(torch_engine, prompts, params, repeats=min(repeats, 3))
+        if profile:  # in this process, where the profiler sees it: one replica's steps
+            here = TorchEngine(model, device=device, max_batch=max(batch, 256))
+            found = profile_generate(here, prompts, params, repeats=min(repeats, 3))
             parts = {f"profile_{key}": value for key, value in found.items()}
         vllm: dict[str, float] = {}
         if vllm_python is not None:
@@ -170,11 +159,35 @@ def run_engine_bench(
             "new_tokens": float(new_tokens),
             "prompt_tokens": float(prompt_tokens),
             "threads": float(torch.get_num_threads()),
+            "replicas": float(torch_engine.replicas),
             **tree,
             **parts,
         }
     finally:
         torch.set_num_threads(saved_threads)
+
+
+def bench_policy(
+    seed: int = 0, checkpoint: Path | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Callable[[int], list[int]]]:
+    """The bench's policy (the tiny one, or ``checkpoint`` in float32) and its draws of
+    random prompt tokens (any id but the specials), seeded by ``seed``."""
+    if checkpoint is None:
+        words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+        tokenizer = build_word_tokenizer([" ".join(words[:280])])
+        model = create_policy(tokenizer, TinyPolicyConfig(), seed=seed)
+        first = len(SPECIAL_TOKENS)
+    else:
+        model, tokenizer = load_checkpoint(checkpoint)
+        model.float()
+        first = max(tokenizer.all_special_ids, default=-1) + 1
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer)
+
+    def random_tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(first, vocab, size=n)]
+
+    return model, tokenizer, random_tokens
 
 
 def _paired_seconds(

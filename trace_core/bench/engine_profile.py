@@ -81,12 +81,12 @@ def profile_generate(
     prefix cache is cleared before each call, as ``bench engine`` does."""
     walls = []
     for seed in range(repeats + 1):  # call 0 warms up
-        engine.cache.clear()
+        engine.clear_cache()
         start = time.perf_counter()
         engine.generate(prompts, params, seed=seed)
         walls.append(time.perf_counter() - start)
     steps_before = engine.stats.extra.get("decode_steps", 0.0)
-    engine.cache.clear()
+    engine.clear_cache()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         start = time.perf_counter()

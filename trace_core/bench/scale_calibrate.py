@@ -152,7 +152,7 @@ def calibrate(
         calls = time_synthetic_calls(engine, len(tokenizer), config)
         say("timing a rollout's calls (another seed)")
         grow_workload(engine, fmt, workload)  # warm-up
-        engine.cache.clear()
+        engine.clear_cache()
         timed = _TimedEngine(engine, engine.max_batch)
         start = time.perf_counter()
         practice = grow_workload(timed, fmt, workload, seed=workload.seed + 1)
@@ -164,7 +164,7 @@ def calibrate(
         if config.real_calls:
             calls += timed.calls
         say("growing the workload's trees")
-        engine.cache.clear()
+        engine.clear_cache()
         trees = grow_workload(engine, fmt, workload)
         config.trees.parent.mkdir(parents=True, exist_ok=True)
         write_trees(config.trees, trees)
@@ -236,7 +236,7 @@ def time_synthetic_calls(
                 for run in range(config.repeats + 1):  # run 0 warms up
                     for kind, (params, clear, *_) in shapes.items():
                         if clear:
-                            engine.cache.clear()
+                            engine.clear_cache()
                         start = time.perf_counter()
                         engine.generate(prompts, params, seed=run)
                         if run:

@@ -93,6 +93,7 @@ from trace_core.policy.decoder import (
 )
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams, check_prompts
 from trace_core.policy.prefix_cache import Node, PrefixCache
+from trace_core.policy.replicas import ReplicaPool
 from trace_core.policy.sampling import prompt_seeds, request_keys
 
 UPSTREAM = (
@@ -108,6 +109,17 @@ UPSTREAM = (
 # halves are the widest), then stay in a core's 2 MB L2 between the elementwise kernels;
 # 512 ran the 64 × 32-token bench prefill in ≈0.8× the time of one 2048-token pass.
 PASS_TOKENS = 512
+
+MAX_REPLICAS = 8
+"""Replicas an engine forks at most when it picks their number itself (``replicas=0``)."""
+
+
+def _replicas(asked: int, device: torch.device) -> int:
+    """Replicas an engine runs: only on a CPU, where ``asked`` 0 means one per torch thread."""
+    if device.type != "cpu":
+        return 1
+    return asked or min(torch.get_num_threads(), MAX_REPLICAS)
+
 
 # KV buffer storage kept between calls at most (bytes): enough for the tiny policy's usual
 # calls; a larger one (long contexts × many rows) is given back after its call rather than
@@ -136,13 +148,19 @@ class TorchEngine:
         cache_tokens: int = 65_536,
         prefill_chunk: int = 16_384,
         dtype: torch.dtype | None = None,
+        replicas: int = 1,
     ) -> None:
         """``max_batch``: decode rows at once (more run in turn; each holds its prompt's KV
         and ``max_tokens`` more columns); ``cache_tokens``: slots in the prefix-cache pool;
         ``prefill_chunk``: token columns (rows × width) of one prefill pass's KV buffer;
-        ``dtype``: of the weights and KV (default: bfloat16 on CUDA, the model's on CPU)."""
+        ``dtype``: of the weights and KV (default: bfloat16 on CUDA, the model's on CPU);
+        ``replicas``: on a CPU, forked copies that decode side by side, each with its share
+        of the torch threads and its own prefix cache (``policy.replicas``; 0: one per torch
+        thread, up to ``MAX_REPLICAS``); 1 decodes in this process."""
         if min(max_batch, cache_tokens, prefill_chunk) < 1:
             raise ValueError("max_batch, cache_tokens and prefill_chunk must be >= 1")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else model.dtype)
         self.max_batch = max_batch
@@ -155,12 +173,41 @@ class TorchEngine:
         self.cache = PrefixCache(self.weights, cache_tokens)
         self._scratch = torch.zeros(0)  # storage of the prefill KV buffers
         self._batch_storage = [torch.zeros(0), torch.zeros(0)]  # generate()'s running batches
+        self.replicas = _replicas(replicas, self.device)
+        self.weights_version = 0
+        """Bumped by every weight change: replicas forked before it have old weights."""
+        self._pool: ReplicaPool | None = None
 
     def update_weights(self, model: PreTrainedModel) -> None:
         """Snapshot new weights (after a training step); the KV cached so far is dropped."""
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.config = model.config
         self.cache.clear()
+        self.weights_version += 1
+
+    def running_batch(self) -> ContinuousBatch | ReplicaPool:
+        """The batch requests join: the replicas' (kept across calls), or a fresh one here."""
+        if self.replicas > 1:
+            if self._pool is None:
+                self._pool = ReplicaPool(self, self.replicas)
+            return self._pool
+        return ContinuousBatch(self, self._batch_storage)
+
+    def clear_cache(self) -> None:
+        """Empty the prefix cache, the replicas' too."""
+        self.cache.clear()
+        if self._pool is not None:
+            self._pool.clear_cache()
+
+    @property
+    def cache_used(self) -> int:
+        """Prefix-cache slots holding KV, over the replicas when they decode."""
+        return self._pool.cache_used if self._pool is not None else self.cache.used
+
+    def close(self) -> None:
+        """Stop the replicas, if any ran (the next call forks them again)."""
+        if self._pool is not None:
+            self._pool.close()
 
     def weight_sink(self) -> DecoderSink:
         """Where a weight sync's buckets go (``policy.weight_sync``): each layer is refolded
@@ -182,12 +229,16 @@ class TorchEngine:
             return []
         n = params.n
         keys = request_keys(prompt_seeds(seed, len(prompt_list)), n)
-        batch = ContinuousBatch(self, self._batch_storage)
+        batch = self.running_batch()
+        if batch.pending:
+            raise RuntimeError("this engine's running batch has requests in flight")
+        steps, row_steps, counts = batch.steps, batch.row_steps, Counter(batch.row_counts)
         one = replace(params, n=1)
         for r, key in enumerate(keys):
             batch.add(Request(prompt_list[r // n], one, key), r)
         out: list[Completion | None] = [None] * len(keys)
         while batch.pending:
+            batch.wait(1.0)
             for r, completion in batch.step():
                 out[r] = completion
         for i, kept in enumerate(self._batch_storage):
@@ -198,11 +249,12 @@ class TorchEngine:
         self.stats.calls += 1
         self.stats.prompt_tokens += sum(len(p) for p in prompt_list)
         extra = self.stats.extra
-        extra["decode_steps"] = extra.get("decode_steps", 0.0) + batch.steps
-        extra["decode_row_steps"] = extra.get("decode_row_steps", 0.0) + batch.row_steps
-        self.row_counts.update(batch.row_counts)
-        self.stats.extra["cache_used_tokens"] = float(self.cache.used)
-        self.stats.extra["evicted_tokens"] = float(self.cache.evicted_tokens)
+        extra["decode_steps"] = extra.get("decode_steps", 0.0) + batch.steps - steps
+        extra["decode_row_steps"] = extra.get("decode_row_steps", 0.0) + batch.row_steps - row_steps
+        self.row_counts.update(batch.row_counts - counts)
+        if self._pool is None:  # the pool keeps its replicas' figures there itself
+            extra["cache_used_tokens"] = float(self.cache.used)
+            extra["evicted_tokens"] = float(self.cache.evicted_tokens)
         done = [c for c in out if c is not None]
         assert len(done) == len(out)
         return [done[i * n : (i + 1) * n] for i in range(len(prompt_list))]
@@ -435,3 +487,4 @@ class DecoderSink:
         engine.weights = replace(engine.weights, lm_head=lm_head)
         self._pending.clear()
         engine.cache.clear()  # its KV was computed with the old weights
+        engine.weights_version += 1

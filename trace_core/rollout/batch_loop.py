@@ -25,7 +25,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from trace_core.policy.continuous import ContinuousBatch, Request
+from trace_core.policy.continuous import Request
 from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.sampling import request_keys
 from trace_core.policy.torch_engine import TorchEngine
@@ -38,7 +38,8 @@ looks at the batch again."""
 
 
 class RunningBatch(Protocol):
-    """What a loop steps: ``continuous.ContinuousBatch`` or ``vllm_batch.VLLMBatch``."""
+    """What a loop steps: ``continuous.ContinuousBatch``, ``replicas.ReplicaPool`` or
+    ``vllm_batch.VLLMBatch``."""
 
     steps: int
     row_steps: int
@@ -59,7 +60,7 @@ class RunningBatch(Protocol):
 def running_batch(engine: Engine) -> RunningBatch:
     """The running batch of ``engine``: a TorchEngine's scheduler, or vLLM's."""
     if isinstance(engine, TorchEngine):
-        return ContinuousBatch(engine)
+        return engine.running_batch()
     if isinstance(engine, VLLMEngine):
         from trace_core.policy.vllm_batch import VLLMBatch  # imports vllm
 
@@ -142,8 +143,8 @@ class BatchLoop:
             yield
 
     def _cache_used(self) -> float:
-        cache = getattr(self.engine, "cache", None)  # a TorchEngine's prefix cache
-        return float(cache.used) if cache is not None else 0.0
+        used = getattr(self.engine, "cache_used", 0)  # a TorchEngine's prefix cache
+        return float(used)
 
     def _counters(self) -> list[int]:
         stats, batch = self.engine.stats, self.batch

@@ -97,12 +97,17 @@ def open_engine(
         case _:
             from trace_core.policy.torch_engine import TorchEngine
 
-            yield TorchEngine(
+            engine = TorchEngine(
                 model or load_checkpoint(checkpoint, device)[0],
                 device=device,
                 max_batch=config.max_rows,
                 cache_tokens=config.cache_tokens,
+                replicas=0,  # on a CPU: one per torch thread (policy.replicas)
             )
+            try:
+                yield engine
+            finally:
+                engine.close()
 
 
 class EngineSession:

@@ -225,6 +225,7 @@ class EngineWorker:
                     device=spec.device,
                     max_batch=spec.max_rows,
                     cache_tokens=spec.cache_tokens,
+                    replicas=0,  # on a CPU: one per thread the actor asked for
                 )
         self.checkpoint = checkpoint
         return time.perf_counter() - start
