@@ -236,7 +236,7 @@ def test_model_upload_puts_the_folder_once_and_refuses_what_base_model_uri_canno
 
 def test_bench_engine_json(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    flags = ["--batch", "4", "--new-tokens", "8", "--profile", "--json"]
+    flags = ["--batch", "4", "--new-tokens", "8", "--threads", "2", "--profile", "--json"]
     run = trace_rl("bench", "engine", *flags, str(out), cwd=tmp_path)
     assert run.returncode == 0, said(run)[-2000:]
     data = json.loads(out.read_text())
@@ -256,6 +256,10 @@ def test_bench_engine_json(tmp_path: Path) -> None:
     assert data["ratio_vs_hf_min"] <= data["ratio_vs_hf"] <= data["ratio_vs_hf_max"]
     assert data["floor_ratio_vs_hf"] == pytest.approx(data["hf_seconds"] / data["floor_seconds"])
     assert data["torch_vs_floor"] == pytest.approx(data["torch_seconds"] / data["floor_seconds"])
+    # Two threads: two replicas, timed against the same engine in one process.
+    assert data["threads"] == data["replicas"] == 2
+    low, mid, high = (data[f"ratio_vs_one_process{s}"] for s in ("_min", "", "_max"))
+    assert 0 < low <= mid <= high and data["one_process_tokens_per_s"] > 0
     assert "Tiny policy, batch 4 × 8 new tokens" in said(run)
     assert "vLLM: not timed (--vllm-python" in said(run) and "vllm_seconds" not in data
     # --profile: the tiny policy's 2 layers, each op of a step in its part by what called it.

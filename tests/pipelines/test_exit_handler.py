@@ -31,8 +31,9 @@ TINY = {"warmstart_steps": 20, "prompts": 16, "eval_tasks": 8, "eval_k": 1, "max
 
 
 def _step_process(function: str) -> int | None:
-    """The pid of the running KFP step that executes ``function`` (its executor's command
-    line names it after ``--function_to_execute``), or None."""
+    """The pid of the running KFP step of this test that executes ``function`` (its
+    executor's command line names it after ``--function_to_execute``), or None. Only this
+    process's descendants: another test's pipeline may run the same step meanwhile."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -41,9 +42,21 @@ def _step_process(function: str) -> int | None:
         except OSError:
             continue
         step = b"--function_to_execute" in argv and function.encode() in argv
-        if step and b"python" in argv[0]:  # the executor itself, not the shell that starts it
+        # The executor itself, not the shell that starts it.
+        if step and b"python" in argv[0] and _descends_from(int(entry.name), os.getpid()):
             return int(entry.name)
     return None
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:  # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def test_a_run_stopped_mid_step_frees_what_it_held(

@@ -368,10 +368,11 @@ def test_smollm2_greedy_matches_hf_generate_token_for_token() -> None:
         np.testing.assert_allclose(a.logprobs, hf_logprobs(model, prompt, a.token_ids), atol=1e-4)
 
 
-def test_the_tokens_are_the_recorded_ones() -> None:
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_tokens_are_the_recorded_ones(replicas: int) -> None:
     """The same prompts and seed sample the tokens TorchEngine sampled when they were
-    recorded (tests/data/engine_tokens.json): speed work on the running batch changes no
-    token."""
+    recorded (tests/data/engine_tokens.json), in one process or on forked replicas
+    (``policy.replicas``): speed work on the running batch changes no token."""
     import itertools
     import json
     import string
@@ -381,7 +382,7 @@ def test_the_tokens_are_the_recorded_ones() -> None:
     recorded = json.loads((Path(__file__).parents[1] / "data" / "engine_tokens.json").read_text())
     words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
     model = create_policy(build_word_tokenizer([" ".join(words[:280])]), TinyPolicyConfig(), 0)
-    engine = TorchEngine(model)
+    engine = TorchEngine(model, replicas=replicas)
     settings = {
         "t1": SamplingParams(n=2, temperature=1.0, max_tokens=12),
         "t07p09": SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=12),
@@ -389,3 +390,4 @@ def test_the_tokens_are_the_recorded_ones() -> None:
     for name, params in settings.items():
         out = engine.generate(recorded["prompts"], params, seed=7)
         assert [[c.token_ids.tolist() for c in cs] for cs in out] == recorded["tokens"][name]
+    engine.close()

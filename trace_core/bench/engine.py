@@ -11,7 +11,10 @@ model import``; its prompts are random ids above its special tokens):
   figures are medians, ``ratio_vs_hf`` the median of the repeats' ratios, with their lowest
   and highest (``ratio_vs_hf_min``, ``ratio_vs_hf_max``) as the spread. TorchEngine's prefix
   cache is cleared before every run, so it prefills the prompts as HF does and the ratio is
-  decode against decode.
+  decode against decode. On a CPU with more than one thread, TorchEngine decodes on one
+  forked replica per thread (``policy.replicas``, as the rollout's engines do), and the same
+  engine in one process takes its turn in every round too: ``ratio_vs_one_process`` (paired,
+  with its spread) is what the replicas gain.
 * **Kernel floor.** The same run's unavoidable arithmetic alone: the prefill's and every
   decode step's matmuls and attention (scores, softmax, weighted values) at the same shapes on
   preallocated tensors, with nothing else (no norms, rope, sampling, KV writes or
@@ -104,23 +107,39 @@ def run_engine_bench(
         torch.nn.Module.to(model, torch.device(device))  # in place
         prompts = [random_tokens(prompt_tokens) for _ in range(batch)]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens)
-        # On a CPU, one replica per thread (``policy.replicas``), as an engine picks by itself.
-        torch_engine = TorchEngine(model, device=device, max_batch=max(batch, 256), replicas=0)
+        # On a CPU, one replica per thread (``policy.replicas``), as an engine picks by itself;
+        # with more than one, the same engine in one process runs in the rounds too.
+        rows = max(batch, 256)
+        torch_engine = TorchEngine(model, device=device, max_batch=rows, replicas=0)
         hf_engine = HFGenerateEngine(model)
         # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
-        torch_runs, hf_runs = _paired_seconds(
-            [(torch_engine, torch_engine.clear_cache), (hf_engine, None)], prompts, params, repeats
-        )
+        engines: list[tuple[Engine, Callable[[], None] | None]] = [
+            (torch_engine, torch_engine.clear_cache),
+            (hf_engine, None),
+        ]
+        if torch_engine.replicas > 1:
+            here = TorchEngine(model, device=device, max_batch=rows)
+            engines.append((here, here.clear_cache))
+        torch_runs, hf_runs, *here_runs = _paired_seconds(engines, prompts, params, repeats)
         torch_engine.close()
         ratios = [h / t for t, h in zip(torch_runs, hf_runs, strict=True)]
+        one_process: dict[str, float] = {}
+        if here_runs:
+            gains = [o / t for t, o in zip(torch_runs, here_runs[0], strict=True)]
+            one_process = {
+                "one_process_tokens_per_s": batch * new_tokens / float(np.median(here_runs[0])),
+                "ratio_vs_one_process": float(np.median(gains)),
+                "ratio_vs_one_process_min": min(gains),
+                "ratio_vs_one_process_max": max(gains),
+            }
         torch_s, hf_s = float(np.median(torch_runs)), float(np.median(hf_runs))
         floor_s = _kernel_floor_seconds(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
         )
         produced = batch * new_tokens
         parts: dict[str, float] = {}
-        if profile:  # in this process, where the profiler sees it: one replica's steps
-            here = TorchEngine(model, device=device, max_batch=max(batch, 256))
+        if profile:  # the engine in this process, where the profiler sees its steps
+            here = TorchEngine(model, device=device, max_batch=rows)
             found = profile_generate(here, prompts, params, repeats=min(repeats, 3))
             parts = {f"profile_{key}": value for key, value in found.items()}
         vllm: dict[str, float] = {}
@@ -148,6 +167,7 @@ def run_engine_bench(
             "ratio_vs_hf": float(np.median(ratios)),
             "ratio_vs_hf_min": min(ratios),
             "ratio_vs_hf_max": max(ratios),
+            **one_process,
             "repeats": float(repeats),
             "torch_seconds": torch_s,
             "hf_seconds": hf_s,

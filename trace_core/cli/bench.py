@@ -317,9 +317,10 @@ def bench_engine(
         "repeats' paired ratios with their lowest and highest (> 1: TorchEngine is faster); "
         "tokens/s and seconds: medians; floor: the run's matmuls and attention alone, what "
         "any engine on these kernels needs at least (floor_ratio_vs_hf: HF over it; "
-        "torch_vs_floor: TorchEngine over it); ratio_vs_vllm: vLLM's seconds over "
-        "TorchEngine's. The tree workload: tokens prefilled vs distinct token positions "
-        "(unique) and vs no reuse (naive).",
+        "torch_vs_floor: TorchEngine over it); ratio_vs_one_process: the same engine in one "
+        "process over TorchEngine on its replicas (one per thread); ratio_vs_vllm: vLLM's "
+        "seconds over TorchEngine's. The tree workload: tokens prefilled vs distinct token "
+        "positions (unique) and vs no reuse (naive).",
     )
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -366,6 +367,7 @@ ENGINE_BENCH_COUNTS = frozenset(
         *("batch", "new_tokens", "prompt_tokens", "threads", "prefill_tokens", "unique_tokens"),
         *("generated_tokens", "requested_prompt_tokens", "naive_prefill_tokens", "tree_calls"),
         "repeats",
+        "replicas",
     }
 )
 """``bench engine``'s figures that are counts, printed as integers."""

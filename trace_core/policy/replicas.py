@@ -16,20 +16,22 @@ one thread each run all of it side by side (``trace-rl bench engine``: the ratio
 
 **How.** The pool forks ``replicas`` copies of its engine, each with an equal share of the
 engine's torch threads (at least one). A replica is a ``ContinuousBatch`` with its own prefix
-cache, stepped in its own process while it holds requests; it sends back each step's answers
-with its counters. A request goes to the replica whose prefix cache most likely holds its
-prompt's longest prefix (the pool records hashes of every 16-token block boundary and of the
-whole prompt, for each request it routes and each sequence answered), unless that replica has
-``RELIEF`` more requests in flight than the least loaded one; otherwise to the least loaded.
-So a prompt's samples share one prefill, and a rollout's next turn finds its KV.
+cache (an equal share of the engine's ``cache_tokens``: the replicas hold as much KV as one
+engine would, and the engine itself keeps one slot), stepped in its own process while it holds
+requests; it sends back each step's answers with its counters. A request goes to the replica
+whose prefix cache most likely holds its prompt's longest prefix (the pool records hashes of
+every 16-token block boundary and of the whole prompt, for each request it routes and each
+sequence answered), unless that replica has ``RELIEF`` more requests in flight than the least
+loaded one; otherwise to the least loaded. So a prompt's samples share one prefill, and a
+rollout's next turn finds its KV.
 
 **Tokens.** A request samples with its own key (``sampling.KeyedDraws``), so a replica draws
 the same tokens as the whole engine would (a test checks the bench workload token for token).
 
 **Weights.** A replica has the weights its engine had when it was forked. New weights
 (``update_weights``, a ``DecoderSink``) bump the engine's ``weights_version``; the pool then
-forks afresh at its next request, once nothing is in flight (new weights are refused while
-requests are). A replica that fails or dies stops the pool with its error; the next request
+forks afresh at its next request, once nothing is in flight (a request that comes after new
+weights while older ones are in flight is refused). A replica that fails or dies stops the pool with its error; the next request
 forks a new one.
 """
 
@@ -50,6 +52,7 @@ import torch
 
 from trace_core.policy.continuous import ContinuousBatch, Engine, Request
 from trace_core.policy.engine import Completion
+from trace_core.policy.prefix_cache import PrefixCache
 
 BLOCK = 16
 """Tokens between the prefix hashes the router records and looks up."""
@@ -68,6 +71,7 @@ class TorchEngine(Engine, Protocol):
     """What a pool uses of its ``TorchEngine`` beside what a batch does."""
 
     replicas: int
+    cache_tokens: int
     weights_version: int
     _pool: ReplicaPool | None
     _batch_storage: list[torch.Tensor]
@@ -181,7 +185,10 @@ class ReplicaPool:
         for _ in range(self.replicas):
             mine, theirs = context.Pipe()
             process = context.Process(
-                target=_serve, args=(engine, theirs, threads), daemon=True, name="engine-replica"
+                target=_serve,
+                args=(engine, theirs, threads, self.replicas),
+                daemon=True,
+                name="engine-replica",
             )
             process.start()
             theirs.close()
@@ -236,10 +243,12 @@ class ReplicaPool:
         return out
 
 
-def _serve(engine: TorchEngine, conn: Connection, threads: int) -> None:
-    """A replica's life: take requests, step its batch while it holds any, send the answers
-    of each step that has some (with the counters since the last send)."""
+def _serve(engine: TorchEngine, conn: Connection, threads: int, replicas: int) -> None:
+    """A replica's life: its share of the prefix-cache slots, then take requests, step its
+    batch while it holds any, send the answers of each step that has some (with the counters
+    since the last send)."""
     torch.set_num_threads(threads)
+    engine.cache = PrefixCache(engine.weights, max(1, engine.cache_tokens // replicas))
     pool = engine._pool
     if pool is not None:  # the engine's copy: not this process's to stop or talk through
         pool._finalizer.detach()

@@ -46,8 +46,9 @@ afresh, and rows of batches of other sizes, agree to float rounding only, so a s
 on a tie could still flip.
 
 **Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
-2-core CPU, two torch threads, five paired rounds): ≈1.7–2.1× HF ``generate`` (≈0.11 s
-against ≈0.21 s; HF's own time moves by a third between runs here). At batch 64 a step reads
+2-core CPU, two torch threads, five paired rounds): in one process ≈1.7–2.1× HF ``generate``
+(≈0.11 s against ≈0.21 s; HF's own time moves by a third between runs here), and ≈2.4–2.5×
+on two replicas (below). At batch 64 a step reads
 every row's keys and values (≈8 MB at the average span) and runs ≈47 MFLOP of matmuls; the
 bench times those kernels alone at the same shapes (``floor_seconds``), ≈4× HF's time, and
 TorchEngine spends ≈2.2–2.3× that floor. ``bench engine --profile`` (``bench.engine_profile``)
@@ -58,8 +59,12 @@ joining prompts is ≈15% of the call. ``torch.compile`` (inductor, CPU) was tri
 step: compiled pieces were no faster than eager, and the whole step needs static shapes (≈15 s
 to compile each new batch/length) for ≈25% at best, so it is not used. Splitting the batch
 between two Python threads (one torch thread each) was slower than one thread (≈2.0 ms against
-≈1.4 ms a step: the GIL). With two threads on a shared machine both engines slow down
-several-fold and the ratio swings between runs.
+≈1.4 ms a step: the GIL); two processes are not. With ``replicas`` (the rollout's engines pass
+0: one per torch thread on a CPU) the engine forks copies of itself that decode side by side,
+each with one thread, its share of the prefix cache and its own continuous batch
+(``policy.replicas``): ≈1.1–1.2× one process on the tiny bench, ≈1.3× on SmolLM2 at batch 4
+(docs/engines.md). With two threads on a shared machine both engines slow down several-fold
+and the ratio swings between runs.
 
 Pretrained models: Qwen3 and Llama-family weights (``decoder``), token-exact against HF
 ``generate`` on SmolLM2-135M-Instruct (tests/policy/test_torch_engine.py). The pool's rows and
@@ -155,7 +160,7 @@ class TorchEngine:
         ``prefill_chunk``: token columns (rows × width) of one prefill pass's KV buffer;
         ``dtype``: of the weights and KV (default: bfloat16 on CUDA, the model's on CPU);
         ``replicas``: on a CPU, forked copies that decode side by side, each with its share
-        of the torch threads and its own prefix cache (``policy.replicas``; 0: one per torch
+        of the torch threads and of ``cache_tokens`` (``policy.replicas``; 0: one per torch
         thread, up to ``MAX_REPLICAS``); 1 decodes in this process."""
         if min(max_batch, cache_tokens, prefill_chunk) < 1:
             raise ValueError("max_batch, cache_tokens and prefill_chunk must be >= 1")
@@ -170,10 +175,12 @@ class TorchEngine:
         """Decode steps by their rows in flight, over every call."""
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.config = model.config
-        self.cache = PrefixCache(self.weights, cache_tokens)
+        self.replicas = _replicas(replicas, self.device)
+        self.cache_tokens = cache_tokens
+        # Replicas hold the pool's slots between them (``policy.replicas``): one slot here.
+        self.cache = PrefixCache(self.weights, cache_tokens if self.replicas == 1 else 1)
         self._scratch = torch.zeros(0)  # storage of the prefill KV buffers
         self._batch_storage = [torch.zeros(0), torch.zeros(0)]  # generate()'s running batches
-        self.replicas = _replicas(replicas, self.device)
         self.weights_version = 0
         """Bumped by every weight change: replicas forked before it have old weights."""
         self._pool: ReplicaPool | None = None
