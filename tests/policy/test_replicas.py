@@ -129,7 +129,8 @@ def test_a_replica_that_fails_or_dies_stops_the_call_and_the_next_call_forks_ane
     engines.append(engine)
     expected = TorchEngine(MODEL, cache_tokens=48).generate([PROMPTS[0]], PARAMS, seed=1)
     # A prompt that passes the engine's checks but not its replica's 48 prefix-cache slots.
-    with pytest.raises(ReplicaError, match=r"engine replica 0 failed:(.|\n)*prefix cache \(48 tokens\)"):
+    refused = r"engine replica 0 failed:(.|\n)*prefix cache \(48 tokens\)"
+    with pytest.raises(ReplicaError, match=refused):
         engine.generate([RANDOM_TOKENS(60)], SamplingParams(max_tokens=4), seed=1)
     assert engine.cache.capacity == 1  # the engine's own: its replicas hold the slots
     assert digest(engine.generate([PROMPTS[0]], PARAMS, seed=1)) == digest(expected)

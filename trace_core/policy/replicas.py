@@ -31,8 +31,8 @@ the same tokens as the whole engine would (a test checks the bench workload toke
 **Weights.** A replica has the weights its engine had when it was forked. New weights
 (``update_weights``, a ``DecoderSink``) bump the engine's ``weights_version``; the pool then
 forks afresh at its next request, once nothing is in flight (a request that comes after new
-weights while older ones are in flight is refused). A replica that fails or dies stops the pool with its error; the next request
-forks a new one.
+weights while older ones are in flight is refused). A replica that fails or dies stops the
+pool with its error; the next request forks a new one.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ on a tie could still flip.
 
 **Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
 2-core CPU, two torch threads, five paired rounds): in one process ≈1.7–2.1× HF ``generate``
-(≈0.11 s against ≈0.21 s; HF's own time moves by a third between runs here), and ≈2.4–2.5×
+(≈0.11 s against ≈0.21 s; HF's own time moves by a third between runs here), and ≈2.3–2.5×
 on two replicas (below). At batch 64 a step reads
 every row's keys and values (≈8 MB at the average span) and runs ≈47 MFLOP of matmuls; the
 bench times those kernels alone at the same shapes (``floor_seconds``), ≈4× HF's time, and
