@@ -153,6 +153,24 @@ def test_a_replica_that_fails_or_dies_stops_the_call_and_the_next_call_forks_ane
     assert digest(engine.generate([PROMPTS[0]], PARAMS, seed=1)) == digest(expected)
 
 
+def test_an_interrupted_call_leaves_nothing_in_flight(
+    engines: list[TorchEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = TorchEngine(MODEL, replicas=2)
+    engines.append(engine)
+    expected = digest(engine.generate(PROMPTS[:8], PARAMS, seed=1))
+
+    def interrupted(self: ReplicaPool) -> list[tuple[object, Completion]]:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ReplicaPool, "step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS[:8], PARAMS, seed=1)
+    assert engine.running_batch().pending == 0
+    assert digest(engine.generate(PROMPTS[:8], PARAMS, seed=1)) == expected
+
+
 def test_a_batch_loop_drives_the_replicas_turn_by_turn(engines: list[TorchEngine]) -> None:
     engine = TorchEngine(MODEL, replicas=2)
     one = TorchEngine(MODEL, replicas=1)

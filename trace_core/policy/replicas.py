@@ -32,7 +32,8 @@ the same tokens as the whole engine would (a test checks the bench workload toke
 (``update_weights``, a ``DecoderSink``) bump the engine's ``weights_version``; the pool then
 forks afresh at its next request, once nothing is in flight (a request that comes after new
 weights while older ones are in flight is refused). A replica that fails or dies stops the
-pool with its error; the next request forks a new one.
+pool with its error, and an interrupted ``generate`` stops it too; the next request forks
+new ones.
 """
 
 from __future__ import annotations

@@ -241,13 +241,17 @@ class TorchEngine:
             raise RuntimeError("this engine's running batch has requests in flight")
         steps, row_steps, counts = batch.steps, batch.row_steps, Counter(batch.row_counts)
         one = replace(params, n=1)
-        for r, key in enumerate(keys):
-            batch.add(Request(prompt_list[r // n], one, key), r)
         out: list[Completion | None] = [None] * len(keys)
-        while batch.pending:
-            batch.wait(1.0)
-            for r, completion in batch.step():
-                out[r] = completion
+        try:
+            for r, key in enumerate(keys):
+                batch.add(Request(prompt_list[r // n], one, key), r)
+            while batch.pending:
+                batch.wait(1.0)
+                for r, completion in batch.step():
+                    out[r] = completion
+        except BaseException:
+            self.close()  # an interrupted call leaves nothing in flight on the replicas
+            raise
         for i, kept in enumerate(self._batch_storage):
             if kept.numel() * kept.element_size() > _SCRATCH_KEEP_BYTES:
                 self._batch_storage[i] = torch.zeros(0)
