@@ -152,6 +152,17 @@ def test_a_replica_that_fails_or_dies_stops_the_call_and_the_next_call_forks_ane
     assert pool.pending == 0
     assert digest(engine.generate([PROMPTS[0]], PARAMS, seed=1)) == digest(expected)
 
+    # Found dead by the next request, before any answer says so.
+    pool.add(Request(tuple(PROMPTS[0]), params, 1), 0)
+    pool.step()
+    victim = pool._procs[0].pid
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    pool._procs[0].join()
+    with pytest.raises(ReplicaError, match=f"engine replica 0 died .*pid {victim}"):
+        pool.add(Request(tuple(PROMPTS[1]), params, 2), 1)
+    assert pool.pending == 0
+
 
 def test_an_interrupted_call_leaves_nothing_in_flight(
     engines: list[TorchEngine], monkeypatch: pytest.MonkeyPatch

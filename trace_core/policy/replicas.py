@@ -143,7 +143,10 @@ class ReplicaPool:
         """Send the requests routed since the last step; hand back every answer in so far."""
         for r, box in enumerate(self._outbox):
             if box:
-                self._conns[r].send(("add", box))
+                try:
+                    self._conns[r].send(("add", box))
+                except OSError:  # its end of the pipe is closed: it is gone
+                    raise self._died(r) from None
                 self._outbox[r] = []
         answers: list[tuple[Any, Completion]] = []
         ready = wait(self._conns, 0) if self.pending else []
@@ -175,6 +178,9 @@ class ReplicaPool:
         alive = self._procs and all(p.is_alive() for p in self._procs)
         if alive and self._version == engine.weights_version:
             return
+        gone = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if self.pending and gone:
+            raise self._died(gone[0])
         if self.pending:
             raise RuntimeError(
                 f"{self.pending} requests are in flight on this engine's replicas, which have "
@@ -212,16 +218,20 @@ class ReplicaPool:
         for h in hashes:
             self._homes.setdefault(h, r)
 
+    def _died(self, r: int) -> ReplicaError:
+        """Stop the pool after replica ``r`` is found gone: the error that says how."""
+        process = self._procs[r]
+        process.join(timeout=5)
+        code = process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else code
+        self.close()
+        return ReplicaError(f"engine replica {r} died ({how}: pid {process.pid})")
+
     def _receive(self, r: int) -> list[tuple[Any, Completion]]:
         try:
             kind, body = self._conns[r].recv()
         except (EOFError, OSError):
-            process = self._procs[r]
-            process.join(timeout=5)
-            code = process.exitcode
-            how = f"killed by {signal.Signals(-code).name}" if code and code < 0 else code
-            self.close()
-            raise ReplicaError(f"engine replica {r} died ({how}: pid {process.pid})") from None
+            raise self._died(r) from None
         if kind == "error":
             self.close()
             raise ReplicaError(f"engine replica {r} failed:\n{body}")
