@@ -108,9 +108,10 @@ def run_engine_bench(
         prompts = [random_tokens(prompt_tokens) for _ in range(batch)]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=new_tokens)
         # On a CPU, one replica per thread (``policy.replicas``), as an engine picks by itself;
-        # with more than one, the same engine in one process runs in the rounds too.
+        # with more than one, the same engine in one process (``here``) runs in the rounds too.
         rows = max(batch, 256)
         torch_engine = TorchEngine(model, device=device, max_batch=rows, replicas=0)
+        here = torch_engine
         hf_engine = HFGenerateEngine(model)
         # Clearing the prefix cache makes TorchEngine prefill every run, as HF does.
         engines: list[tuple[Engine, Callable[[], None] | None]] = [
@@ -139,7 +140,6 @@ def run_engine_bench(
         produced = batch * new_tokens
         parts: dict[str, float] = {}
         if profile:  # the engine in this process, where the profiler sees its steps
-            here = TorchEngine(model, device=device, max_batch=rows)
             found = profile_generate(here, prompts, params, repeats=min(repeats, 3))
             parts = {f"profile_{key}": value for key, value in found.items()}
         vllm: dict[str, float] = {}
