@@ -22,18 +22,23 @@ JSON simple index and the ``.metadata`` files of PEP 658) is cached under
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
+import io
 import json
 import os
-import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import tomllib
 import urllib.error
-import urllib.request
+import urllib.parse
 import zipfile
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path
@@ -50,6 +55,9 @@ CACHE = REPO / "build" / "image-requirements"
 INDEX = "https://pypi.org/simple"
 MAX_CANDIDATES = 40
 """Releases of an unpinned package tried, newest first, before it counts as unresolvable."""
+FETCHERS = 16
+"""Documents read from PyPI at once: each pin's index and metadata when a check starts, then
+the unpinned packages' as the check reaches them."""
 
 
 @dataclass(frozen=True)
@@ -143,24 +151,80 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
 
 
 # --- PyPI, cached ---------------------------------------------------------------------------
+_AHEAD = ThreadPoolExecutor(FETCHERS)
+_TLS = ssl.create_default_context()
+_LOCAL = threading.local()
+
+
+def _get(url: str, headers: Mapping[str, str], timeout: float = 60) -> http.client.HTTPResponse:
+    """GET ``url`` over this thread's kept connection to its host (a lookup and a handshake
+    for each of hundreds of documents cost more than the documents, and a DNS lookup can
+    wait 5 s), following redirects; an HTTP error raises ``urllib.error.HTTPError``. The caller
+    reads the whole body before the next request."""
+    for _ in range(5):
+        parts = urllib.parse.urlsplit(url)
+        connections = _LOCAL.__dict__.setdefault("connections", {})
+        for attempt in (0, 1):  # a kept connection the server closed: open it again, once
+            connection = connections.get(parts.netloc)
+            if connection is None:
+                connection = http.client.HTTPSConnection(
+                    parts.netloc, timeout=timeout, context=_TLS
+                )
+                connections[parts.netloc] = connection
+            try:
+                target = parts.path + (f"?{parts.query}" if parts.query else "")
+                connection.request("GET", target, headers=dict(headers))
+                response = connection.getresponse()
+                break
+            except (http.client.HTTPException, OSError):
+                connection.close()
+                del connections[parts.netloc]
+                if attempt:
+                    raise
+        if response.status in (301, 302, 303, 307, 308):
+            response.read()
+            url = urllib.parse.urljoin(url, response.headers["Location"])
+            continue
+        if response.status >= 400:
+            response.read()
+            raise urllib.error.HTTPError(
+                url, response.status, response.reason, response.headers, None
+            )
+        return response
+    raise urllib.error.URLError(f"{url}: too many redirects")
+
+
 def _fetch(url: str, accept: str | None = None) -> bytes:
     """``url``'s body, from the cache when it was fetched before (written whole, then renamed)."""
     path = CACHE / hashlib.sha256(url.encode()).hexdigest()[:32]
     if path.is_file():
         return path.read_bytes()
-    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        body: bytes = response.read()
+    body = _get(url, {"Accept": accept} if accept else {}).read()
+    _store(path, body)
+    return body
+
+
+def _store(path: Path, body: bytes) -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=CACHE)
     with os.fdopen(fd, "wb") as f:
         f.write(body)
     os.replace(temp, path)
-    return body
+
+
+_WHEELS: dict[tuple[str, frozenset[Tag]], dict[Version, str]] = {}
 
 
 def wheels(name: str, tags: set[Tag]) -> dict[Version, str]:
-    """Release → metadata URL of a wheel of ``name`` that installs on an image with ``tags``."""
+    """Release → metadata URL of a wheel of ``name`` that installs on an image with ``tags``
+    (read once a process: numpy's index alone lists thousands of files)."""
+    key = (name, frozenset(tags))
+    if key not in _WHEELS:
+        _WHEELS[key] = _wheels(name, tags)
+    return _WHEELS[key]
+
+
+def _wheels(name: str, tags: set[Tag]) -> dict[Version, str]:
     index = json.loads(_fetch(f"{INDEX}/{name}/", "application/vnd.pypi.simple.v1+json"))
     out: dict[Version, str] = {}
     for entry in index.get("files", []):
@@ -190,23 +254,92 @@ def requires(metadata_url: str) -> list[Requirement]:
 
 
 def _wheel_metadata(wheel_url: str) -> bytes:
-    """The METADATA file inside a wheel uploaded before PyPI served it alone (read from the
-    downloaded wheel once, then cached as its metadata URL would have been)."""
+    """The METADATA file inside a wheel whose metadata is not served alone (wheels uploaded
+    before PEP 658, or an index that does not serve it): read from the wheel's zip directory
+    and that one member by range requests, not the whole wheel (a CUDA wheel is tens of MB),
+    then cached as its metadata URL would have been."""
     path = CACHE / hashlib.sha256(f"{wheel_url}.metadata".encode()).hexdigest()[:32]
     if path.is_file():
         return path.read_bytes()
-    with tempfile.TemporaryFile() as wheel:
-        with urllib.request.urlopen(wheel_url, timeout=300) as response:
-            shutil.copyfileobj(response, wheel)
-        with zipfile.ZipFile(wheel) as archive:
-            name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-            body = archive.read(name)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=CACHE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(body)
-    os.replace(temp, path)
+    with zipfile.ZipFile(_RemoteFile(wheel_url)) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        body = archive.read(name)
+    _store(path, body)
     return body
+
+
+class _RemoteFile(io.RawIOBase):
+    """A file on the index, read by HTTP range requests where ``zipfile`` seeks: its last
+    ``TAIL`` bytes first (the zip's directory), then what the member asked for spans. A
+    server that ignores ranges sends the whole file, which is then read from memory."""
+
+    TAIL = 1 << 16
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url, self.at = url, 0
+        self.size, start, data = self._get(f"bytes=-{self.TAIL}")
+        self.chunks = [(start, data)]
+
+    def _get(self, ranged: str) -> tuple[int, int, bytes]:
+        """(file size, offset of the bytes sent, the bytes)."""
+        response = _get(self.url, {"Range": ranged}, timeout=300)
+        data = response.read()
+        sent = response.headers.get("Content-Range")  # bytes START-END/SIZE
+        if response.status != 206 or not sent:
+            return len(data), 0, data
+        span, size = sent.split()[1].split("/")
+        return int(size), int(span.split("-")[0]), data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.size}[whence]
+        self.at = base + offset
+        return self.at
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), self.size - self.at))
+        if not n:
+            return 0
+        for start, data in self.chunks:
+            if start <= self.at and self.at + n <= start + len(data):
+                break
+        else:
+            want = max(n, self.TAIL)
+            _, start, data = self._get(f"bytes={self.at}-{min(self.size, self.at + want) - 1}")
+            self.chunks.append((start, data))
+        piece = data[self.at - start : self.at - start + n]
+        buffer[: len(piece)] = piece
+        self.at += len(piece)
+        return len(piece)
+
+
+def prefetch(pins: Mapping[str, Version], tags: set[Tag]) -> None:
+    """Read every pin's index and its pinned wheel's metadata into the cache, ``FETCHERS`` at
+    a time: the check then walks the requirements reading the cache, not the network one
+    document after another. A document that cannot be read here is left to the check, which
+    reads it again where it needs it and says what failed."""
+
+    def metadata_url(name: str) -> str | None:
+        try:
+            return wheels(name, tags).get(pins[name])
+        except (OSError, ValueError):  # urllib's errors are OSErrors; JSON's ValueErrors
+            return None
+
+    def read(url: str) -> None:
+        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
+            requires(url)
+
+    urls = [url for url in _AHEAD.map(metadata_url, sorted(pins)) if url]
+    list(_AHEAD.map(read, urls))
 
 
 # --- the check --------------------------------------------------------------------------------
@@ -235,6 +368,7 @@ def check(image_name: str, constraints: str | None = None) -> Report:
     image = IMAGES[image_name]
     pins = parse_pins(constraints if constraints is not None else image_constraints(image_name))
     env, tags = image.environment, image.tags()
+    prefetch(pins, tags)
     report = Report(image.name)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     roots = [Requirement(r) for r in project["dependencies"]]
@@ -297,8 +431,19 @@ def check(image_name: str, constraints: str | None = None) -> Report:
         for child in requires(url):
             if applies(child, env, seen_extras[name]):
                 work.append((child, f"{name} {version}"))
+                if canonicalize_name(child.name) not in pins:
+                    _AHEAD.submit(_read_ahead, canonicalize_name(child.name), tags)
     report.failures = _verify(report, roots, pins, seen_extras, problems, env, tags)
     return report
+
+
+def _read_ahead(name: str, tags: set[Tag]) -> None:
+    """Cache an unpinned package's index and its newest release's metadata, which the check
+    most likely reads next (it reads them again itself, and any error there)."""
+    with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
+        releases = wheels(name, tags)
+        if releases:
+            requires(releases[max(releases)])
 
 
 def _verify(
