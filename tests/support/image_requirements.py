@@ -278,10 +278,10 @@ class _RemoteFile(io.RawIOBase):
     def __init__(self, url: str) -> None:
         super().__init__()
         self.url, self.at = url, 0
-        self.size, start, data = self._get(f"bytes=-{self.TAIL}")
+        self.size, start, data = self._range(f"bytes=-{self.TAIL}")
         self.chunks = [(start, data)]
 
-    def _get(self, ranged: str) -> tuple[int, int, bytes]:
+    def _range(self, ranged: str) -> tuple[int, int, bytes]:
         """(file size, offset of the bytes sent, the bytes)."""
         response = _get(self.url, {"Range": ranged}, timeout=300)
         data = response.read()
@@ -314,7 +314,7 @@ class _RemoteFile(io.RawIOBase):
                 break
         else:
             want = max(n, self.TAIL)
-            _, start, data = self._get(f"bytes={self.at}-{min(self.size, self.at + want) - 1}")
+            _, start, data = self._range(f"bytes={self.at}-{min(self.size, self.at + want) - 1}")
             self.chunks.append((start, data))
         piece = data[self.at - start : self.at - start + n]
         buffer[: len(piece)] = piece
@@ -325,21 +325,21 @@ class _RemoteFile(io.RawIOBase):
 def prefetch(pins: Mapping[str, Version], tags: set[Tag]) -> None:
     """Read every pin's index and its pinned wheel's metadata into the cache, ``FETCHERS`` at
     a time: the check then walks the requirements reading the cache, not the network one
-    document after another. A document that cannot be read here is left to the check, which
-    reads it again where it needs it and says what failed."""
+    document after another."""
+    list(_AHEAD.map(lambda name: _read_ahead(name, tags, pins[name]), sorted(pins)))
 
-    def metadata_url(name: str) -> str | None:
-        try:
-            return wheels(name, tags).get(pins[name])
-        except (OSError, ValueError):  # urllib's errors are OSErrors; JSON's ValueErrors
-            return None
 
-    def read(url: str) -> None:
-        with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
-            requires(url)
-
-    urls = [url for url in _AHEAD.map(metadata_url, sorted(pins)) if url]
-    list(_AHEAD.map(read, urls))
+def _read_ahead(name: str, tags: set[Tag], version: Version | None = None) -> None:
+    """Cache ``name``'s index and the metadata of ``version`` (default: its newest release,
+    which the check most likely reads next for an unpinned package). A document that cannot
+    be read here is left to the check, which reads it again where it needs it and says what
+    failed."""
+    with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
+        releases = wheels(name, tags)
+        if version is None and releases:
+            version = max(releases)
+        if version in releases:
+            requires(releases[version])
 
 
 # --- the check --------------------------------------------------------------------------------
@@ -369,6 +369,7 @@ def check(image_name: str, constraints: str | None = None) -> Report:
     pins = parse_pins(constraints if constraints is not None else image_constraints(image_name))
     env, tags = image.environment, image.tags()
     prefetch(pins, tags)
+    read_ahead: set[str] = set()  # unpinned packages whose documents were asked for ahead
     report = Report(image.name)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     roots = [Requirement(r) for r in project["dependencies"]]
@@ -431,19 +432,12 @@ def check(image_name: str, constraints: str | None = None) -> Report:
         for child in requires(url):
             if applies(child, env, seen_extras[name]):
                 work.append((child, f"{name} {version}"))
-                if canonicalize_name(child.name) not in pins:
-                    _AHEAD.submit(_read_ahead, canonicalize_name(child.name), tags)
+                wanted_next = canonicalize_name(child.name)
+                if wanted_next not in pins and wanted_next not in read_ahead:
+                    read_ahead.add(wanted_next)
+                    _AHEAD.submit(_read_ahead, wanted_next, tags)
     report.failures = _verify(report, roots, pins, seen_extras, problems, env, tags)
     return report
-
-
-def _read_ahead(name: str, tags: set[Tag]) -> None:
-    """Cache an unpinned package's index and its newest release's metadata, which the check
-    most likely reads next (it reads them again itself, and any error there)."""
-    with contextlib.suppress(OSError, ValueError, zipfile.BadZipFile):
-        releases = wheels(name, tags)
-        if releases:
-            requires(releases[max(releases)])
 
 
 def _verify(

@@ -175,10 +175,9 @@ class ReplicaPool:
     def _start(self) -> None:
         """Fork the replicas, unless they run with the engine's current weights."""
         engine = self.engine
-        alive = self._procs and all(p.is_alive() for p in self._procs)
-        if alive and self._version == engine.weights_version:
-            return
         gone = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if self._procs and not gone and self._version == engine.weights_version:
+            return
         if self.pending and gone:
             raise self._died(gone[0])
         if self.pending:
