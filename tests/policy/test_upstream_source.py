@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 import sys
 import textwrap
 import zipfile
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from support import upstream_source
 
-from trace_core.policy import upstream
+from trace_core.policy import native, upstream
 from trace_core.policy.upstream import WheelSource, parse_entry, unresolved
 
 
@@ -81,6 +82,24 @@ def test_the_model_runner_listed_is_the_one_the_gpu_worker_builds(image: WheelSo
     assert {e.name.rsplit(".", 2)[0] for e in runners if e.platform == "cuda"} == {
         "vllm.v1.worker.gpu.model_runner"
     }
+
+
+@pytest.mark.slow
+def test_the_compiled_decode_step_builds_against_the_gpu_images_torch(tmp_path: Path) -> None:
+    """decode_step.cpp's ATen calls (``policy.native``) against the headers of the GPU image's
+    torch: the compiler checks every call and its arguments, and stops before generating code.
+    (Its wheel here is the macOS one, as for the entries above: the same header sources.)"""
+    compiler = native.compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    pins = upstream_source.image_pins()
+    wheel, _ = upstream_source.wheel_for("torch", pins["torch"])
+    with zipfile.ZipFile(wheel) as archive:
+        headers = [n for n in archive.namelist() if n.startswith("torch/include/")]
+        archive.extractall(tmp_path, headers)
+    command = native.command(tmp_path / "unused.so", compiler, root=tmp_path / "torch")
+    done = subprocess.run([*command, "-fsyntax-only"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_the_lists_are_well_formed_and_every_module_keeps_one() -> None:

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trace_core.bench.engine_profile import profile_generate
+from trace_core.policy import native
 from trace_core.policy.decoder import DecoderWeights
 from trace_core.policy.engine import Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
@@ -180,6 +181,7 @@ def run_engine_bench(
             "prompt_tokens": float(prompt_tokens),
             "threads": float(torch.get_num_threads()),
             "replicas": float(torch_engine.replicas),
+            "compiled_step": float(native.decode_step() is not None and device == "cpu"),
             **tree,
             **parts,
         }

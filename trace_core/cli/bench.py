@@ -318,9 +318,10 @@ def bench_engine(
         "tokens/s and seconds: medians; floor: the run's matmuls and attention alone, what "
         "any engine on these kernels needs at least (floor_ratio_vs_hf: HF over it; "
         "torch_vs_floor: TorchEngine over it); ratio_vs_one_process: the same engine in one "
-        "process over TorchEngine on its replicas (one per thread); ratio_vs_vllm: vLLM's "
-        "seconds over TorchEngine's. The tree workload: tokens prefilled vs distinct token "
-        "positions (unique) and vs no reuse (naive).",
+        "process over TorchEngine on its replicas (one per thread); compiled_step: 1 when "
+        "TorchEngine decoded with its compiled step (policy.native), 0 in Python; "
+        "ratio_vs_vllm: vLLM's seconds over TorchEngine's. The tree workload: tokens "
+        "prefilled vs distinct token positions (unique) and vs no reuse (naive).",
     )
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -368,6 +369,7 @@ ENGINE_BENCH_COUNTS = frozenset(
         *("generated_tokens", "requested_prompt_tokens", "naive_prefill_tokens", "tree_calls"),
         "repeats",
         "replicas",
+        "compiled_step",
     }
 )
 """``bench engine``'s figures that are counts, printed as integers."""

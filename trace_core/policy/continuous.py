@@ -11,7 +11,7 @@ A request is one sample: ``prompt`` continued with ``params`` (its ``n`` is igno
 with ``key`` (``sampling.KeyedDraws``: its tokens do not depend on what else is in the batch;
 the batch computes each request's uniforms once, when it joins: ``sampling.keyed_table``).
 
-**A step.** Every row runs one token through ``decoder.decode_step``; the rows whose last
+**A step.** Every row runs one token through ``decode.decode_step``; the rows whose last
 sampled token is now in the KV (a stop token, or their ``max_tokens``) are answered and their
 sequences go into the prefix cache; every other row samples its next token. Then, at the step
 boundary, waiting requests are admitted while rows are free (``max_batch``; once an eighth of
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trace_core.policy import decoder
+from trace_core.policy import decode, decoder
 from trace_core.policy.decoder import DecoderWeights, KVCache
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.prefix_cache import PrefixCache
@@ -195,7 +195,7 @@ class ContinuousBatch:
             state = [torch.cat((a, b)) for a, b in zip(state, new, strict=True)] if old else new
         self._tok, self._at, self._steps, self._done, self._keys, self._limits = state
         self._kv, self._length, self._out_tok, self._out_lp = kv, length, out_tok, out_lp
-        self._views = decoder.DecodeViews.of(kv)
+        self._views = decode.DecodeViews.of(kv)
         self._table = table
         stops = rows[0][0].params.stop_token_ids  # the batch's sampling: every row's
         self._stops = torch.tensor(stops, dtype=torch.long, device=dev) if stops else None
@@ -270,7 +270,7 @@ class ContinuousBatch:
         w = self.engine.weights
         rope = F.embedding(self._at, w.rope)
         span = min(self._length, self._span)
-        hidden = decoder.decode_step(w, self._tok, self._dest, rope, self._views, self._mask, span)
+        hidden = decode.decode_step(w, self._tok, self._dest, rope, self._views, self._mask, span)
         self._span += 1
         self.steps += 1
         self.row_steps += self.running

@@ -24,9 +24,9 @@ in its later columns is never attended before it is overwritten. The caller keep
 column ``< p`` of a row filled with that row's real keys and values.
 
 Two entry points: ``forward`` (any number of tokens per row: prefill, tests) and
-``decode_step`` (one token per row, the engine's hot loop). For a small model at a small batch
-a decode step costs more in per-operation overhead than in arithmetic, so the weights are
-stored for the fewest, fastest kernels:
+``decode.decode_step`` (one token per row, the engine's hot loop, in its own module). For a
+small model at a small batch a decode step costs more in per-operation overhead than in
+arithmetic, so the weights are stored for the fewest, fastest kernels:
 
 * every RMSNorm weight that feeds a projection is folded into it (``W·g``), so a norm is
   one ``F.rms_norm`` call with no weight; only Qwen3's per-head q/k norms keep theirs;
@@ -48,6 +48,7 @@ weights are a snapshot: read them again after the HF model changes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -180,6 +181,20 @@ class DecoderWeights:
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    @functools.cached_property
+    def stacked(self) -> tuple[list[torch.Tensor], ...]:
+        """The layers' weights as one list per kind, as the compiled step takes them: qkv,
+        qk_norm (empty for Llama), o, gate_up, down."""
+        layers = self.layers
+        norms = [w.qk_norm for w in layers if w.qk_norm is not None]
+        return (
+            [w.qkv for w in layers],
+            norms,
+            [w.o for w in layers],
+            [w.gate_up for w in layers],
+            [w.down for w in layers],
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -442,84 +457,6 @@ def forward(
             att = _attend_sdpa(q, k_all, v_all, mask)  # (B, T, H·D)
         x = mlp(w, s, x + att @ w.o)
     return normalize(x, s.rms_norm_eps)
-
-
-@dataclass(frozen=True)
-class DecodeViews:
-    """A ``KVCache``'s views that a decode step reads, per layer, made once for a batch's
-    layout rather than sliced out again in every layer of every step (a small model's step
-    is mostly such per-call costs).
-
-    ``rows``: the layer as (2·B·Hkv·T, D) rows, written through ``kv_rows`` indices;
-    ``keys``: (B·Hkv, D, T), keys transposed for the scores' batched matmul; ``values``:
-    (B·Hkv, T, D).
-    """
-
-    rows: tuple[torch.Tensor, ...]
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, cache: KVCache) -> DecodeViews:
-        D = cache.kv.shape[-1]
-        layers = range(cache.kv.shape[0])
-        return cls(
-            rows=tuple(cache.kv[i].view(-1, D) for i in layers),
-            keys=tuple(cache.kv[i, 0].flatten(0, 1).transpose(1, 2) for i in layers),
-            values=tuple(cache.kv[i, 1].flatten(0, 1) for i in layers),
-        )
-
-
-def decode_step(
-    weights: DecoderWeights,
-    tokens: torch.Tensor,
-    dest: torch.Tensor,
-    rope: torch.Tensor,
-    views: DecodeViews,
-    mask: torch.Tensor,
-    span: int,
-) -> torch.Tensor:
-    """One token per row: ``tokens`` (B,) -> normalised hidden states (B, C).
-
-    ``dest`` (2·B·Hkv,) is where each row's new key and value go (``kv_rows`` at the rows'
-    positions) and ``rope`` (B, 2·D) its position's row of the rope table; ``views``: the
-    batch's ``KVCache`` (``DecodeViews.of``).
-    ``mask`` (B·Hkv, 1, T) is the additive attention mask (0 visible, -inf not), kept by the
-    caller across steps: this step makes the new column visible in it. Only the first
-    ``span`` columns are read. The arithmetic of ``forward`` in fewer kernels: no index
-    tensors derived from positions, the mask updated rather than rebuilt, 2-D matmuls with the
-    residual adds fused in (``addmm``), attention as two batched matmuls (``_attend_one``)
-    on views made once.
-    """
-    s = weights.spec
-    B = tokens.shape[0]
-    H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-    scale, dtype = D**-0.5, weights.dtype
-    eps = torch.full((1, 1), s.rms_norm_eps, dtype=torch.float32, device=tokens.device)
-    mask.view(-1).index_fill_(0, dest[: B * Hkv], 0.0)  # key rows: (b·Hkv + h)·T + position
-    cos, sin = rope.unsqueeze(1).chunk(2, dim=-1)  # (B, 1, D)
-    visible = mask[:, :, :span]
-    x = F.embedding(tokens, weights.embed)  # (B, C)
-    for w, rows, keys, values in zip(
-        weights.layers, views.rows, views.keys, views.values, strict=True
-    ):
-        qkv = torch.mm(normalize(x, eps), w.qkv)  # (B, (H + 2·Hkv)·D)
-        qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, D)
-        if w.qk_norm is not None:
-            qk = normalize(qk, eps) * w.qk_norm
-        qk = apply_rope(qk, cos, sin)
-        new_kv = torch.cat((qk[:, H:], qkv[:, (H + Hkv) * D :].view(B, Hkv, D)))  # (2·B, Hkv, D)
-        rows.index_copy_(0, dest, new_kv.view(-1, D))
-        # _attend_one's arithmetic on the views: the heads of a group are one matmul's rows.
-        q = qk[:, :H].reshape(B * Hkv, H // Hkv, D)
-        scores = torch.baddbmm(visible, q, keys[:, :, :span], alpha=scale)
-        probs = scores.softmax(dim=-1, dtype=torch.float32)  # (B·Hkv, G, span)
-        if probs.dtype != dtype:
-            probs = probs.to(dtype)
-        x = torch.addmm(x, torch.bmm(probs, values[:, :span]).view(B, H * D), w.o)
-        gate, up = torch.mm(normalize(x, eps), w.gate_up).chunk(2, dim=-1)
-        x = torch.addmm(x, F.silu(gate).mul_(up), w.down)
-    return normalize(x, eps)
 
 
 def _attend_sdpa(

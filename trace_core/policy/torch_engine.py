@@ -22,7 +22,7 @@ its observation tokens.
 2. *Decode.* Every sample is a request of the engine's continuous batch
    (``policy.continuous``): rows of a dense KV buffer (column = position), filled from the pool
    by one gather when they join, so a prompt is prefilled once however many samples it has.
-   Each step runs one token per row through ``decoder.decode_step``, samples from the logits
+   Each step runs one token per row through ``decode.decode_step``, samples from the logits
    (each row with its own keyed uniforms, ``sampling.KeyedDraws``), and checks the stop
    tokens. Each row's write position, KV destination and additive attention mask are kept
    across steps and advanced in place. Rows of different lengths share the batch: each writes
@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from trace_core.policy import decoder
+from trace_core.policy import decoder, native
 from trace_core.policy.continuous import ContinuousBatch, Request
 from trace_core.policy.decoder import (
     DecoderWeights,
@@ -175,6 +175,8 @@ class TorchEngine:
         """Decode steps by their rows in flight, over every call."""
         self.weights = DecoderWeights.from_model(model, self.device, self.dtype)
         self.config = model.config
+        if self.device.type == "cpu":  # loaded (built once) here: forked replicas inherit it
+            native.decode_step()
         self.replicas = _replicas(replicas, self.device)
         self.cache_tokens = cache_tokens
         # Replicas hold the pool's slots between them (``policy.replicas``): one slot here.

@@ -18,6 +18,8 @@ MODULES = (
     "trace_core.policy.weight_sync",
     "trace_core.policy.hf_engine",
     "trace_core.policy.decoder",
+    "trace_core.policy.decode",
+    "trace_core.policy.native",
     "trace_core.policy.torch_engine",
     "trace_core.policy.vllm_engine",
     "trace_core.policy.vllm_batch",
