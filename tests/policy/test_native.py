@@ -85,6 +85,32 @@ def test_the_compiled_step_is_the_python_step_bit_for_bit(
             assert torch.equal(got, want), (arch, kv_heads, dtype, rows, span)
 
 
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.3, 0.5)])
+def test_the_compiled_draw_is_the_python_draw_bit_for_bit(temperature: float, top_p: float) -> None:
+    """The head, the keyed draw and the writes to the output columns (rows past the last
+    column write to it), at every sampling setting the running batch passes."""
+    assert native.sample_step() is not None, native.reason()
+    weights = decoder.DecoderWeights.from_model(policy("qwen3", 2))
+    gen = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
+    rows, width = 24, 6
+    hidden = torch.randn((rows, weights.spec.hidden_size), generator=gen) * 3
+    table = torch.rand((rows, width), generator=gen, dtype=torch.float64)
+    steps = torch.randint(0, width + 3, (rows,), generator=gen)
+    results = []
+    for step in (decode.sample_step, decode._sample_step_python):
+        state = [
+            steps.clone(),
+            torch.zeros((rows, width), dtype=torch.long),
+            torch.zeros(rows, width),
+        ]
+        with torch.inference_mode():
+            tokens = step(weights, hidden, table, *state, temperature, top_p)
+        results.append([tokens, *state])
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), (temperature, top_p)
+    assert torch.equal(results[0][1], steps + 1)
+
+
 def test_the_library_name_changes_with_the_source(tmp_path: Path, monkeypatch) -> None:
     before = native.library_name()
     changed = tmp_path / "decode_step.cpp"

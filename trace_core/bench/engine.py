@@ -14,7 +14,10 @@ model import``; its prompts are random ids above its special tokens):
   decode against decode. On a CPU with more than one thread, TorchEngine decodes on one
   forked replica per thread (``policy.replicas``, as the rollout's engines do), and the same
   engine in one process takes its turn in every round too: ``ratio_vs_one_process`` (paired,
-  with its spread) is what the replicas gain.
+  with its spread) is what the replicas gain. With TorchEngine's compiled decode step
+  (``policy.native``; ``compiled_step`` 1), the engine in one process also takes a turn
+  decoding in Python: ``ratio_vs_python_step`` (paired, with its spread) is what compiling
+  the step gains.
 * **Kernel floor.** The same run's unavoidable arithmetic alone: the prefill's and every
   decode step's matmuls and attention (scores, softmax, weighted values) at the same shapes on
   preallocated tensors, with nothing else (no norms, rope, sampling, KV writes or
@@ -62,7 +65,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trace_core.bench.engine_profile import profile_generate
 from trace_core.policy import native
 from trace_core.policy.decoder import DecoderWeights
-from trace_core.policy.engine import Engine, SamplingParams
+from trace_core.policy.engine import Completion, Engine, SamplingParams
 from trace_core.policy.hf_engine import HFGenerateEngine
 from trace_core.policy.model import (
     TinyPolicyConfig,
@@ -122,18 +125,20 @@ def run_engine_bench(
         if torch_engine.replicas > 1:
             here = TorchEngine(model, device=device, max_batch=rows)
             engines.append((here, here.clear_cache))
-        torch_runs, hf_runs, *here_runs = _paired_seconds(engines, prompts, params, repeats)
+        # The engine in one process once more, decoding in Python: what the compiled step gains.
+        compiled = device == "cpu" and native.decode_step() is not None
+        if compiled:
+            engines.append((_PythonStep(here), here.clear_cache))
+        runs = _paired_seconds(engines, prompts, params, repeats)
         torch_engine.close()
+        torch_runs, hf_runs = runs[0], runs[1]
+        here_runs = runs[2] if torch_engine.replicas > 1 else torch_runs
         ratios = [h / t for t, h in zip(torch_runs, hf_runs, strict=True)]
         one_process: dict[str, float] = {}
-        if here_runs:
-            gains = [o / t for t, o in zip(torch_runs, here_runs[0], strict=True)]
-            one_process = {
-                "one_process_tokens_per_s": batch * new_tokens / float(np.median(here_runs[0])),
-                "ratio_vs_one_process": float(np.median(gains)),
-                "ratio_vs_one_process_min": min(gains),
-                "ratio_vs_one_process_max": max(gains),
-            }
+        if torch_engine.replicas > 1:
+            one_process = _paired("one_process", here_runs, torch_runs, batch * new_tokens)
+        if compiled:
+            one_process |= _paired("python_step", runs[-1], here_runs, batch * new_tokens)
         torch_s, hf_s = float(np.median(torch_runs)), float(np.median(hf_runs))
         floor_s = _kernel_floor_seconds(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
@@ -181,7 +186,7 @@ def run_engine_bench(
             "prompt_tokens": float(prompt_tokens),
             "threads": float(torch.get_num_threads()),
             "replicas": float(torch_engine.replicas),
-            "compiled_step": float(native.decode_step() is not None and device == "cpu"),
+            "compiled_step": float(compiled),
             **tree,
             **parts,
         }
@@ -210,6 +215,31 @@ def bench_policy(
         return [int(t) for t in rng.integers(first, vocab, size=n)]
 
     return model, tokenizer, random_tokens
+
+
+class _PythonStep:
+    """A TorchEngine's ``generate`` with the Python decode step (``policy.native.off``)."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[list[Completion]]:
+        with native.off():
+            return self.engine.generate(prompts, params, seed=seed)
+
+
+def _paired(name: str, other: list[float], runs: list[float], tokens: int) -> dict[str, float]:
+    """``other``'s tokens/s, and its seconds over ``runs``' round by round: the median ratio
+    ``ratio_vs_<name>`` with its lowest and highest."""
+    ratios = [o / r for o, r in zip(other, runs, strict=True)]
+    return {
+        f"{name}_tokens_per_s": tokens / float(np.median(other)),
+        f"ratio_vs_{name}": float(np.median(ratios)),
+        f"ratio_vs_{name}_min": min(ratios),
+        f"ratio_vs_{name}_max": max(ratios),
+    }
 
 
 def _paired_seconds(

@@ -294,16 +294,13 @@ class ContinuousBatch:
             ended = self._live & (self._done | (self._steps >= self._limits))
             answers = self._retire(ended) if bool(ended.any()) else []
         params = self._rows[0][0].params  # the batch's sampling (max_tokens aside)
-        draws = TableDraws(self._table, self._steps)
-        picked = sample(decoder.lm_logits(w, hidden), params.temperature, params.top_p, draws)
-        column = self._steps.clamp(max=self._out_tok.shape[1] - 1)[:, None]  # idle rows too
-        self._out_tok.scatter_(1, column, picked.tokens[:, None])
-        self._out_lp.scatter_(1, column, picked.logprobs[:, None])
-        self._tok = picked.tokens
-        self._steps += 1
+        self._tok = decode.sample_step(
+            w, hidden, self._table, self._steps, self._out_tok, self._out_lp,
+            params.temperature, params.top_p,
+        )  # fmt: skip
         self._left -= 1
         if self._stops is not None:
-            self._done |= torch.isin(picked.tokens, self._stops)
+            self._done |= torch.isin(self._tok, self._stops)
         return answers
 
     def _retire(self, ended: torch.Tensor) -> list[tuple[Any, Completion]]:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from trace_core.policy import native
-from trace_core.policy.decoder import DecoderWeights, KVCache, apply_rope, normalize
+from trace_core.policy.decoder import DecoderWeights, KVCache, apply_rope, lm_logits, normalize
+from trace_core.policy.sampling import TableDraws, sample
 
 UPSTREAM = (
     "torch.nn.functional.embedding(input, weight, /)",
@@ -140,3 +141,47 @@ def _decode_step_python(
         gate, up = torch.mm(normalize(x, eps), w.gate_up).chunk(2, dim=-1)
         x = torch.addmm(x, F.silu(gate).mul_(up), w.down)
     return normalize(x, eps)
+
+
+def sample_step(
+    weights: DecoderWeights,
+    hidden: torch.Tensor,
+    table: torch.Tensor,
+    steps: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
+    temperature: float,
+    top_p: float,
+) -> torch.Tensor:
+    """The head's logits for ``hidden`` (B, C) and one token per row, drawn with the row's
+    uniform for its step in ``table`` (``sampling.TableDraws``); each token and its logprob
+    go to column ``steps`` of ``out_tok`` and ``out_lp`` (their last column for a row past
+    it), and ``steps`` moves on by one, in place. The tokens (B,).
+
+    Compiled on a CPU, as ``decode_step``.
+    """
+    op = native.sample_step() if hidden.device.type == "cpu" else None
+    if op is None:
+        return _sample_step_python(
+            weights, hidden, table, steps, out_tok, out_lp, temperature, top_p
+        )
+    return op(hidden, weights.lm_head, table, steps, out_tok, out_lp, temperature, top_p)
+
+
+def _sample_step_python(
+    weights: DecoderWeights,
+    hidden: torch.Tensor,
+    table: torch.Tensor,
+    steps: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
+    temperature: float,
+    top_p: float,
+) -> torch.Tensor:
+    """``sample_step`` in Python; ``decode_step.cpp`` makes the same calls."""
+    picked = sample(lm_logits(weights, hidden), temperature, top_p, TableDraws(table, steps))
+    column = steps.clamp(max=out_tok.shape[1] - 1)[:, None]  # idle rows too
+    out_tok.scatter_(1, column, picked.tokens[:, None])
+    out_lp.scatter_(1, column, picked.logprobs[:, None])
+    steps += 1
+    return picked.tokens

@@ -1,6 +1,7 @@
-// TorchEngine's decode step as one compiled op: trace_core/policy/decode.py's
-// ``_decode_step_python``, the same ATen calls in the same order with the same arguments, so
-// its results are the Python step's bit for bit (tests/policy/test_native.py). What it saves is
+// TorchEngine's decode step as two compiled ops: trace_core/policy/decode.py's
+// ``_decode_step_python`` and ``_sample_step_python``, the same ATen calls in the same order with
+// the same arguments, so their results are the Python ones' bit for bit
+// (tests/policy/test_native.py). What it saves is
 // the Python side of every call: argument parsing, tensor wrapping and the interpreter, which
 // on a small policy cost more than the arithmetic of its ≈80 operations a step.
 //
@@ -80,6 +81,54 @@ Tensor decode_step(const Tensor& embed, at::TensorList qkv_w, at::TensorList qk_
   return normalize(x, eps);
 }
 
+// sampling.sample with sampling.TableDraws: one token per row of ``logits``, drawn with its
+// uniform for its step in ``table``, and its logprob (temperature 1, before top-p).
+std::tuple<Tensor, Tensor> sample(const Tensor& logits, const Tensor& table, const Tensor& steps,
+                                  double temperature, double top_p) {
+  TRACE_SCOPE("sample");
+  Tensor logp = at::log_softmax(logits, -1);
+  Tensor tokens;
+  if (temperature == 0) {
+    tokens = logits.argmax(-1);
+  } else {
+    Tensor probs = temperature == 1 ? logp.exp() : (logits / temperature).softmax(-1);
+    Tensor order;
+    if (top_p < 1) {
+      std::tie(probs, order) = probs.sort(-1, /*descending=*/true);
+      Tensor before = probs.cumsum(-1) - probs;
+      probs = probs.masked_fill(before >= top_p, 0.0);
+    }
+    Tensor cdf = probs.cumsum(-1, at::kDouble);
+    Tensor u = table.gather(1, steps.clamp_max(table.size(1) - 1).unsqueeze(1));
+    Tensor picked = at::searchsorted(cdf, u.mul_(cdf.slice(1, -1)), /*out_int32=*/false,
+                                     /*right=*/true);
+    picked = picked.clamp_max_(logits.size(-1) - 1);
+    if (order.defined()) {
+      picked = order.gather(-1, picked);
+    }
+    tokens = picked.squeeze(-1);
+  }
+  return {tokens, logp.gather(-1, tokens.unsqueeze(1)).squeeze(-1)};
+}
+
+// decode.sample_step: the head's logits (decoder.lm_logits), a token per row (``sample``)
+// written with its logprob to the row's output column; steps + 1.
+Tensor sample_step(const Tensor& hidden, const Tensor& lm_head, const Tensor& table,
+                   const Tensor& steps, const Tensor& out_tok, const Tensor& out_lp,
+                   double temperature, double top_p) {
+  Tensor logits;
+  {
+    TRACE_SCOPE("lm_logits");
+    logits = at::mm(hidden, lm_head).to(at::kFloat);
+  }
+  auto [tokens, logprobs] = sample(logits, table, steps, temperature, top_p);
+  Tensor column = steps.clamp_max(out_tok.size(1) - 1).unsqueeze(1);
+  out_tok.scatter_(1, column, tokens.unsqueeze(1));
+  out_lp.scatter_(1, column, logprobs.unsqueeze(1));
+  steps.add_(1);
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trace_native, m) {
@@ -88,6 +137,12 @@ TORCH_LIBRARY(trace_native, m) {
       "Tensor[] down, Tensor(a!)[] rows, Tensor[] keys, Tensor[] values, Tensor tokens, "
       "Tensor dest, Tensor rope, Tensor(b!) mask, int span, int H, int Hkv, int D, float scale, "
       "float eps) -> Tensor");
+  m.def(
+      "sample_step(Tensor hidden, Tensor lm_head, Tensor table, Tensor(a!) steps, "
+      "Tensor(b!) out_tok, Tensor(c!) out_lp, float temperature, float top_p) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(trace_native, CPU, m) { m.impl("decode_step", decode_step); }
+TORCH_LIBRARY_IMPL(trace_native, CPU, m) {
+  m.impl("decode_step", decode_step);
+  m.impl("sample_step", sample_step);
+}

@@ -34,6 +34,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,19 +60,35 @@ class NativeUnavailable(RuntimeError):
     """The compiled step cannot be built or loaded here; the message says why."""
 
 
-_step: Callable[..., torch.Tensor] | None = None
-_reason: str | None = None  # why the step is not loaded, once looked for
+_ops: Any = None  # torch.ops.trace_native, once loaded
+_reason: str | None = None  # why it is not loaded, once looked for
 _looked = False
+_off = 0  # open ``off()`` blocks
 
 
 def decode_step() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.trace_native.decode_step``, built if needed, or None (then ``reason()``
-    says why): looked for once per process."""
-    global _step, _reason, _looked
+    """``torch.ops.trace_native.decode_step`` (``decode.decode_step``'s arguments), built if
+    needed, or None (then ``reason()`` says why). None inside ``off()``."""
+    ops = _library()
+    return None if ops is None else ops.decode_step  # type: ignore[no-any-return]
+
+
+def sample_step() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.trace_native.sample_step`` (``decode.sample_step``'s), or None: as
+    ``decode_step``."""
+    ops = _library()
+    return None if ops is None else ops.sample_step  # type: ignore[no-any-return]
+
+
+def _library() -> Any:
+    """The library's ops, looked for once per process; None when it is not loaded or off."""
+    global _ops, _reason, _looked
+    if _off:
+        return None
     if not _looked:
         _looked = True
         try:
-            _step = load()
+            _ops = load()
         except NativeUnavailable as e:
             _reason = str(e)
             log.warning(
@@ -79,26 +96,37 @@ def decode_step() -> Callable[..., torch.Tensor] | None:
                 "its compiled step",
                 _reason,
             )
-    return _step
+    return _ops
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Decode in Python in this process for the block (``bench engine`` pairs the two steps)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def reason() -> str | None:
-    """Why ``decode_step()`` gave None (None while it has not been asked, or when it loaded)."""
+    """Why the ops are None (None while they have not been asked for, or when they loaded)."""
     return _reason
 
 
-def load() -> Callable[..., torch.Tensor]:
-    """Build the library unless it is built, load it, and return its op."""
+def load() -> Any:
+    """Build the library unless it is built, load it, and return its ops
+    (``torch.ops.trace_native``)."""
     if os.environ.get(DISABLE, "1") == "0":
         raise NativeUnavailable(f"{DISABLE}=0")
-    if hasattr(torch.ops, "trace_native") and hasattr(torch.ops.trace_native, "decode_step"):
-        return torch.ops.trace_native.decode_step  # type: ignore[no-any-return]
-    path = built() or build()
-    try:
-        torch.ops.load_library(str(path))
-    except OSError as e:
-        raise NativeUnavailable(f"{path} does not load: {e}") from None
-    return torch.ops.trace_native.decode_step  # type: ignore[no-any-return]
+    if not hasattr(torch.ops.trace_native, "decode_step"):  # not loaded in this process yet
+        path = built() or build()
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:
+            raise NativeUnavailable(f"{path} does not load: {e}") from None
+    return torch.ops.trace_native
 
 
 def library_name() -> str:
