@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from support.models import tiny_llama
 
 from trace_core.policy import decode, decoder
 from trace_core.policy.model import (
@@ -24,43 +24,13 @@ TOK = build_word_tokenizer(["the quick brown fox jumps over the lazy dog", "12 +
 ARCHS = ["qwen3", "llama", "llama3-rope"]
 
 
-def tiny_llama(kv_heads: int, seed: int, llama3_rope: bool) -> LlamaForCausalLM:
-    """The tiny policy's dimensions in Llama's architecture (no q/k norms), with Llama 3's
-    RoPE frequency scaling when asked (an original context of 64 puts the scaled, the kept
-    and the interpolated bands all inside head_dim 64)."""
-    rope = {"rope_type": "default", "rope_theta": 10_000.0}
-    if llama3_rope:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 10_000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-    config = LlamaConfig(
-        vocab_size=len(TOK),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=kv_heads,
-        head_dim=64,
-        max_position_embeddings=256,
-        rope_parameters=rope,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
 def sharpened(kv_heads: int = 2, seed: int = 0, arch: str = "qwen3"):
     """A tiny policy with weights scaled up: HF's 0.02-std init gives near-uniform logits,
     which would let rounding noise hide in the comparisons."""
     if arch == "qwen3":
         model = create_policy(TOK, TinyPolicyConfig(num_kv_heads=kv_heads), seed=seed)
     else:
-        model = tiny_llama(kv_heads, seed, llama3_rope=arch == "llama3-rope")
+        model = tiny_llama(len(TOK), kv_heads, seed, llama3_rope=arch == "llama3-rope")
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -238,7 +208,7 @@ def test_unsupported_configs_are_refused() -> None:
     model.config.model_type = "qwen2"
     with pytest.raises(NotImplementedError, match=r"model_type 'qwen2'.*--engine hf"):
         decoder.DecoderSpec.from_config(model.config)
-    llama = tiny_llama(2, 0, llama3_rope=False)
+    llama = tiny_llama(len(TOK), 2, 0)
     llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(NotImplementedError, match="default and llama3 RoPE"):
         decoder.DecoderSpec.from_config(llama.config)

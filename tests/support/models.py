@@ -6,6 +6,7 @@ docs/models.md's ``trace-rl model import`` command (≈540 MB fp32, ≈1 min onc
 as an HF fast tokenizer with the ChatML specials at Qwen's ids, and a chat template in Qwen's
 layout written here (tool results as user turns wrapped in ``<tool_response>``,
 ``enable_thinking`` in the generation prompt): the wheel ships the ranks only.
+``tiny_llama()``: the tiny policy's dimensions in Llama's architecture, random weights.
 
 Workers of ``pytest -n`` share the cache: the first to get the lock builds, the others wait.
 """
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import PreTrainedTokenizerBase
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from support.locks import locked
 
@@ -123,3 +125,35 @@ def save_sharpened_policy(path: Path, seed: int, vocabulary: list[str]) -> Path:
                 p.mul_(20)
     save_checkpoint(model, tokenizer, path)
     return path
+
+
+def tiny_llama(
+    vocab_size: int, kv_heads: int, seed: int, llama3_rope: bool = False
+) -> LlamaForCausalLM:
+    """The tiny policy's dimensions in Llama's architecture (no q/k norms), with Llama 3's
+    RoPE frequency scaling when asked (an original context of 64 puts the scaled, the kept
+    and the interpolated bands all inside head_dim 64)."""
+    rope = {"rope_type": "default", "rope_theta": 10_000.0}
+    if llama3_rope:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        max_position_embeddings=256,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()

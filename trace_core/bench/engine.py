@@ -15,9 +15,9 @@ model import``; its prompts are random ids above its special tokens):
   forked replica per thread (``policy.replicas``, as the rollout's engines do), and the same
   engine in one process takes its turn in every round too: ``ratio_vs_one_process`` (paired,
   with its spread) is what the replicas gain. With TorchEngine's compiled decode step
-  (``policy.native``; ``compiled_step`` 1), the engine in one process also takes a turn
-  decoding in Python: ``ratio_vs_python_step`` (paired, with its spread) is what compiling
-  the step gains.
+  (``policy.native``; ``compiled_step`` 1), the same engine (on its replicas) also takes a
+  turn decoding in Python: ``ratio_vs_python_step`` (paired, with its spread) is what
+  compiling the step gains.
 * **Kernel floor.** The same run's unavoidable arithmetic alone: the prefill's and every
   decode step's matmuls and attention (scores, softmax, weighted values) at the same shapes on
   preallocated tensors, with nothing else (no norms, rope, sampling, KV writes or
@@ -125,20 +125,23 @@ def run_engine_bench(
         if torch_engine.replicas > 1:
             here = TorchEngine(model, device=device, max_batch=rows)
             engines.append((here, here.clear_cache))
-        # The engine in one process once more, decoding in Python: what the compiled step gains.
+        # The same engine once more, decoding in Python (its replicas forked so): what the
+        # compiled step gains.
         compiled = device == "cpu" and native.decode_step() is not None
-        if compiled:
-            engines.append((_PythonStep(here), here.clear_cache))
+        python = TorchEngine(model, device=device, max_batch=rows, replicas=0) if compiled else None
+        if python is not None:
+            engines.append((_PythonStep(python), python.clear_cache))
         runs = _paired_seconds(engines, prompts, params, repeats)
         torch_engine.close()
+        if python is not None:
+            python.close()
         torch_runs, hf_runs = runs[0], runs[1]
-        here_runs = runs[2] if torch_engine.replicas > 1 else torch_runs
         ratios = [h / t for t, h in zip(torch_runs, hf_runs, strict=True)]
         one_process: dict[str, float] = {}
         if torch_engine.replicas > 1:
-            one_process = _paired("one_process", here_runs, torch_runs, batch * new_tokens)
+            one_process = _paired("one_process", runs[2], torch_runs, batch * new_tokens)
         if compiled:
-            one_process |= _paired("python_step", runs[-1], here_runs, batch * new_tokens)
+            one_process |= _paired("python_step", runs[-1], torch_runs, batch * new_tokens)
         torch_s, hf_s = float(np.median(torch_runs)), float(np.median(hf_runs))
         floor_s = _kernel_floor_seconds(
             torch_engine.weights, batch, prompt_tokens, new_tokens, repeats
@@ -218,7 +221,8 @@ def bench_policy(
 
 
 class _PythonStep:
-    """A TorchEngine's ``generate`` with the Python decode step (``policy.native.off``)."""
+    """A TorchEngine's ``generate`` with the Python decode step (``policy.native.off``; the
+    replicas it forks in its first call keep to it)."""
 
     def __init__(self, engine: TorchEngine) -> None:
         self.engine = engine

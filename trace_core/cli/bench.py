@@ -320,8 +320,8 @@ def bench_engine(
         "torch_vs_floor: TorchEngine over it); ratio_vs_one_process: the same engine in one "
         "process over TorchEngine on its replicas (one per thread); compiled_step: 1 when "
         "TorchEngine decoded with its compiled step (policy.native), 0 in Python; "
-        "ratio_vs_python_step: that engine in one process decoding in Python over it with the "
-        "compiled step (paired); "
+        "ratio_vs_python_step: the same engine decoding in Python over it with the compiled "
+        "step (paired); "
         "ratio_vs_vllm: vLLM's seconds over TorchEngine's. The tree workload: tokens "
         "prefilled vs distinct token positions (unique) and vs no reuse (naive).",
     )

@@ -1,11 +1,12 @@
 """TorchEngine's decode step: one token per row of a running batch, through
-``decoder.DecoderWeights`` over a ``decoder.KVCache``'s views (``DecodeViews``).
+``decoder.DecoderWeights`` over a ``decoder.KVCache``'s views (``DecodeViews``), then the
+next token per row (``sample_step``).
 
-The arithmetic of ``decoder.forward`` at one token per row in fewer kernels (see
-``decode_step``). On a CPU it runs compiled (``decode_step.cpp``, built and loaded by
+``decode_step`` is the arithmetic of ``decoder.forward`` at one token per row in fewer
+kernels. On a CPU both run compiled (``decode_step.cpp``, built and loaded by
 ``policy.native``): the same ATen calls from C++, equal bit for bit, without Python's cost
 per operation, which on a small policy outweighs the arithmetic; elsewhere, or where it
-cannot be built, ``_decode_step_python`` runs.
+cannot be built, ``_decode_step_python`` and ``_sample_step_python`` run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ UPSTREAM = (
     # torch.mm, torch.addmm, torch.baddbmm, torch.bmm and torch.cat are bound by a loop over
     # torch._C in torch/__init__.py, which the static check cannot follow: not listed.
 )
-"""What the decode step calls in torch (``policy.upstream``: entry syntax there)."""
+"""What the Python step calls in torch (``policy.upstream``: entry syntax there)."""
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@ imports, loaded on first use.
 
     python -m trace_core.policy.native      # build it now (make setup and the images do)
 
-A decode step of a small policy is ≈80 torch operations on small tensors, and on a CPU each
+A decode step of a small policy is ≈100 torch operations on small tensors, and on a CPU each
 costs more in Python (argument parsing, tensor wrapping, the interpreter) than in arithmetic.
-``decode_step.cpp`` makes the same ATen calls as ``decode._decode_step_python`` from C++, so
-its results are the Python step's bit for bit, with one call's Python cost instead of eighty.
+``decode_step.cpp`` makes the same ATen calls from C++ as ``decode._decode_step_python`` (the
+layers) and ``decode._sample_step_python`` (the head and the draw), so its results are the
+Python ones' bit for bit, for two calls' Python cost a step instead of a hundred.
 
 **Build.** One C++ file compiled with the system's C++ compiler (``$CXX``, else ``c++``/``g++``)
 against the headers and libraries of the imported torch, into
@@ -17,7 +18,7 @@ torch or a changed source builds anew and never loads a stale library. Builds ar
 a lock file and written under a temporary name first.
 
 **Fallback.** Without a compiler, or on a GPU, or with ``TRACE_NATIVE=0``, the engine decodes in
-Python (the same tokens, ≈1.1–1.2× slower on the tiny bench policy); the first engine to find
+Python (the same tokens, ≈1.1–1.3× slower on the tiny bench policy); the first engine to find
 the library missing logs why once.
 """
 
@@ -51,7 +52,8 @@ UPSTREAM = (
     "torch.ops.load_library(path)",
     "torch.__version__",
     # The ATen functions decode_step.cpp calls are C++ (ATen/ATen.h of the imported torch): the
-    # compiler checks them against that torch's own headers when it builds the library.
+    # compiler checks them against that torch's own headers when it builds the library, and
+    # tests/policy/test_upstream_source.py against the GPU image's torch.
 )
 """What this module calls in torch (``policy.upstream``: entry syntax there)."""
 

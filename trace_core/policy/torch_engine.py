@@ -45,13 +45,14 @@ depend on the other prompts of the call, their order or how the call was split; 
 afresh, and rows of batches of other sizes, agree to float rounding only, so a sample sitting
 on a tie could still flip.
 
-**Speed** (``trace-rl bench engine``: tiny policy, 64 prompts × 64 new tokens, float32, this
-2-core CPU, two torch threads, five paired rounds): in one process ≈1.7–2.1× HF ``generate``
-(≈0.11 s against ≈0.21 s; HF's own time moves by a third between runs here), and ≈2.3–2.5×
-on two replicas (below). At batch 64 a step reads
+**Speed** (``trace-rl bench engine --repeats 9 --threads 2``: tiny policy, 64 prompts × 64 new
+tokens, float32, this 2-core CPU, nine paired rounds): ≈2.5–3.0× HF ``generate`` on two
+replicas (below) with the compiled step (``decode.decode_step``: the same operations from
+C++, ``policy.native``), ≈1.1–1.3× the same engine decoding in Python; HF's own time moves by
+a third between runs here (docs/engines.md). At batch 64 a step reads
 every row's keys and values (≈8 MB at the average span) and runs ≈47 MFLOP of matmuls; the
 bench times those kernels alone at the same shapes (``floor_seconds``), ≈4× HF's time, and
-TorchEngine spends ≈2.2–2.3× that floor. ``bench engine --profile`` (``bench.engine_profile``)
+TorchEngine spends ≈1.7–2.5× that floor. ``bench engine --profile`` (``bench.engine_profile``)
 says where the rest goes: of ≈130 torch operations a step, matmuls and attention are 16, the
 norms 28 (four kernels each: ``normalize``), rope 6, KV writes 4, sampling 14, the running
 batch's bookkeeping 10 and the step's other views and elementwise operations 38; prefilling the
