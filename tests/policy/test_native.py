@@ -92,7 +92,7 @@ def test_the_compiled_draw_is_the_python_draw_bit_for_bit(temperature: float, to
             torch.zeros(rows, width),
         ]
         with torch.inference_mode():
-            tokens = step(weights, hidden, table, *state, temperature, top_p)
+            tokens = step(weights, hidden, decode.Draws(table, *state, temperature, top_p))
         results.append([tokens, *state])
     for got, want in zip(*results, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want), (temperature, top_p)

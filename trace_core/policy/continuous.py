@@ -294,10 +294,10 @@ class ContinuousBatch:
             ended = self._live & (self._done | (self._steps >= self._limits))
             answers = self._retire(ended) if bool(ended.any()) else []
         params = self._rows[0][0].params  # the batch's sampling (max_tokens aside)
-        self._tok = decode.sample_step(
-            w, hidden, self._table, self._steps, self._out_tok, self._out_lp,
-            params.temperature, params.top_p,
-        )  # fmt: skip
+        draws = decode.Draws(
+            self._table, self._steps, self._out_tok, self._out_lp, params.temperature, params.top_p
+        )
+        self._tok = decode.sample_step(w, hidden, draws)
         self._left -= 1
         if self._stops is not None:
             self._done |= torch.isin(self._tok, self._stops)

@@ -144,45 +144,47 @@ def _decode_step_python(
     return normalize(x, eps)
 
 
-def sample_step(
-    weights: DecoderWeights,
-    hidden: torch.Tensor,
-    table: torch.Tensor,
-    steps: torch.Tensor,
-    out_tok: torch.Tensor,
-    out_lp: torch.Tensor,
-    temperature: float,
-    top_p: float,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class Draws:
+    """What ``sample_step`` draws a running batch's next tokens with, and where it writes
+    them: each row's uniforms by step (``sampling.keyed_table``), the rows' steps (moved on by
+    one, in place), their output tokens and logprobs by step, and the batch's sampling."""
+
+    table: torch.Tensor  # (B, W) float64
+    steps: torch.Tensor  # (B,) int64
+    tokens: torch.Tensor  # (B, W') int64
+    logprobs: torch.Tensor  # (B, W') float32
+    temperature: float
+    top_p: float
+
+
+def sample_step(weights: DecoderWeights, hidden: torch.Tensor, draws: Draws) -> torch.Tensor:
     """The head's logits for ``hidden`` (B, C) and one token per row, drawn with the row's
-    uniform for its step in ``table`` (``sampling.TableDraws``); each token and its logprob
-    go to column ``steps`` of ``out_tok`` and ``out_lp`` (their last column for a row past
-    it), and ``steps`` moves on by one, in place. The tokens (B,).
+    uniform for its step in ``draws.table`` (``sampling.TableDraws``); each token and its
+    logprob go to column ``steps`` of ``draws.tokens`` and ``draws.logprobs`` (their last
+    column for a row past it), and ``draws.steps`` moves on by one, in place. The tokens (B,).
 
     Compiled on a CPU, as ``decode_step``.
     """
     op = native.sample_step() if hidden.device.type == "cpu" else None
     if op is None:
-        return _sample_step_python(
-            weights, hidden, table, steps, out_tok, out_lp, temperature, top_p
-        )
-    return op(hidden, weights.lm_head, table, steps, out_tok, out_lp, temperature, top_p)
+        return _sample_step_python(weights, hidden, draws)
+    d = draws
+    return op(
+        hidden, weights.lm_head, d.table, d.steps, d.tokens, d.logprobs, d.temperature, d.top_p
+    )
 
 
 def _sample_step_python(
-    weights: DecoderWeights,
-    hidden: torch.Tensor,
-    table: torch.Tensor,
-    steps: torch.Tensor,
-    out_tok: torch.Tensor,
-    out_lp: torch.Tensor,
-    temperature: float,
-    top_p: float,
+    weights: DecoderWeights, hidden: torch.Tensor, draws: Draws
 ) -> torch.Tensor:
     """``sample_step`` in Python; ``decode_step.cpp`` makes the same calls."""
-    picked = sample(lm_logits(weights, hidden), temperature, top_p, TableDraws(table, steps))
-    column = steps.clamp(max=out_tok.shape[1] - 1)[:, None]  # idle rows too
-    out_tok.scatter_(1, column, picked.tokens[:, None])
-    out_lp.scatter_(1, column, picked.logprobs[:, None])
-    steps += 1
+    d = draws
+    picked = sample(
+        lm_logits(weights, hidden), d.temperature, d.top_p, TableDraws(d.table, d.steps)
+    )
+    column = d.steps.clamp(max=d.tokens.shape[1] - 1)[:, None]  # idle rows too
+    d.tokens.scatter_(1, column, picked.tokens[:, None])
+    d.logprobs.scatter_(1, column, picked.logprobs[:, None])
+    d.steps.add_(1)  # in place: the batch holds this tensor
     return picked.tokens
