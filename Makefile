@@ -23,7 +23,7 @@ IMAGE_TOOL ?= $(shell if docker info >/dev/null 2>&1; then echo docker; \
 	elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm browser run test test-fast test-vllm lint scan images push manifests bench gpu-check lock clean clean-runs
+.PHONY: help setup setup-vllm browser run rehearse test test-fast test-vllm lint scan images push manifests bench gpu-check lock clean clean-runs
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -54,6 +54,12 @@ browser: ## Install Debian's chromium (apt-get) unless one is on PATH
 
 run: setup ## The main job: the KFP pipeline via kfp.local on calc (warm start, 6 TRACE iterations) into runs/
 	$(BIN)/trace-rl run-local --output runs
+
+# The compiled pipeline (pipelines/compiled/trace_training.yaml) against a Ray cluster started
+# from the rendered kfp overlay, token auth on, and SeaweedFS on KFP's store port: two iterations
+# and the exit handler (pipelines/rehearse.py; tests/pipelines/test_rehearse.py runs it).
+rehearse: setup ## Rehearse the cluster run on this machine: the compiled pipeline, the kfp overlay's Ray cluster, token auth
+	$(BIN)/python -m pipelines.rehearse --output $(OUT)/rehearsal
 
 # On every core; a file's tests stay in one worker (its module fixtures are built once), files in
 # the order collected (the tests marked long first: tests/conftest.py).
@@ -125,13 +131,26 @@ define image_cmd
 	else echo "make: no container engine (docker info failed, no buildah): cannot run docker $(1)" >&2; exit 1; fi
 endef
 
-images: ## Build the CPU and GPU images with the tags of components/images.env
-	$(call image_cmd,build -f images/trace/Dockerfile -t $(TRACE_IMAGE) .)
-	$(call image_cmd,build -f images/trace-gpu/Dockerfile -t $(TRACE_GPU_IMAGE) .)
+# An image's tag: its reference in components/images.env without the digest make push pinned.
+tag_of = $(firstword $(subst @, ,$($(1))))
 
-push: ## Push both images (after make images)
-	$(call image_cmd,push $(TRACE_IMAGE))
-	$(call image_cmd,push $(TRACE_GPU_IMAGE))
+images: ## Build the CPU and GPU images with the tags of components/images.env
+	$(call image_cmd,build -f images/trace/Dockerfile -t $(call tag_of,TRACE_IMAGE) .)
+	$(call image_cmd,build -f images/trace-gpu/Dockerfile -t $(call tag_of,TRACE_GPU_IMAGE) .)
+
+# Push one image (1: its line in components/images.env) and pin there the digest the registry
+# gave it, from what the tool wrote: buildah's --digestfile, or docker's RepoDigests after the
+# push (pipelines/digests.py). `make manifests` then writes the pinned references everywhere.
+define push_image
+	@mkdir -p $(OUT)
+	$(call image_cmd,push$(if $(filter buildah,$(IMAGE_TOOL)), --digestfile $(OUT)/$(1).digest) $(call tag_of,$(1)))
+	@if [ "$(IMAGE_TOOL)" = docker ]; then set -x; docker image inspect --format '{{json .RepoDigests}}' $(call tag_of,$(1)) > $(OUT)/$(1).digest; fi
+	$(BIN)/python -m pipelines.digests record $(1) $(OUT)/$(1).digest
+endef
+
+push: $(STAMP) ## Push both images (after make images); pin their digests in components/images.env
+	$(call push_image,TRACE_IMAGE)
+	$(call push_image,TRACE_GPU_IMAGE)
 
 # After editing components/images.env (or with REGISTRY=registry.example.com/ml, which moves both
 # images there first): the kustomize images component, the compiled pipeline and the

@@ -21,6 +21,7 @@ def prep(
     max_staleness: int,
     seed: int,
     checkpoint_every: int,
+    keep_checkpoints: int,
     ray_address: str,
     ray_jobs_url: str,
     engine: str,

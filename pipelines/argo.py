@@ -39,7 +39,11 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
 - Resuming: prep looks up ``run_name`` in the checkpoint registry below ``store_uri``
   (``trace_core/store/registry.py``) and starts from its ``latest`` checkpoint (``load``) if it
   has one; every checkpoint (each ``checkpoint_every`` iterations and the last) becomes the new
-  ``latest`` once complete. The CronWorkflow passes the same ``run_name`` every time, so each
+  ``latest`` once complete, and the run's older ones beyond the newest ``keep_checkpoints`` are
+  deleted then. close-session deletes the session's folder under ``<store_uri>/sessions/``
+  (the trees it put there for the trainers); there is no exit handler, so a workflow that fails
+  before it leaves that folder, and ``staging/<workflow name>/`` is kept (the report reads
+  it). The CronWorkflow passes the same ``run_name`` every time, so each
   scheduled workflow continues where the last complete one ended; ``concurrencyPolicy:
   Forbid`` keeps two from training the same run at once (KFP's ``max_concurrency=1``), and Argo
   never backfills missed schedules (KFP's ``no_catchup``).
@@ -51,7 +55,8 @@ The same steps as the KFP pipeline (``pipelines/trace_training.py``), each a con
   size. With a Ray cluster (``ray_address`` or ``ray_jobs_url``) the GPUs are the
   cluster's and the pods' idle: regenerate with ``ArgoOptions(gpus=0)`` for that setup.
 - Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``trace-s3`` and
-  RAY_AUTH_TOKEN from ``trace-ray-auth`` (``valueFrom.secretKeyRef``); the S3 endpoint and region
+  RAY_AUTH_TOKEN from ``trace-ray-auth`` (``valueFrom.secretKeyRef``) beside RAY_AUTH_MODE=token,
+  without which Ray's clients send no token; the S3 endpoint and region
   from the ConfigMap ``trace-rl-settings`` (all three made by ``manifests/base``). Nothing secret
   is written here.
 - Every container: requests and limits, non-root (the images' own uid), no privilege
@@ -91,6 +96,7 @@ from hera.workflows import models as m
 
 from components.images import check_images, gpu_node_affinity, image
 from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
+from trace_core.train.ray_auth import CLIENT_ENV, SECRET, SECRET_KEY, TOKEN_ENV
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
 TEMPLATE_FILE = "workflowtemplate.yaml"
@@ -98,7 +104,7 @@ CRON_FILE = "cronworkflow.yaml"
 KUSTOMIZATION_FILE = "kustomization.yaml"
 
 S3_SECRET = "trace-s3"  # keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (manifests/secrets/s3)
-RAY_SECRET = "trace-ray-auth"  # key auth_token (manifests/secrets/ray-auth)
+RAY_SECRET = SECRET  # key auth_token (manifests/secrets/ray-auth)
 SETTINGS = "trace-rl-settings"  # ConfigMap: AWS_ENDPOINT_URL_S3, AWS_REGION (manifests/base)
 SERVICE_ACCOUNT = "trace-pipeline"  # may only report step outputs (manifests/base/rbac.yaml)
 GPU_STEPS = ("open-session", "iterate")
@@ -192,6 +198,11 @@ CHECKOV_SKIPS = {
         "CKV_K8S_38=Argo's executor reports step results through the Kubernetes API with the "
         "pod's service-account token"
     ),
+    "checkov.io/skip6": (
+        "CKV_K8S_15=IfNotPresent on purpose, as the images are pinned by release tag in "
+        "components/images.env and a tag is pushed once, so a node that holds the tag holds the "
+        "right image (the Ray pods and KFP's steps pull the same way)"
+    ),
 }
 
 
@@ -204,15 +215,16 @@ def _env(gpu: bool, ray: bool = False) -> list[Env | SecretEnv | ConfigMapEnv]:
         ConfigMapEnv(name=key, config_map_name=SETTINGS, config_map_key=key)
         for key in ("AWS_ENDPOINT_URL_S3", "AWS_REGION")
     ]
-    if gpu or ray:  # the steps that use Ray, on a token-auth cluster
+    if gpu or ray:  # the steps that use Ray, on a token-auth cluster: the token and its mode
         env.append(
             SecretEnv(
-                name="RAY_AUTH_TOKEN",
+                name=TOKEN_ENV,
                 secret_name=RAY_SECRET,
-                secret_key="auth_token",
+                secret_key=SECRET_KEY,
                 optional=True,
             )
         )
+        env += [Env(name=name, value=value) for name, value in CLIENT_ENV.items()]
     return env
 
 
@@ -231,7 +243,7 @@ def _container(
     return Container(
         name=name,
         image=options.gpu_image if name in RAY_STEPS else options.image,
-        image_pull_policy="Always",
+        image_pull_policy="IfNotPresent",
         annotations=CHECKOV_SKIPS,
         command=["trace-rl"],
         args=args,

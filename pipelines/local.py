@@ -19,7 +19,9 @@ live there from open session to close session, as on a cluster. Output under ``-
     runs/<run name>/report.html, summary.md            copies of the latest run's report
     runs/<run name>/curves.png                         its accuracy and effective ratio
     runs/logs/trace-training-<time>.log                all that the steps and KFP printed
-    runs/store/checkpoints/<run name>/                 the checkpoint registry (resume)
+    runs/store/checkpoints/<run name>/                 the checkpoint registry (resume): the
+                                                       newest --keep-checkpoints (2) of them
+    runs/store/sessions/, runs/store/staging/          the run's scratch, deleted as it ends
 
 A run with the same ``--run-name`` and store resumes after the last registered checkpoint.
 """
@@ -31,6 +33,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -42,6 +45,7 @@ from typing import TextIO
 
 from pipelines.ray_head import loopback_head
 from pipelines.steplog import StepLog
+from trace_core.train.ray_auth import CLIENT_ENV, TOKEN_ENV
 from trace_core.train.contract import PipelineParameters
 
 # make run: the calc task's tiny policy, warm-started, then K iterations of TRACE. Chosen so
@@ -108,6 +112,8 @@ def run_local(
 
     from pipelines.trace_training import PIPELINE_NAME, PipelineOptions, build_pipeline
 
+    # Bad run parameters are refused here, as prep would refuse them, before anything starts.
+    PipelineParameters(**run.parameters()).config()  # type: ignore[arg-type]
     root = (run.output / "kfp").resolve()
     root.mkdir(parents=True, exist_ok=True)
     workspace = (run.output / ".kfp-workspace").resolve()
@@ -137,9 +143,13 @@ def run_local(
     parameters = run.parameters()
     with contextlib.ExitStack() as head:
         if not parameters["ray_address"]:  # the run's own head, for its session's actors
-            parameters["ray_address"] = head.enter_context(loopback_head())
+            # with token auth, as on a cluster: the steps get the token and the mode
+            token = os.environ.get(TOKEN_ENV) or secrets.token_hex(32)
+            head.enter_context(_environment(**CLIENT_ENV, **{TOKEN_ENV: token}))
+            parameters["ray_address"] = head.enter_context(loopback_head(token))
             say(f"Ray head for this run: {parameters['ray_address']} (stopped when it ends)")
-            head.enter_context(_environment(RAY_AUTH_MODE="disabled"))
+        elif os.environ.get(TOKEN_ENV):  # the user's head and its token: the mode that sends it
+            head.enter_context(_environment(**CLIENT_ENV))
         _run(pipeline, parameters, log_path, terminal, root, p.iterations)
     seconds = time.perf_counter() - start
     (run_dir,) = [p for p in root.iterdir() if p not in before and p.is_dir()]

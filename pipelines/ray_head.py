@@ -1,7 +1,7 @@
 """A Ray head on 127.0.0.1 for one local pipeline run: its steps connect to it, so the run's
 trainer and engine actors outlive each step as they do on a cluster.
 
-    with loopback_head() as address:          # "127.0.0.1:PORT", the GCS address
+    with loopback_head(token) as address:     # "127.0.0.1:PORT", the GCS address; token auth
         run the pipeline with ray_address=address
 
 The head runs in a session of its own (``ray start --block``); when the block ends it gets
@@ -22,6 +22,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from trace_core.train.ray_auth import CLIENT_ENV, TOKEN_ENV
 
 READY_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 500_000_000
@@ -52,13 +54,17 @@ def session_pids(sid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def loopback_head(num_cpus: int | None = None) -> Iterator[str]:
+def loopback_head(token: str, num_cpus: int | None = None) -> Iterator[str]:
     """Start the head, wait until it answers, yield its address; stop it all after the block.
+    It requires ``token`` as the cluster's heads do (``RAY_AUTH_MODE=token``): its clients
+    need ``RAY_AUTH_TOKEN=token`` and ``RAY_AUTH_MODE=token`` (``train.ray_auth``).
     ``num_cpus``: what it schedules (default: this machine's cores, at least 4, so that one
     trainer and the engine actors of a small run fit on two cores)."""
+    if not token:
+        raise ValueError("loopback_head needs a token: its head runs with token auth")
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rayl", dir="/tmp")  # short: socket paths <= 107 bytes
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, **CLIENT_ENV, TOKEN_ENV: token}
     cpus = num_cpus or max(4, os.cpu_count() or 1)
     command = [
         _ray(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",

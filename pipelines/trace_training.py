@@ -24,8 +24,9 @@ state the one before published and publishes its own, whole or not at all; an it
 again after it committed (a retried pod) hands on what it wrote. Every run parameter is set in
 the KFP UI: task, dataset_uri, retriever_url (a retrieval service http://HOST:PORT that multihop
 and hotpotqa search; empty: their in-process index), base_model_uri, strategy, budget (M),
-continuations (N), iterations, max_staleness, seed, checkpoint_every, ray_address (the Ray
-head's GCS address HOST:6379 the steps connect to), ray_jobs_url (a dashboard http://HEAD:8265
+continuations (N), iterations, max_staleness, seed, checkpoint_every, keep_checkpoints (how
+many of the run's newest checkpoints the registry keeps), ray_address (the Ray head's GCS
+address HOST:6379 the steps connect to), ray_jobs_url (a dashboard http://HEAD:8265
 to submit the Ray steps to as Ray jobs instead), the rollout engine (engine: torch, hf or vllm;
 rollout_workers: Ray engine actors; gpus_per_worker: the GPUs each asks for), run_name (resume
 from / register under this name), store_uri, settings_json (any other ``TrainConfig`` field, as
@@ -45,7 +46,8 @@ Cluster settings:
   ``components.images.gpu_node_affinity``). They use TRACE_GPU_IMAGE, the other
   steps TRACE_IMAGE (``components/images.env``). With a Ray cluster the GPUs are the cluster's: run
   with gpus=0 then. The steps that use Ray get RAY_AUTH_TOKEN from the Secret
-  ``ray_auth_secret`` (key auth_token, optional), which a token-auth cluster needs.
+  ``ray_auth_secret`` (key auth_token, optional), which a token-auth cluster needs, and
+  RAY_AUTH_MODE=token, without which Ray's clients send no token (``train.ray_auth``).
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
@@ -79,6 +81,7 @@ from components import (
 from components.cluster import DEFAULT_S3_ENDPOINT, DEFAULT_STORE_URI
 from components.images import check_images, gpu_node_affinity
 from components.images import image as image_of
+from trace_core.train.ray_auth import CLIENT_ENV, SECRET_KEY, TOKEN_ENV
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
@@ -198,6 +201,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
         max_staleness: int = 1,
         seed: int = 0,
         checkpoint_every: int = 5,
+        keep_checkpoints: int = 2,
         ray_address: str = "",
         ray_jobs_url: str = opts.ray_jobs_url,
         engine: str = "torch",
@@ -235,21 +239,23 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                 kubernetes.add_node_selector_json(task, gpu_node_selector)
                 kubernetes.add_node_affinity_json(task, gpu_node_affinity)
                 kubernetes.add_toleration_json(task, gpu_tolerations)
-            if gpu or uses_ray:  # the Ray token, for a token-auth cluster
-                kubernetes.use_secret_as_env(
-                    task, ray_auth_secret, {"auth_token": "RAY_AUTH_TOKEN"}, True
-                )
+            if gpu or uses_ray:  # the Ray token, and the mode without which Ray sends none
+                kubernetes.use_secret_as_env(task, ray_auth_secret, {SECRET_KEY: TOKEN_ENV}, True)
+                for name, value in CLIENT_ENV.items():
+                    task.set_env_variable(name, value)
             return task
 
         # The exit handler's task runs however the run ends: after report, after a failed
         # step, on a cancel. It can take no task's output, so it finds the session by the name
         # prep gives it (run_name and the KFP run's id) and frees what the run still holds: its
-        # Ray jobs, its trainer and engine actors and their GPUs.
+        # Ray jobs, its trainer and engine actors and their GPUs, and its scratch in the store
+        # (the session's folder, its Ray jobs' staging).
         released = place(
             release_session(
                 run_name=run_name,
                 ray_address=ray_address,
                 ray_jobs_url=ray_jobs_url,
+                store_uri=store_uri,
                 pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
             ),
             "release-session",
@@ -269,6 +275,7 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
                     max_staleness=max_staleness,
                     seed=seed,
                     checkpoint_every=checkpoint_every,
+                    keep_checkpoints=keep_checkpoints,
                     ray_address=ray_address,
                     ray_jobs_url=ray_jobs_url,
                     engine=engine,

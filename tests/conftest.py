@@ -5,7 +5,7 @@ What several test folders share lives in the package ``tests/support``, imported
 would shadow the packages they test (``tests/components``, ``tests/pipelines``, ``tests/vllm``).
 
 The head is ``ray start --head --block`` in a session of its own, on free ports, with its
-own temp dir and token auth off (loopback only). It is stopped with SIGTERM to the
+own temp dir and token auth on (the session's token, below). It is stopped with SIGTERM to the
 ``ray start`` process, which drains and stops GCS, raylet and workers; anything of that
 session still alive afterwards is killed by pid, and the fixture checks none is left.
 ``ray stop`` is never used: it would stop every Ray on the machine.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -70,11 +71,14 @@ def share_cores() -> None:
 
 
 share_cores()
-# Every Ray cluster of the suite listens on 127.0.0.1 only, and the heads it starts run without
-# token auth (``ray_head``). Ray reads its auth mode once per process, at the first init: a test
-# process that started an in-process Ray in the default (token) mode could not then talk to
-# a loopback head, nor the reverse, so the whole session uses the heads' mode.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray cluster of the suite listens on 127.0.0.1 only, and runs with token auth as the
+# cluster's does (KubeRay's authOptions: mode token): the heads the suite starts (``ray_head``,
+# ``pipelines.ray_head``), the in-process clusters and every client share this session's token
+# through the environment, and every client sets RAY_AUTH_MODE=token beside it, as the
+# pipeline's steps do. Ray reads its auth mode once per process, at its first use; the tests of
+# a missing or wrong token run their clients in processes of their own.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 def _import_support() -> None:
@@ -145,7 +149,6 @@ def ray_head(
     full_env = {
         **os.environ,
         **(env or {}),
-        "RAY_AUTH_MODE": "disabled",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     head = subprocess.Popen(
@@ -194,10 +197,10 @@ def _ready(head: RayHead, env: Mapping[str, str]) -> bool:
     if head.dashboard_url is None:
         status = [str(BIN / "ray"), "status", f"--address={head.address}"]
         return subprocess.run(status, env=dict(env), capture_output=True).returncode == 0
-    with (
-        contextlib.suppress(OSError),
-        urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2) as response,
-    ):
+    request = urllib.request.Request(f"{head.dashboard_url}/api/version")
+    if env.get("RAY_AUTH_TOKEN"):  # the job API answers a token-auth head's clients only
+        request.add_header("Authorization", f"Bearer {env['RAY_AUTH_TOKEN']}")
+    with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=2) as response:
         return bool(response.status == 200)
     return False
 

@@ -229,6 +229,9 @@ CASES = {
     "run-local with settings that are not an object": Case(
         "run-local --output {w}/new --settings-json [1]", r"--settings-json must be a JSON object"
     ),
+    "run-local keeping no checkpoint": Case(
+        "run-local --output {w}/new --keep-checkpoints 0", r"keep_checkpoints must be >= 1, got 0"
+    ),
     # --- stored trees --------------------------------------------------------------------
     "inspect a missing path": Case("inspect summary {w}/nope", r"{w}/nope"),
     "inspect a file that is not Parquet": Case(

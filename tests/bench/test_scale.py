@@ -348,6 +348,41 @@ def test_iteration_cost_command_prints_the_staleness(tree_file: Path, tmp_path: 
         assert all(cell in line for cell in cells), (line, cells)
 
 
+def test_iteration_cost_says_which_transport_each_transfer_takes(
+    tree_file: Path, tmp_path: Path
+) -> None:
+    """Every row lists its transfers with their transports, from where the run's devices land
+    (``tests/bench/test_transports.py``); the S3 ones add up to the row's S3 bytes; the command
+    prints them and writes them in its JSON."""
+    from trace_core.bench.iteration_cost import NETWORK, NVLINK, S3, RunLayout
+
+    rows = run_iteration_cost([tree_file])
+    for r in rows:
+        assert r.layout == RunLayout.of(SHAPES[r.model])
+        by_name = {t.name: t for t in r.transfers}
+        s3_bytes = sum(t.bytes for t in r.transfers if t.transport == S3)
+        assert s3_bytes == pytest.approx(r.s3_bytes), r.model
+        assert by_name["fsdp all-gather"].bytes == r.policy_bytes
+        if r.design == "resident":
+            assert by_name["weight broadcast"].transport == r.layout.sync_transport == NETWORK
+    small = {t.name: t.transport for t in rows[1].transfers}  # 1.7B resident: 8 + 8 GPUs
+    assert (small["fsdp all-gather"], small["weight broadcast"]) == (NVLINK, NETWORK)
+    out = tmp_path / "cost.json"
+    args = ["bench", "iteration-cost", "--trees", str(tree_file), "--json", str(out)]
+    result = CliRunner().invoke(app, args, terminal_width=240)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    first = data["rows"][1]["transfers"]
+    assert [t["transport"] for t in first] == [NVLINK, NETWORK, S3, S3]
+    assert data["rows"][1]["layout"] == {
+        "trainer_nodes": 1,
+        "engines_beside_trainers": 0,
+        "engine_nodes": 1,
+    }
+    line = next(x for x in result.output.splitlines() if "weight broadcast" in x)
+    assert "Qwen3-1.7B" in line and NETWORK in line and "trainer rank 0" in line
+
+
 # --- the command line --------------------------------------------------------------------
 def test_bench_scale_command(tree_file: Path, tmp_path: Path) -> None:
     out, plot = tmp_path / "scale.json", tmp_path / "scale.png"

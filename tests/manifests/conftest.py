@@ -31,9 +31,10 @@ VENDORED = render.REPO / "tests" / "schemas"
 
 @pytest.fixture(scope="session")
 def schemas(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The upstream CRD schemas: shared/schemas beside the repository, or the gzipped copies
-    in tests/schemas (same bytes; see its README)."""
-    if (SCHEMAS / "kuberay").is_dir() and (SCHEMAS / "argo").is_dir():
+    """The upstream CRD schemas: shared/schemas beside the repository when it has every folder
+    of tests/schemas, else the gzipped copies there (same bytes; see its README)."""
+    folders = [p.name for p in VENDORED.iterdir() if p.is_dir()]
+    if all((SCHEMAS / folder).is_dir() for folder in folders):
         return SCHEMAS
     out = tmp_path_factory.mktemp("schemas")
     for packed in VENDORED.rglob("*.gz"):
@@ -41,6 +42,11 @@ def schemas(tmp_path_factory: pytest.TempPathFactory) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(gzip.decompress(packed.read_bytes()))
     return out
+
+
+METRICS_PORT = ("metrics", 8080)
+"""The name and number of the Ray container's metrics port as KubeRay v1.6.0 adds it
+(``utils.MetricsPortName``, ``utils.DefaultMetricsPort``)."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,13 @@ def kuberay_pods(cluster: dict[str, Any]) -> list[RayPod]:
     template's (ray.io/cluster, node-type and group cannot be overridden), and in the head, with
     in-tree autoscaling, the ``autoscaler`` sidecar (``BuildAutoscalerContainer``: the head's
     image; ``mergeAutoscalerOverrides``: autoscalerOptions' resources, image, env, volumeMounts
-    and securityContext), and the emptyDirs ``BuildPod`` adds where a container mounts nothing at
+    and securityContext), the emptyDirs ``BuildPod`` adds where a container mounts nothing at
     their path (``addEmptyDir``): /dev/shm in the Ray container, in memory, sized at its memory
-    limit; /tmp/ray in the head's Ray container and sidecar, on disk, with no size limit."""
+    limit; /tmp/ray in the head's Ray container and sidecar, on disk, with no size limit; and
+    the Ray container's port ``metrics`` (``DefaultHeadPodTemplate``, ``DefaultWorkerPodTemplate``:
+    ``DefaultMetricsPort`` 8080, where it declares no port of that name), on which every node's
+    Ray serves its metrics (``generateRayStartCommand``: --metrics-export-port=8080 unless
+    rayStartParams set it)."""
     name = cluster["metadata"]["name"]
     spec = cluster["spec"]
     groups = [("head", "headgroup", spec["headGroupSpec"]["template"])]
@@ -89,6 +99,10 @@ def kuberay_pods(cluster: dict[str, Any]) -> list[RayPod]:
             for container in pod_spec["containers"]:
                 add_empty_dir(pod_spec, container, "ray-logs", "/tmp/ray", {})
         ray = pod_spec["containers"][0]
+        if not any(p.get("name") == METRICS_PORT[0] for p in ray.get("ports", [])):
+            ray.setdefault("ports", []).append(
+                {"name": METRICS_PORT[0], "containerPort": METRICS_PORT[1]}
+            )
         memory = ray.get("resources", {}).get("limits", {}).get("memory")
         shm = {"medium": "Memory", **({"sizeLimit": memory} if memory else {})}
         add_empty_dir(pod_spec, ray, "shared-mem", "/dev/shm", shm)

@@ -40,7 +40,7 @@ def test_the_rayclusters_gpu_groups_require_the_driver(
 ) -> None:
     cluster = next(o for o in built[overlay] if o["kind"] == "RayCluster")
     groups = cluster["spec"]["workerGroupSpecs"]
-    assert [g["groupName"] for g in groups] == ["gpu", "gpu-tp"]
+    assert [g["groupName"] for g in groups] == ["gpu"]  # one pod per GPU node
     for group in groups:
         spec = group["template"]["spec"]
         assert spec["affinity"] == {"nodeAffinity": gpu_node_affinity()}, group["groupName"]

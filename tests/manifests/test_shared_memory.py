@@ -5,8 +5,10 @@ Without ``object-store-memory`` Ray 2.60 takes 30% of the pod's memory for its o
 capped at 95% of /dev/shm (``ray/_private/utils.py::resolve_object_store_memory``), so on these
 pods nearly all of /dev/shm. The rule checked here is the arithmetic beside the numbers in
 ``manifests/base/raycluster.yaml``: per GPU at most ≈ 2 GiB for NCCL's shared-memory transport
-(32 channels × 7 peers × ≈ 9 MiB of buffers per rank, when GPUs have no P2P path), plus 2 GiB
-for vLLM's message queues (10 chunks of 24 MiB each, 8 engines at most on a pod).
+in each communicator its process is in (32 channels × 7 peers × ≈ 9 MiB of buffers per rank,
+when GPUs have no P2P path), two of them (a trainer: FSDP's group and the weight broadcast; an
+engine: the broadcast and its tensor-parallel group), plus 2 GiB for vLLM's message queues (10
+chunks of 24 MiB each, 8 engines at most on a pod).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from support import render
 
 GIB = 2**30
 NCCL_PER_GPU = 2 * GIB
+COMMUNICATORS = 2
+"""NCCL groups a GPU's process is in at once: the trainers' and the weight broadcast's, or the
+broadcast's and an engine's tensor-parallel group."""
 VLLM_QUEUES = 2 * GIB
 MIN_OBJECT_STORE = 2 * GIB
 """The engines' results and the update's figures pass through the object store: a few hundred
@@ -66,7 +71,7 @@ def shared_memory_problems(cluster: dict[str, Any]) -> list[str]:
             continue
         size = quantity(shm["sizeLimit"])
         room = size - store
-        needed = gpus * NCCL_PER_GPU + VLLM_QUEUES
+        needed = gpus * COMMUNICATORS * NCCL_PER_GPU + VLLM_QUEUES
         if store < MIN_OBJECT_STORE:
             problems.append(f"{name}: object store {store / GIB:.1f} GiB < 2 GiB")
         if room < needed:
@@ -90,7 +95,7 @@ def test_the_object_store_leaves_room_in_dev_shm_for_nccl_and_vllm(
     built: dict[str, list[render.Manifest]], overlay: str
 ) -> None:
     cluster = cluster_of(built, overlay)
-    assert {g["groupName"] for g in gpu_groups(cluster)} == {"gpu", "gpu-tp"}
+    assert [g["groupName"] for g in gpu_groups(cluster)] == ["gpu"]
     assert shared_memory_problems(cluster) == []
 
 
@@ -98,14 +103,17 @@ def test_a_gpu_group_left_to_rays_default_is_named(
     built: dict[str, list[render.Manifest]],
 ) -> None:
     cluster = copy.deepcopy(cluster_of(built, "kfp"))
-    group = next(g for g in cluster["spec"]["workerGroupSpecs"] if g["groupName"] == "gpu-tp")
+    (group,) = gpu_groups(cluster)
     del group["rayStartParams"]["object-store-memory"]
     assert shared_memory_problems(cluster) == [
-        "gpu-tp: no object-store-memory: Ray would take nearly all /dev/shm"
+        "gpu: no object-store-memory: Ray would take nearly all /dev/shm"
     ]
-    group["rayStartParams"]["object-store-memory"] = str(60 * GIB)
-    (problem,) = shared_memory_problems(cluster)
-    assert problem.startswith("gpu-tp: /dev/shm 64 GiB less the object store 60 GiB leaves 4.0")
+    # 8 GPUs × 2 communicators × 2 GiB + 2 GiB of vLLM's queues = 34 GiB; 64 − 40 leaves 24.
+    group["rayStartParams"]["object-store-memory"] = str(40 * GIB)
+    assert shared_memory_problems(cluster) == [
+        "gpu: /dev/shm 64 GiB less the object store 40 GiB leaves 24.0 GiB, under the 34 GiB "
+        "NCCL and vLLM need on 8 GPU(s)"
+    ]
 
 
 def test_the_dev_cluster_has_no_gpu_group(built: dict[str, list[render.Manifest]]) -> None:

@@ -36,7 +36,8 @@ def test_committed_yaml_parses_strictly(docs: list[dict]) -> None:
     parameters = set(spec.root.input_definitions.parameters)
     assert {
         "task", "dataset_uri", "base_model_uri", "strategy", "budget", "continuations", "seed",
-        "checkpoint_every", "ray_address", "ray_jobs_url", "run_name", "store_uri",
+        "checkpoint_every", "keep_checkpoints", "ray_address", "ray_jobs_url", "run_name",
+        "store_uri",
         "settings_json", "gpus", "accelerator",
         "gpu_node_selector", "gpu_node_affinity", "gpu_tolerations", "s3_secret",
         "ray_auth_secret",

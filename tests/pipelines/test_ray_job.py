@@ -11,7 +11,6 @@ environment, as a KubeRay cluster's pods would get them from a Secret; it is sto
 """
 
 # No ``from __future__ import annotations``: KFP reads the test pipeline's annotations as types.
-import hashlib
 import json
 import shlex
 import signal
@@ -44,7 +43,7 @@ from trace_core.train.contract import (
     read_metrics,
 )
 from trace_core.train.dispatch import execute_cli_step
-from trace_core.train.rayjob import RayJobFailed, submit_step
+from trace_core.train.rayjob import RayJobFailed, is_job_of, submit_step
 from trace_core.train.steps.start import load_step, prep_step
 
 pytestmark = [
@@ -80,8 +79,8 @@ def ray_dashboard(
 
 @pytest.fixture
 def client_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """This side: the job client without auth, the store client on the S3 server."""
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    """This side: the job client with the session's token (conftest), the store client on the
+    S3 server."""
     for name in ("AWS_ENDPOINT_URL_S3", "S3_ENDPOINT", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in seaweed.env().items():
@@ -171,22 +170,24 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
         for key in ("s3_bytes", "checkpoint_bytes")
     )
     assert saved[0] == 0 and saved[1] > 0, saved  # the last: 2
-    # Each iteration's trees went through the store to the trainer: written once, read once.
-    sessions = open_store(f"s3://{BUCKET}/ray-test/sessions/{config.engine_name}")
-    sizes = [sessions.list_objects(f"trees-{i:04d}")[0].size for i in (1, 2)]
+    # Each iteration's trees went through the store to the trainer (sessions/<session>/
+    # trees-NNNN, the bytes of the step's artifact, which the job wrote to staging/<job id>/
+    # out/trees): written once, read once.
+    sizes = [(run / task / "trees" / "trees.parquet").stat().st_size
+             for task in ("iterate", "iterate-2")]  # fmt: skip
     assert moved == [2 * size for size in sizes], (moved, sizes)
-    # The job wrote the trees to S3 (staging/<job id>/out/trees); the artifact has its bytes.
-    store = open_store(f"s3://{BUCKET}/ray-test/staging")
-    (key,) = [o.key for o in store.list_objects() if o.key.endswith("out/trees/trees.parquet")
-              and "-iterate-0001-" in o.key]  # fmt: skip
-    digest = hashlib.sha256(store.get_bytes(key)).hexdigest()
-    got = run / "iterate" / "trees" / "trees.parquet"
-    assert digest == hashlib.sha256(got.read_bytes()).hexdigest()
+    # close-session deleted the session's scratch, all but the last state (the report reads
+    # it), and its jobs' staging; what is left of staging is its own job's output, written after.
+    session = config.engine_name
+    sessions = open_store(f"s3://{BUCKET}/ray-test/sessions/{session}")
+    assert {o.key.split("/")[0] for o in sessions.list_objects()} == {"state-0002"}
+    staging = open_store(f"s3://{BUCKET}/ray-test/staging").list_objects()
+    jobs = {o.key.split("/")[0] for o in staging if is_job_of(session, o.key.split("/")[0])}
+    assert [job.startswith(f"trace-{session}-close-session-0000-") for job in jobs] == [True]
 
     client = JobSubmissionClient(ray_dashboard)
     steps = [(j.metadata or {}).get("trace.step") for j in client.list_jobs()]
     assert steps.count("iterate") == 2 and steps.count("close-session") == 1
-    session = config.engine_name
     for kind, name in (("TrainerRank", f"{session}-trainer-0"), ("EngineWorker", f"{session}-0")):
         actors = [
             a for a in list_actors(address=ray_dashboard, filters=[("class_name", "=", kind)],
@@ -220,7 +221,7 @@ def test_a_failed_job_fails_the_step_with_its_log(
     with pytest.raises(RayJobFailed, match="ended FAILED") as failed:
         submit_step(call, config, log=lines.append)
     assert "not a run state" in str(failed.value)
-    assert "".join(lines).startswith(f"submitted Ray job trace-{config.run_id}-iterate-0001-")
+    assert "".join(lines).startswith(f"submitted Ray job trace-{config.engine_name}-iterate-0001-")
     assert not (tmp_path / "trees").exists()  # nothing was fetched from a failed job
 
 
@@ -349,3 +350,49 @@ def test_a_cancelled_step_stops_its_job_and_the_exit_handler_frees_the_runs_jobs
 
     _until(removed, "the placement group removed")
     assert release_session(session, ray_jobs_url=ray_dashboard) == []
+
+
+STREAMED = """
+import pathlib, sys, time
+print("part", 1, flush=True)
+seen = pathlib.Path(sys.argv[1])
+for _ in range(3000):
+    if seen.exists():
+        break
+    time.sleep(0.1)
+else:
+    print("gave", "up", flush=True)
+    sys.exit(1)
+print("part", 2, flush=True)
+"""
+"""A job that prints part 1, waits (up to 300 s) for the file the follower makes once it has
+shown part 1, then prints part 2."""
+
+
+@pytest.mark.usefixtures("client_env")
+def test_a_jobs_log_is_written_while_the_job_runs(ray_dashboard: str, tmp_path: Path) -> None:
+    """``run_job`` writes the job's output as the driver prints it, not once the job has ended:
+    the job goes on to part 2 only after the step's writer has shown part 1. A follower that
+    wrote the log at the end would leave the job waiting until it gives up and fails."""
+    from ray.job_submission import JobSubmissionClient
+
+    from trace_core.train.rayjob import run_job
+
+    seen = tmp_path / "seen"
+    written: list[str] = []
+
+    def write(text: str) -> None:
+        written.append(text)
+        if "part 1\n" in "".join(written):
+            seen.touch()
+
+    job = f"trace-streamed-{uuid.uuid4().hex[:8]}"
+    entrypoint = shlex.join(["python3", "-c", STREAMED, str(seen)])
+    client = JobSubmissionClient(ray_dashboard)
+    status, tail = run_job(client, job, entrypoint, None, {}, write, 0.2)
+    out = "".join(written)
+    assert status == "SUCCEEDED", out
+    assert out.startswith(f"submitted Ray job {job}")
+    assert out.index("part 1\n") < out.index("part 2\n") and "gave up" not in out
+    assert "part 2" in tail.splitlines()
+    assert out.count("part 2\n") == 1  # each part of the log written once

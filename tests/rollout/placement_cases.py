@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import placement_group_table
 
 from trace_core.envs.calc import CalcSuite
 from trace_core.policy.model import TinyPolicyConfig, create_policy, save_checkpoint
 from trace_core.policy.tokenizer import build_word_tokenizer
+from trace_core.rollout.placement import PlacementError, RunShape, reserve_run
 from trace_core.rollout.ray_pool import (
     EngineStartError,
     RayEnginePool,
@@ -121,7 +123,133 @@ def pool_failure(tmp_path: Path) -> None:
     assert ray.available_resources().get("GPU", 0) == 4  # the group is gone
 
 
+# --- a run's group: trainers and engines, all or nothing -----------------------------------
+def _free() -> tuple[float, float]:
+    free = ray.available_resources()
+    return free.get("GPU", 0.0), free.get("CPU", 0.0)
+
+
+def _live_groups() -> list[str]:
+    return sorted(g["name"] for g in placement_group_table().values() if g["state"] != "REMOVED")
+
+
+def _gone(name: str) -> None:
+    """Wait until no group ``name`` is left and the head's 4 GPUs and 2 CPUs are free again."""
+    deadline = time.monotonic() + 60  # removal is asynchronous
+    while (name in _live_groups() or _free() != (4.0, 2.0)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert name not in _live_groups() and _free() == (4.0, 2.0), (_live_groups(), _free())
+
+
+def run_too_big(tmp_path: Path) -> None:
+    """A run asking for 5 GPUs of a 4-GPU head holds nothing while it waits (its progress lines
+    say what is pending), then is removed and says why in one line."""
+    shape = RunShape(trainers=1, trainer_gpus=True, engines=1, engine_gpus=4)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        assert _free() == (4.0, 2.0)  # no partial hold while it waits
+        assert "big-run" in _live_groups()  # it exists, pending
+
+    try:
+        reserve_run(shape, "big-run", False, 3.0, "the run big", say=say, every_s=1.0)
+    except PlacementError as err:
+        message = str(err)
+    else:
+        raise AssertionError("5 GPUs reserved on a 4-GPU head")
+    assert len(lines) >= 2, lines
+    assert "the run big: waiting" in lines[0] and "for 2 of 2 bundle(s) (0-1): 5 GPU" in lines[0]
+    assert "the cluster has 4 GPU, 2 CPU free" in lines[0] and "PENDING" in lines[0]
+    assert message.startswith(
+        "the run big: trainers: 1 bundle of 1 CPU, 1 GPU (one node); engines: 1 bundle of 1 "
+        "CPU, 4 GPU (2 CPU, 5 GPU in all), reserved together or not at all, did not fit"
+    ), message
+    assert "the cluster has 2 CPU, 4 GPU free of 2 CPU, 4 GPU" in message
+    _gone("big-run")
+
+
+def second_run_waits(tmp_path: Path) -> None:
+    """The first run holds the head's 4 GPUs (trainers and engines in one group); a second run
+    asking for the same waits without taking any, then fails in one line; once the first is
+    released, the second fits."""
+    shape = RunShape(trainers=1, trainer_gpus=True, engines=1, engine_gpus=3)
+    first = reserve_run(shape, "first-run", False, 30.0, "the run first")
+    assert first.group.bundle_specs == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 3.0}]
+    assert _free() == (0.0, 0.0)
+    lines: list[str] = []
+    try:
+        reserve_run(shape, "second-run", False, 2.5, "the run second", say=lines.append,
+                    every_s=1.0)  # fmt: skip
+    except PlacementError as err:
+        assert "the cluster has 0 CPU, 0 GPU free of 2 CPU, 4 GPU" in str(err), str(err)
+    else:
+        raise AssertionError("the second run took GPUs the first holds")
+    assert lines and all("the cluster has 0 GPU, 0 CPU free" in line for line in lines), lines
+    assert _free() == (0.0, 0.0) and "second-run" not in _live_groups()  # the first's, whole
+    first.remove()
+    _gone("first-run")
+    second = reserve_run(shape, "second-run", False, 30.0, "the run second")
+    assert set(second.nodes()) == {0, 1}
+    second.remove()
+    _gone("second-run")
+
+
+@ray.remote(num_cpus=1, num_gpus=1)
+class Rank:
+    """A trainer rank's placement: one CPU and one GPU in the run's trainers' bundle."""
+
+    def where(self) -> tuple[str, list[str]]:
+        return ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+
+
+@ray.remote(num_cpus=0, num_gpus=3)
+class Filler:
+    """Another run's hold on 3 of the head's 4 GPUs."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def trainers_on_one_node(tmp_path: Path) -> None:
+    """Two nodes of 4 GPUs, 3 of the head's taken: the run's 3 trainer ranks land together on
+    the other node (their one bundle cannot be split), each on a GPU of its own, and its two
+    engines take the head's last GPU and one beside the trainers."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2 and all(r.get("GPU") == 4 for r in nodes.values()), nodes
+    head = next(node for node, r in nodes.items() if r.get("CPU") == 2)
+    worker = next(node for node in nodes if node != head)
+    filler = Filler.options(  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False)
+    ).remote()
+    assert ray.get(filler.node.remote(), timeout=60) == head
+    shape = RunShape(trainers=3, trainer_gpus=True, engines=2, engine_gpus=1)
+    run = reserve_run(shape, "spread-run", False, 60.0, "the run spread")
+    try:
+        placed = run.nodes()
+        assert placed[0] == worker, placed  # the trainers' bundle: 3 GPUs on one node
+        assert sorted(placed[i] for i in (1, 2)) == sorted([head, worker]), placed
+        ranks = [Rank.options(scheduling_strategy=run.trainer()).remote() for _ in range(3)]  # type: ignore[attr-defined]
+        where = ray.get([r.where.remote() for r in ranks], timeout=60)
+        assert {node for node, _ in where} == {worker}
+        gpus = [ids for _, ids in where]
+        assert all(len(ids) == 1 for ids in gpus) and len({ids[0] for ids in gpus}) == 3, gpus
+        engines = [Rank.options(scheduling_strategy=run.engine(i)).remote() for i in range(2)]  # type: ignore[attr-defined]
+        assert {n for n, _ in ray.get([e.where.remote() for e in engines], timeout=60)} == {
+            head,
+            worker,
+        }
+    finally:
+        run.remove()
+        ray.kill(filler)
+
+
 CASES = {
+    "run_too_big": run_too_big,
+    "second_run_waits": second_run_waits,
+    "trainers_on_one_node": trainers_on_one_node,
     "reserve": reserve,
     "wait_third": wait_third,
     "pool_failure": pool_failure,

@@ -49,7 +49,6 @@ def policies(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def clear_ray_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 

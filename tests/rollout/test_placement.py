@@ -5,10 +5,14 @@ work."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -16,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pipelines.ray_head import session_pids, stop_head
 from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.ray_worker import (
     CPU_KV_MAX,
@@ -36,13 +41,86 @@ def gpu_head(start_ray_head: Callable[..., AbstractContextManager[Any]]) -> Iter
 
 
 def run_case(gpu_head: Any, case: str, tmp_path: Path) -> None:
-    """``placement_cases.py``'s ``case`` on the GPU head, in a fresh interpreter."""
+    """``placement_cases.py``'s ``case`` on the GPU head (or any head), in a fresh
+    interpreter."""
     run = subprocess.run(
         [sys.executable, str(CASES), gpu_head.address, case, str(tmp_path)],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        env=dict(os.environ),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_run_that_does_not_fit_holds_nothing_and_says_what_it_waits_for(
+    gpu_head: Any, tmp_path: Path
+) -> None:
+    """A run's trainers and engines asking for 5 GPUs of 4: while it waits, every GPU and CPU
+    stays free and a line says what is pending; then the group is removed, the shortfall in one
+    line."""
+    run_case(gpu_head, "run_too_big", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_second_run_waits_without_taking_any_of_the_first_runs_gpus(
+    gpu_head: Any, tmp_path: Path
+) -> None:
+    run_case(gpu_head, "second_run_waits", tmp_path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def worker_node(head: Any, num_cpus: int, num_gpus: int) -> Iterator[None]:
+    """A second Ray node joined to ``head`` (``ray start --address``, fake GPUs as the head's),
+    with a temp dir of its own, stopped by pid as the head is (``pipelines.ray_head``)."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayw", dir="/tmp"))  # short: socket paths
+    env = dict(os.environ)  # the head's auth (tests/conftest.py), as run_case passes it
+    bin_dir = Path(sys.executable).parent
+    log = (temp_dir.parent / f"{temp_dir.name}.log").open("w")  # why it did not start, if not
+    node = subprocess.Popen(
+        [
+            str(bin_dir / "ray"), "start", f"--address={head.address}",
+            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={free_port()}", "--object-store-memory=100000000",
+            "--disable-usage-stats", f"--temp-dir={temp_dir}", "--block",
+        ],
+        env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        status = [str(bin_dir / "ray"), "status", f"--address={head.address}"]
+        deadline = time.monotonic() + 90
+        while True:  # until the head counts both nodes' GPUs
+            done = subprocess.run(status, env=env, capture_output=True, text=True)
+            if f"0.0/{4 + num_gpus}.0 GPU" in done.stdout:
+                break
+            output = Path(log.name).read_text()[-2000:]
+            assert node.poll() is None, f"ray start (worker) exited: {output}"
+            assert time.monotonic() < deadline, f"the worker did not join in 90 s: {done.stdout}"
+            time.sleep(0.5)
+        yield
+    finally:
+        stop_head(node, temp_dir)
+        log.close()
+        Path(log.name).unlink()
+        assert session_pids(node.pid) == [], "processes of the worker node were left running"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_a_runs_trainers_land_on_one_node_and_its_engines_fill_the_rest(
+    start_ray_head: Callable[..., AbstractContextManager[Any]], tmp_path: Path
+) -> None:
+    """Two nodes of 4 GPUs, 3 of the head's held by another: the trainers' one bundle goes
+    whole to the other node, each rank on a GPU of its own; the engines take what is left."""
+    with start_ray_head(num_gpus=4) as head, worker_node(head, num_cpus=4, num_gpus=4):
+        run_case(head, "trainers_on_one_node", tmp_path)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from trace_core.store.schema import read_trees
 pytestmark = pytest.mark.cluster
 
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # the client side of a loopback-only head
+ENV = dict(os.environ)  # the session's token and mode (tests/conftest.py)
 
 
 @pytest.fixture

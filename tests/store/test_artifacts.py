@@ -56,6 +56,32 @@ def test_local_round_trip_and_listing(tmp_path: Path) -> None:
     assert not store.exists("a/b.json")
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
+def test_delete_prefix_deletes_one_folder_and_only_it(
+    where: str, tmp_path: Path, bucket_store: S3Store
+) -> None:
+    """A folder's every object, nested ones too (S3: more than one multi-object delete),
+    and nothing beside it: not the sibling whose name it begins, nor the root."""
+    store = LocalStore(tmp_path / "store") if where == "local" else bucket_store
+    keys = [f"sessions/run-1/state-{i:04d}/predictor/p.bin" for i in range(1_100)]
+    keys = keys if where == "s3" else keys[:5]  # S3's multi-object delete takes 1,000 a call
+    for key in [*keys, "sessions/run-1/trees-0001/trees.parquet"]:
+        store.put_bytes(key, b"x")
+    store.put_bytes("sessions/run-10/state-0001/state.json", b"{}")  # a prefix of its name
+    store.put_bytes("sessions/run-1.json", b"{}")
+    assert store.delete_prefix("sessions/run-1") == len(keys) + 1
+    assert [o.key for o in store.list_objects("")] == [
+        "sessions/run-1.json",
+        "sessions/run-10/state-0001/state.json",
+    ]
+    assert store.delete_prefix("sessions/run-1") == 0  # nothing left: no error
+    assert store.delete_prefix("nowhere/at/all") == 0
+    with pytest.raises(ValueError, match="delete_prefix needs a prefix below the store's root"):
+        store.delete_prefix("")
+    assert len(store.list_objects("")) == 2
+
+
 def test_local_errors_name_the_path(tmp_path: Path) -> None:
     store = open_store(f"file://{tmp_path}")
     with pytest.raises(ObjectNotFound, match=f"{tmp_path}/missing.json: no such file"):

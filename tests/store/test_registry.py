@@ -188,3 +188,109 @@ def test_an_upload_in_flight_retries_until_the_server_is_back(
     assert latest is not None and (latest.iteration, latest.key) == (2, checkpoint.key)
     registry.download(latest, tmp_path / "resume")  # sizes and sha256 checked
     assert same_files(tmp_path / "resume", v2)
+
+
+# --- pruning: a run keeps its newest keep_checkpoints ------------------------------------------
+def folders(store: LocalStore | S3Store, run: str) -> list[str]:
+    """The run's checkpoint folders as the store lists them (complete or not)."""
+    base = f"checkpoints/{run}/"
+    return sorted({o.key[len(base) :].split("/")[0] for o in store.list_objects(base[:-1])} - {
+        "latest.json"
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
+def test_prune_keeps_the_newest_and_the_latest(
+    where: str, tmp_path: Path, bucket_store: S3Store
+) -> None:
+    store = LocalStore(tmp_path / "store") if where == "local" else bucket_store
+    registry = CheckpointRegistry(store)
+    saved = [
+        registry.save("nightly", i, checkpoint_dir(tmp_path / f"v{i}", i, big=1000))
+        for i in range(1, 6)
+    ]
+    other = registry.save("other", 1, checkpoint_dir(tmp_path / "o1", 1))
+    name = {c.iteration: c.key.rsplit("/", 1)[-1] for c in saved}
+    assert registry.prune("nightly", 2) == [c.key for c in saved[:3]]  # oldest first
+    # Every object of the deleted checkpoints is gone; the newest two are whole.
+    assert folders(store, "nightly") == [name[4], name[5]]
+    assert [c.iteration for c in registry.checkpoints("nightly")] == [4, 5]
+    latest = registry.latest("nightly")
+    assert latest is not None and latest.key == saved[-1].key
+    registry.load_latest("nightly", tmp_path / "resume")
+    assert same_files(tmp_path / "resume", tmp_path / "v5")
+    assert registry.prune("nightly", 2) == []  # nothing more to delete
+    assert registry.checkpoints("other") == [other]  # another run's are its own
+
+    # latest.json names an older one (a person rolled the run back): it stays, whatever keep.
+    pointer = {"iteration": 4, "folder": name[4]}
+    store.put_bytes("checkpoints/nightly/latest.json", json.dumps(pointer).encode())
+    assert registry.prune("nightly", 1) == []
+    assert folders(store, "nightly") == [name[4], name[5]]
+    # One a session still reads (its start, the KL anchor) stays too, given as a file's URI.
+    store.put_bytes("checkpoints/nightly/latest.json", json.dumps({"folder": name[5]}).encode())
+    policy = f"{store.uri(saved[3].key)}/policy"
+    assert registry.prune("nightly", 1, protect=[None, policy]) == []
+    assert registry.prune("nightly", 1) == [saved[3].key]
+    assert folders(store, "nightly") == [name[5]]
+    with pytest.raises(ValueError, match="keep_checkpoints must be >= 1, got 0"):
+        registry.prune("nightly", 0)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.cluster  # a SeaweedFS server
+def test_a_commit_that_fails_prunes_nothing_and_one_that_succeeds_prunes(
+    where: str,
+    tmp_path: Path,
+    bucket_store: S3Store,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The pipeline's commit (``steps.commit.commit_checkpoint``, keep_checkpoints 1): the
+    trainers uploaded the newer checkpoint's files but one, and the step died before the
+    commit; nothing is deleted, ``latest`` stays. The next attempt's commit deletes the older
+    checkpoints; a folder without a manifest (a save in flight) is never deleted."""
+    from trace_core.store.artifacts import file_sha256
+    from trace_core.train.config import TrainConfig
+    from trace_core.train.contract import PipelineConfig
+    from trace_core.train.record import IterationRecord
+    from trace_core.train.steps.commit import commit_checkpoint
+
+    store = LocalStore(tmp_path / "store") if where == "local" else bucket_store
+    registry = CheckpointRegistry(store)
+    config = PipelineConfig(TrainConfig(), "nightly", store.root_uri, keep_checkpoints=1)
+    first = registry.save("nightly", 1, checkpoint_dir(tmp_path / "v1", 1))
+    second = registry.save("nightly", 2, checkpoint_dir(tmp_path / "v2", 2))
+    in_flight = registry.reserve("nightly", 4)  # another save, still uploading
+    store.put_bytes(f"{in_flight}/model.safetensors", b"half")
+    predictor = tmp_path / "predictor"
+    predictor.mkdir()
+    (predictor / "predictor.json").write_text("{}")
+    records = [IterationRecord(i, "trace", 0, 0, {}, {}, None, {}) for i in range(4)]
+
+    third = registry.reserve("nightly", 3)
+    weights = checkpoint_dir(tmp_path / "v3", 3, big=2000)
+    written = {}
+    for path in sorted(p for p in weights.rglob("*") if p.is_file()):
+        relative = path.relative_to(weights).as_posix()
+        written[relative] = (path.stat().st_size, file_sha256(path))
+        if relative != "model.safetensors":  # the step died before this one was stored
+            store.put_file(f"{third}/{relative}", path)
+    with pytest.raises(StoreError, match=r"model\.safetensors is missing"):
+        commit_checkpoint(config, registry, third, written, records, predictor)
+    latest = registry.latest("nightly")
+    assert latest is not None and latest.key == second.key
+    assert registry.checkpoints("nightly") == [first, second]  # none deleted
+
+    store.put_file(f"{third}/model.safetensors", weights / "model.safetensors")
+    committed = commit_checkpoint(config, registry, third, written, records, predictor)
+    assert committed == sum(c.bytes for c in registry.checkpoints("nightly")[0].files)
+    assert [c.key for c in registry.checkpoints("nightly")] == [third]
+    latest = registry.latest("nightly")
+    assert latest is not None and latest.key == third
+    names = [k.rsplit("/", 1)[-1] for k in (third, in_flight)]
+    assert folders(store, "nightly") == sorted(names)  # the save in flight is untouched
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        f"deleted checkpoint {store.uri(c.key)} (keep_checkpoints 1)" for c in (first, second)
+    ]

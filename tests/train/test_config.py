@@ -94,6 +94,30 @@ def test_retriever_url_travels_from_the_run_parameter_and_is_checked() -> None:
         assert flag.opts == ["--retriever-url"] and "retrieval service" in (flag.help or "")
 
 
+def test_keep_checkpoints_travels_from_the_run_parameter_and_is_checked() -> None:
+    """A run parameter of the registry, not a training setting: in the config JSON every step
+    reads (2 by default, and for a config written before it), >= 1, refused in settings_json;
+    ``trace-rl run-local --keep-checkpoints``, and no ``trace-rl train`` flag (its run folder
+    registers nothing)."""
+    from trace_core.train.contract import PipelineConfig
+
+    config = PipelineParameters(keep_checkpoints=3).config()
+    assert PipelineConfig.from_json(config.to_json()).keep_checkpoints == 3
+    assert PipelineParameters().config().keep_checkpoints == 2
+    assert PipelineConfig.from_json('{"train": {}}').keep_checkpoints == 2
+    with pytest.raises(ValueError, match=r"^keep_checkpoints must be >= 1, got 0: "):
+        PipelineParameters(keep_checkpoints=0).config()
+    with pytest.raises(ValueError, match=r"^keep_checkpoints must be an integer, got '2'"):
+        PipelineConfig.from_json('{"train": {}, "keep_checkpoints": "2"}')
+    with pytest.raises(ValueError, match="settings_json sets keep_checkpoints"):
+        PipelineParameters(settings_json='{"keep_checkpoints": 1}').config()
+    commands = get_command(app).commands  # type: ignore[attr-defined]
+    flag = next(p for p in commands["run-local"].params if p.name == "keep_checkpoints")
+    assert flag.opts == ["--keep-checkpoints"] and flag.default == 2
+    assert "newest checkpoints the registry keeps" in (flag.help or "")
+    assert not any(p.name == "keep_checkpoints" for p in commands["train"].params)
+
+
 def test_train_flags_are_the_config_fields_with_their_docstrings() -> None:
     command = get_command(app).commands["train"]  # type: ignore[attr-defined]
     flags = {p.name: p for p in command.params}

@@ -323,9 +323,10 @@ def test_a_failed_run_is_released_and_runs_side_by_side_are_whole_or_refused(
 ) -> None:
     """A run's session named from its KFP run's id: its retried iteration is not applied twice;
     while it holds the head's two CPUs (a trainer, an engine), a second run of its run_name is
-    refused, and a run of another name cannot place its trainers, so it stops with the
-    shortfall, holding nothing. The first run then fails (no close-session): the exit handler's
-    release, from the run's name and KFP run id alone, frees all it held."""
+    refused, and a run of another name cannot place its trainer and engine (one group, all or
+    nothing), so it stops with the shortfall, holding nothing. The first run then fails (no
+    close-session): the exit handler's release, from the run's name and KFP run id alone, frees
+    all it held."""
     from trace_core.rollout.placement import PlacementError
     from trace_core.train.steps.release import release_step
 
@@ -354,7 +355,7 @@ def test_a_failed_run_is_released_and_runs_side_by_side_are_whole_or_refused(
     assert _held(head, "freed-") == [
         "freed-0a1b2c3d-0",
         "freed-0a1b2c3d-trainer-0",
-        "group freed-0a1b2c3d-trainer",
+        "group freed-0a1b2c3d-run",  # the run's trainer and engine bundles, reserved as one
     ]
 
     second = pipeline_config(init, tmp_path / "second", head, store, "freed", "9f8e7d6c-0000")
@@ -372,8 +373,9 @@ def test_a_failed_run_is_released_and_runs_side_by_side_are_whole_or_refused(
     )
     with pytest.raises(PlacementError) as crowded:
         chain(other, tmp_path / "other", range(1, 1))
-    assert "the trainers crowded-1b2c3d4e-trainer (train_workers=1): 1 bundle(s) of 1 CPU" in (
-        str(crowded.value)
+    assert (
+        "the run crowded-1b2c3d4e: trainers: 1 bundle of 1 CPU (one node); engines: 1 bundle of "
+        "1 CPU (2 CPU in all), reserved together or not at all" in str(crowded.value)
     )
     assert "the cluster has 0 CPU free of 2 CPU" in str(crowded.value)
     assert _held(head, "crowded-") == []  # never half-placed

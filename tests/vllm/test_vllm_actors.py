@@ -76,7 +76,6 @@ def head(
 
 @pytest.fixture
 def client_env(seaweed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the client side of a loopback-only head
     for name in ("AWS_ENDPOINT_URL_S3", "S3_ENDPOINT", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in seaweed.env().items():

@@ -24,6 +24,16 @@ utilisation. Around them:
   rollout holds up the next update; the cost per iteration is its share); new weights reach
   the engines by an NCCL broadcast from trainer rank 0 at ``NCCL_BYTES_S``, loaded in place.
 
+**Transports.** Each row lists its transfers (``Transfer``) with the transport each takes,
+derived from where the run's devices land (``RunLayout``, as ``rollout.placement`` reserves
+them: the trainers' GPUs as one bundle on one node, the engines filling the rest of that node,
+then further nodes of ``GPUS_PER_NODE``): the weight broadcast from trainer rank 0 runs NCCL
+over NVLink and shared memory to engines beside the trainers and over the network to engines
+on other nodes; FSDP's all-gathers stay within the trainers' node while the trainers fit in
+one (a shape whose update GPUs exceed a node spans several, over the network; a pipeline run
+refuses such trainers, ``TrainConfig``); S3 traffic goes over the network to the store. The
+seconds are as above (the broadcast at the network's ``NCCL_BYTES_S`` in every shape here).
+
 The s3 design pays two KFP step pods on the critical path (rollout, update), the resident one
 one (the iteration step). Every rate below is an assumption, a public figure or (the reload)
 the GPU check's measurement on one H200, named where it is defined and cited in
@@ -92,6 +102,17 @@ trees copied to 1,034 roots (15,463 new rows and 8,192 replayed, the default has
 64-wide MLP, 10 epochs) took 19-23 s on this project's 2-core machine shared with other work
 (up to 52 s under heavier load). Its cost follows the rows, not the turns' length (the hashed
 features of prefixes 26x as long took 1.2x as long)."""
+GPUS_PER_NODE = 8
+"""GPUs of one node, which one worker pod holds whole (the RayCluster's GPU group;
+``EngineConfig.gpus_per_node``)."""
+NVLINK = "nccl-nvlink"
+"""NCCL within one node: NVLink and shared memory (the node's GPUs are one pod's)."""
+NETWORK = "nccl-network"
+"""NCCL between nodes: each GPU's NIC (``NCCL_BYTES_S``)."""
+S3 = "s3-network"
+"""The object store, over the pods' network (``S3_POD_BYTES_S``, ``S3_CLUSTER_BYTES_S``)."""
+DISK = "local-disk"
+"""A node's disk (its page cache) into GPU memory (``RELOAD_BYTES_S``)."""
 STALENESS = (0, 1, 2)
 """The ``max_staleness`` k the command prints."""
 DESIGNS = ("s3", "resident")
@@ -121,6 +142,93 @@ SHAPES = {
 
 
 @dataclass(frozen=True)
+class RunLayout:
+    """Where a shape's GPUs land, as the run's placement group puts them (module docstring)."""
+
+    trainer_nodes: int
+    """Nodes the trainers span: 1 while they fit in one (their one bundle)."""
+    engines_beside_trainers: int
+    """Engine workers on the trainers' node (its GPUs the trainers leave)."""
+    engine_nodes: int
+    """Other nodes the rest of the engines fill."""
+
+    @classmethod
+    def of(cls, shape: ClusterShape) -> RunLayout:
+        trainer_nodes = math.ceil(shape.update_gpus / GPUS_PER_NODE)
+        left = trainer_nodes * GPUS_PER_NODE - shape.update_gpus  # beside the last trainer
+        beside = min(shape.workers, left // shape.gpus_per_worker)
+        rest = (shape.workers - beside) * shape.gpus_per_worker
+        return cls(trainer_nodes, beside, math.ceil(rest / GPUS_PER_NODE))
+
+    @property
+    def sync_transport(self) -> str:
+        """The weight broadcast from trainer rank 0: NVLink to the engines beside it, the
+        network to those on other nodes (and to every engine when the trainers span nodes: rank
+        0's node is then all trainers); joined by "+" when both."""
+        if self.trainer_nodes > 1 or not self.engines_beside_trainers:
+            return NETWORK
+        return f"{NVLINK}+{NETWORK}" if self.engine_nodes else NVLINK
+
+    @property
+    def fsdp_transport(self) -> str:
+        """The trainers' all-gathers and reduce-scatters: within their node, if one."""
+        return NVLINK if self.trainer_nodes == 1 else NETWORK
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One transfer of an iteration and the transport it takes."""
+
+    name: str
+    transport: str
+    """``NVLINK``, ``NETWORK``, ``S3`` or ``DISK``; two joined by "+" when it takes both (the
+    broadcast reaching engines beside the trainers and on other nodes)."""
+    bytes: float
+    """Per iteration (a checkpoint's: its share; ``s3_bytes`` is the sum of the S3 ones), or,
+    for ``fsdp all-gather``, one gather of the policy."""
+    where: str
+    """From where to where, in words."""
+
+
+def transfers(
+    shape: ClusterShape, design: str, policy: float, handoff: float, engines: float, trees: float
+) -> tuple[Transfer, ...]:
+    """The transfers of one iteration of ``design`` on ``shape``, each with its transport:
+    ``handoff``, the state's bytes through S3 (s3) or a checkpoint's share (resident);
+    ``engines``, the policy's bytes to the engines' nodes (s3); ``trees``, the trees'."""
+    layout = RunLayout.of(shape)
+    trainers = f"{shape.update_gpus} trainer GPUs on {layout.trainer_nodes} node(s)"
+    fsdp = Transfer("fsdp all-gather", layout.fsdp_transport, policy, f"among the {trainers}")
+    if design == "s3":
+        nodes = math.ceil(shape.workers * shape.gpus_per_worker / GPUS_PER_NODE)
+        return (
+            Transfer("state hand-off", S3, handoff, "step pods, driver and ranks ↔ S3"),
+            fsdp,
+            Transfer("weights to the engines", S3, engines, f"S3 → rollout pod, {nodes} nodes"),
+            Transfer("engine reload", DISK, policy, "each engine node's disk → its GPUs"),
+            Transfer("trees", S3, trees, "rollout step → S3 → update step"),
+        )
+    near = layout.engines_beside_trainers
+    return (
+        fsdp,
+        Transfer(
+            "weight broadcast",
+            layout.sync_transport,
+            policy,
+            f"trainer rank 0 → {near} engines on its node, {shape.workers - near} on "
+            f"{layout.engine_nodes} other node(s)",
+        ),
+        Transfer("trees", S3, trees, "driver → S3 → trainers"),
+        Transfer(
+            "checkpoint",
+            S3,
+            handoff,
+            f"trainer rank 0 → S3, every {CHECKPOINT_EVERY} iterations (its share)",
+        ),
+    )
+
+
+@dataclass(frozen=True)
 class IterationCost:
     model: str
     """A Qwen3 size: 1.7b, 8b, 14b."""
@@ -147,6 +255,10 @@ class IterationCost:
     roots: int
     continuations: float
     """N of the trees: continuations per root."""
+    transfers: tuple[Transfer, ...] = ()
+    """Its transfers and the transport each takes (module docstring)."""
+    layout: RunLayout | None = None
+    """Where the shape's GPUs land."""
 
     @property
     def total_s(self) -> float:
@@ -185,7 +297,7 @@ def run_iteration_cost(
         train_tokens = int((stream.prompt_tokens[leaves] + stream.generated_tokens[leaves]).sum())
         policy, optimizer = 2 * params, 12 * params  # bf16; two fp32 moments + fp32 master
         trees_bytes = 8.0 * (stream.generated_tokens.sum() + stream.observation_tokens.sum())
-        nodes = math.ceil(shape.workers * shape.gpus_per_worker / 8)  # 8 GPUs a node
+        nodes = math.ceil(shape.workers * shape.gpus_per_worker / GPUS_PER_NODE)
         common = {
             "model": model,
             "policy_bytes": policy,
@@ -221,6 +333,15 @@ def run_iteration_cost(
                 update_io_s=update_io,
                 reload_s=RELOAD_FIXED_S + policy / (RELOAD_BYTES_S * shape.gpus_per_worker),
                 pods_s=2 * STEP_POD_S,  # the rollout step's pod, then the update step's
+                transfers=transfers(
+                    shape,
+                    "s3",
+                    policy,
+                    serial + ranks * state,
+                    (1 + nodes) * policy,
+                    2 * trees_bytes,
+                ),
+                layout=RunLayout.of(shape),
                 **common,  # type: ignore[arg-type]
             )
         )
@@ -235,6 +356,10 @@ def run_iteration_cost(
                 update_io_s=checkpoint_s,
                 reload_s=SYNC_FIXED_S + policy / NCCL_BYTES_S,
                 pods_s=STEP_POD_S,  # one iteration step
+                transfers=transfers(
+                    shape, "resident", policy, state / CHECKPOINT_EVERY, 0.0, 3 * trees_bytes
+                ),
+                layout=RunLayout.of(shape),
                 **common,  # type: ignore[arg-type]
             )
         )

@@ -15,6 +15,7 @@ from trace_core.cli import (
     bench,
     bench_ray,  # noqa: F401  (its commands join the bench group)
     bench_scale,  # noqa: F401  (its commands join the bench group)
+    cluster,
     models,
     pipeline,
     retriever,
@@ -50,6 +51,7 @@ app.add_typer(training.predictor_app, name="predictor")
 app.add_typer(trees.app, name="inspect")
 app.add_typer(pipeline.app, name="pipeline")
 app.add_typer(retriever.app, name="retriever")
+app.add_typer(cluster.app, name="cluster")
 app.command("warmstart")(tasks.warmstart_command)
 app.command("rollout-demo")(tasks.rollout_demo)
 app.command("prep")(tasks.prep_command)

@@ -211,7 +211,9 @@ def bench_iteration_cost(
     """Per-iteration pipeline cost for Qwen3 1.7B/8B/14B on their recommended cluster shapes,
     with the state handed through S3 and resident on the cluster: S3 bytes, weight loads, pod
     start-up and image pulls against rollout and update time; then the resident iteration at
-    max_staleness k = 0, 1, 2 (rollout beside the update) and its speed-up over k = 0."""
+    max_staleness k = 0, 1, 2 (rollout beside the update) and its speed-up over k = 0; and the
+    transport each transfer takes (NCCL over NVLink within a node or over the network, S3),
+    from where the run's devices land."""
     from trace_core.bench.iteration_cost import (
         SHAPES,
         STALENESS,
@@ -239,6 +241,19 @@ def bench_iteration_cost(
             f"{r.rollout_s:.0f}", f"{r.rollout_utilisation:.2f}", f"{r.update_s:.0f}",
             f"{r.total_s:.0f}", f"{r.outside_share:.0%}", f"{r.image_pull_s:.0f}",
         )  # fmt: skip
+    console.print(table)
+    table = Table(
+        title="each transfer's transport, from where the run's devices land (the trainers on "
+        "one node while they fit, the engines beside them, then on further nodes)"
+    )
+    for head in ("model", "design", "transfer", "GB", "transport", "from → to"):
+        table.add_column(head, justify="left" if head in ("transport", "from → to") else "right")
+    for r in rows:
+        for t in r.transfers:
+            table.add_row(
+                f"Qwen3-{r.model.upper()}", r.design, t.name, f"{t.bytes / 1e9:.1f}",
+                t.transport, t.where,
+            )  # fmt: skip
     console.print(table)
     stale = staleness_costs(rows)
     table = Table(

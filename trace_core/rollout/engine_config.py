@@ -34,10 +34,11 @@ class EngineConfig:
     """vLLM tensor-parallel size: GPUs one vLLM engine spans. Above 1, each engine actor
     reserves ``tensor_parallel`` GPUs on one node through a Ray placement group (one bundle of
     one GPU per vLLM worker, packed on a node), so it needs a pod with that many GPUs: the
-    RayCluster's multi-GPU worker group (``manifests/``), whose pods hold ``gpus_per_node``."""
+    RayCluster's GPU worker group (``manifests/``), one pod per node holding its
+    ``gpus_per_node``."""
     gpus_per_node: int = 8
-    """GPUs of the largest pod an engine can land on (the RayCluster's multi-GPU group: 8 by
-    default). A ``tensor_parallel`` above it is refused before any work: such an engine would
+    """GPUs of the pod an engine lands on (the RayCluster's GPU group: one pod per 8-GPU node).
+    A ``tensor_parallel`` above it is refused before any work: such an engine would
     wait for a node that never comes. A setting rather than a look at the cluster, because a
     group that scales from zero shows no node until something asks for one."""
     memory_fraction: float = 0.0

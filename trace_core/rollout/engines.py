@@ -26,6 +26,7 @@ from trace_core.rollout.engine_config import EngineConfig
 from trace_core.rollout.weights import node_checkpoint
 
 if TYPE_CHECKING:
+    from trace_core.rollout.placement import RunPlacement
     from trace_core.rollout.ray_pool import RayEnginePool
 
 
@@ -37,13 +38,15 @@ def open_engine(
     address: str | None = None,
     name: str = "",
     serving: str = "",
+    placement: RunPlacement | None = None,
 ) -> Iterator[Engine]:
     """The engine ``config`` names, for the block; what it started is stopped after it.
 
     ``address``: the Ray head of a pool (``workers >= 1``); None starts Ray in this process,
     unless it is already connected (a Ray job's driver). ``name``, with ``config.keep_alive_s``:
     the pool's actors are the run's kept ones (``rollout.ray_pool``), left running after it;
-    ``serving``: the sync label they hold (``RayEnginePool``)."""
+    ``serving``: the sync label they hold (``RayEnginePool``); ``placement``: the run's group,
+    whose engine bundles the pool's actors take (``rollout.placement``)."""
     if config.workers:
         from trace_core.rollout.ray_pool import RayEnginePool
 
@@ -63,6 +66,7 @@ def open_engine(
             name=name,
             keep_alive_s=config.keep_alive_s,
             serving=serving,
+            placement=placement,
             driver=config.pool_driver,  # type: ignore[arg-type]  # checked by EngineConfig
             ready_timeout_s=config.ready_timeout_s,
             call_timeout_s=config.call_timeout_s,
@@ -124,10 +128,18 @@ class EngineSession:
     HF engine is built for each block around the policy already in memory (``model``).
     """
 
-    def __init__(self, config: EngineConfig, address: str | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        name: str = "",
+        placement: RunPlacement | None = None,
+    ) -> None:
         """``name``, with ``config.keep_alive_s``: the run's kept engine actors, found again by
-        every step of the run (``open_engine``)."""
+        every step of the run (``open_engine``); ``placement``: the run's group, reserved with
+        its trainers' devices (``rollout.placement``)."""
         self.config, self.address, self.name = config, address, name
+        self.placement = placement
         self._stack = contextlib.ExitStack()
         self._kept: Engine | None = None
         self._checkpoint = ""
@@ -165,7 +177,13 @@ class EngineSession:
             return
         if self._kept is None:
             self._kept = self._stack.enter_context(
-                open_engine(self.config, checkpoint, address=self.address, name=self.name)
+                open_engine(
+                    self.config,
+                    checkpoint,
+                    address=self.address,
+                    name=self.name,
+                    placement=self.placement,
+                )
             )
         elif str(checkpoint) != self._checkpoint:
             start = time.perf_counter()
@@ -186,7 +204,14 @@ class EngineSession:
         syncs them)."""
         if self._kept is None:
             self._kept = self._stack.enter_context(
-                open_engine(self.config, boot, address=self.address, name=self.name, serving=label)
+                open_engine(
+                    self.config,
+                    boot,
+                    address=self.address,
+                    name=self.name,
+                    serving=label,
+                    placement=self.placement,
+                )
             )
             self._checkpoint = str(getattr(self._kept, "checkpoint", boot))
         return self._checkpoint == label

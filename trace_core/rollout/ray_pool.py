@@ -81,7 +81,7 @@ from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.engine_start import EngineStartError, start_failure
-from trace_core.rollout.placement import in_group, tensor_parallel_group
+from trace_core.rollout.placement import RunPlacement, in_group, tensor_parallel_group
 from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
@@ -136,6 +136,10 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
         return
     if address:
+        if address != "auto":  # "auto": a Ray job's driver, on the head (the head's own env)
+            from trace_core.train.ray_auth import check_client
+
+            check_client(address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     else:
         ray.init(
@@ -184,6 +188,7 @@ class RayEnginePool:
         keep_alive_s: float = 0.0,
         driver: Driver = "async",
         serving: str = "",
+        placement: RunPlacement | None = None,
     ) -> None:
         """``checkpoint``: a folder every worker can read, or an ``s3://`` URI (each node
         downloads it once). ``slack``: how far above its fair share of a call's work a worker
@@ -196,7 +201,10 @@ class RayEnginePool:
         ``driver``: how ``grow_trees`` drives the pool (``EngineConfig.driver``): async through
         ``stream``, lock-step through ``generate``. ``serving``: what the run's kept actors hold
         once a sync reached them (a ``SYNCED`` label): found actors that hold it keep it, and
-        the pool serves it when every actor does; new ones start from ``checkpoint``."""
+        the pool serves it when every actor does; new ones start from ``checkpoint``.
+        ``placement``: the run's group, whose engine bundles the actors start in (reserved
+        with the trainers', all or nothing: ``rollout.placement``); a tensor-parallel vLLM
+        engine keeps a group of its own. None: each actor asks the cluster for its devices."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -251,9 +259,18 @@ class RayEnginePool:
                 pool_workers=workers,
             )
 
+            if placement is not None and not spread and workers > placement.shape.engines:
+                raise ValueError(
+                    f"{workers} engine workers, but the run's group {placement.name} holds "
+                    f"{placement.shape.engines} engine bundles"
+                )
+
             def placed(i: int) -> dict[str, object]:
-                """Actor i's options: with tensor parallelism, inside a placement group of its
-                own that holds its GPUs (created unless a kept actor i already runs)."""
+                """Actor i's options: in its bundle of the run's group; with tensor
+                parallelism, inside a placement group of its own that holds its GPUs (created
+                unless a kept actor i already runs)."""
+                if placement is not None and not spread:
+                    return {**options, "scheduling_strategy": placement.engine(i)}
                 if not spread or (self.kept and _kept_actor(f"{name}-{i}") is not None):
                     return options
                 group = tensor_parallel_group(tensor_parallel, threads_per_worker, self.kept)
@@ -327,6 +344,11 @@ class RayEnginePool:
     def workers(self) -> int:
         """Workers still alive (restarting ones count)."""
         return len(self._live)
+
+    @property
+    def actors(self) -> list[ray.actor.ActorHandle]:
+        """The live workers' actors (whose leases a running step renews: ``train.lease``)."""
+        return [self._actors[w] for w in self._live]
 
     def worker_pids(self) -> list[int]:
         """The process id of every live worker, in worker order; a worker Ray is restarting

@@ -363,8 +363,18 @@ class EngineWorker:
 
     @ray.method(concurrency_group="control")
     def placement(self) -> object:
-        """The placement group this actor runs in (a tensor-parallel engine's), or None."""
+        """The placement group of this actor's own (a tensor-parallel engine's: stopping the
+        actor frees it), or None: an engine without one, or in its run's group (which the run
+        frees: ``rollout.placement``)."""
+        if executor_backend(self.spec) != "ray":
+            return None
         return ray.util.get_current_placement_group()
+
+    @ray.method(concurrency_group="control")
+    def renew(self) -> None:
+        """Nothing but the call: the lease of a step that runs (``train.lease.renewing``)."""
+        with self._lease.call():
+            return
 
     @ray.method(concurrency_group="control")
     def state(self) -> tuple[WorkerSpec, str, str]:

@@ -4,6 +4,7 @@
     store.put_bytes("metrics.json", b"{}")                 # readers see the old or the new object
     store.put_file("policy/model.safetensors", path)       # multipart on S3
     store.get_bytes("metrics.json"); store.list_objects("trees"); store.exists("metrics.json")
+    store.delete_prefix("sessions/calc-0a1b2c3d")         # every object below it; the count
     fs, path = store.arrow_path("trees/part-0.parquet")    # pyarrow reads only the columns used
 
 Keys are relative POSIX paths below the store's root; the key "" is the root itself (a store
@@ -36,6 +37,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -116,6 +118,7 @@ class ArtifactStore(Protocol):
     def exists(self, key: str = "") -> bool: ...
     def list_objects(self, prefix: str = "") -> list[ObjectInfo]: ...
     def delete(self, key: str) -> None: ...
+    def delete_prefix(self, prefix: str) -> int: ...
     def arrow_path(self, key: str = "") -> tuple[pafs.FileSystem, str]: ...
     def arrow_error(self, key: str, err: BaseException) -> StoreError: ...
 
@@ -165,6 +168,13 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         while block := f.read(_CHUNK):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _check_prefix(prefix: str) -> str:
+    """A prefix to delete below: a key, never the store's root."""
+    if not _check_key(prefix):
+        raise ValueError("delete_prefix needs a prefix below the store's root, got ''")
+    return prefix
 
 
 def _check_key(key: str) -> str:
@@ -303,6 +313,17 @@ class LocalStore:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the folder ``prefix`` names, every object below it (``list_objects``'s, and
+        the temp files of writes in progress); returns how many objects it held. Nothing there
+        is no error; the store's root itself is refused."""
+        base = self._path(_check_prefix(prefix))
+        if not base.is_dir():
+            return 0
+        count = len(self.list_objects(prefix))
+        shutil.rmtree(base)
+        return count
 
     def arrow_path(self, key: str = "") -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), str(self._path(key))
@@ -563,6 +584,30 @@ class S3Store:
     def delete(self, key: str) -> None:
         name = self._name(key)
         self._call(key, "delete", lambda: self.client.remove_object(self.bucket, name))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object below ``prefix`` (as ``list_objects`` lists them), in batches
+        of S3's multi-object delete; returns how many. Nothing there is no error; the store's
+        root itself is refused."""
+        from minio.deleteobjects import DeleteObject
+
+        objects = self.list_objects(_check_prefix(prefix))
+        names = [self._name(o.key) for o in objects]
+
+        def remove() -> None:
+            # minio sends up to 1,000 keys a request; the errors come back as it is iterated.
+            for failed in self.client.remove_objects(
+                self.bucket, (DeleteObject(name) for name in names)
+            ):
+                kind = AccessDenied if failed.code in _DENIED else StoreError
+                raise kind(
+                    f"s3://{self.bucket}/{failed.name}: delete failed: {failed.code}: "
+                    f"{self.settings.redact(failed.message or '')}"
+                )
+
+        if names:
+            self._call(prefix, "delete", remove)
+        return len(names)
 
     def arrow_path(self, key: str = "") -> tuple[pafs.FileSystem, str]:
         if self._arrow is None:

@@ -4,6 +4,7 @@
     registry.save("nightly", 12, "build/policy")       # files, then their manifest, then latest
     checkpoint = registry.latest("nightly")            # None before the first complete save
     registry.download(checkpoint, "build/resume")      # sizes and sha256 checked
+    registry.prune("nightly", keep=2)                  # after a commit: the newest 2 stay
 
 Layout below the store's root (``prefix`` defaults to ``checkpoints``):
 
@@ -15,7 +16,14 @@ Every save writes a fresh folder, so the files of the checkpoint ``latest`` name
 touched by a later save; ``latest.json`` is replaced by one PUT (or rename) only after the new
 manifest is stored. A crash anywhere before that (mid-upload, server killed) leaves the previous
 ``latest`` in force, and a recurring run resumes from the last complete iteration. ``latest`` is
-the most recent complete save, whatever its iteration number. Old checkpoints are kept.
+the most recent complete save, whatever its iteration number.
+
+Old checkpoints are deleted by ``prune``, which the pipeline calls after each commit (its run
+parameter ``keep_checkpoints``): the run's complete checkpoints beyond the newest ``keep`` go,
+never the one ``latest.json`` names and never a folder without a manifest (a save still being
+written, or one that crashed before its commit). Each goes manifest first, so a prune stopped
+halfway leaves a folder that no reader takes for a checkpoint. Pruning only after the commit
+means a crash between the two leaves one checkpoint too many, never one too few.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -167,6 +175,40 @@ class CheckpointRegistry:
         pointer = {"iteration": iteration, "folder": folder.rsplit("/", 1)[-1]}
         self.store.put_bytes(self._run_key(run, LATEST), (json.dumps(pointer) + "\n").encode())
         return checkpoint
+
+    def prune(self, run: str, keep: int, protect: Iterable[str | None] = ()) -> list[str]:
+        """Delete ``run``'s complete checkpoints but the newest ``keep`` (by iteration, then
+        creation), the one ``latest.json`` names, and those holding a URI of ``protect`` (a
+        folder or a file in it: what a running session may still read). Folders without a
+        manifest are left alone, and nothing is deleted while ``latest.json`` is missing or
+        unreadable. Returns the deleted folders' keys, oldest first."""
+        if keep < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
+        try:
+            pointer = json.loads(self.store.get_bytes(self._run_key(run, LATEST)))
+            current = pointer["folder"]
+        except (ObjectNotFound, ValueError, TypeError, KeyError):
+            return []  # no commit to prune after: ``latest`` says what to do
+        complete = []
+        for name in sorted(self._folders(run)):
+            try:
+                complete.append(self._read(run, self._run_key(run, name)))
+            except (ObjectNotFound, ManifestError):
+                continue  # a damaged manifest: not ours to judge here
+        complete.sort(key=lambda c: (c.iteration, c.created))
+        kept = {c.key for c in complete[-keep:]} | {self._run_key(run, str(current))}
+        held = [uri.rstrip("/") for uri in protect if uri]
+        deleted = []
+        for checkpoint in complete:
+            where = self.store.uri(checkpoint.key)
+            if checkpoint.key in kept or any(
+                uri == where or uri.startswith(where + "/") for uri in held
+            ):
+                continue
+            self.store.delete(join_key(checkpoint.key, MANIFEST))  # no longer a checkpoint
+            self.store.delete_prefix(checkpoint.key)
+            deleted.append(checkpoint.key)
+        return deleted
 
     def latest(self, run: str, say: Callable[[str], None] | None = None) -> Checkpoint | None:
         """The last complete checkpoint of ``run``; None if it has none.

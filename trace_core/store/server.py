@@ -98,9 +98,13 @@ class SeaweedServer:
         secret_key: str = "trace-test-secret",  # a loopback test server's
         buckets: tuple[str, ...] = (),
         timeout: float = 60.0,
+        s3_port: int | None = None,
     ) -> SeaweedServer:
-        """Start a server on fresh free ports, keeping its data in ``data_dir``."""
+        """Start a server on fresh free ports (S3 on ``s3_port`` when given), keeping its data
+        in ``data_dir``."""
         ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
+        if s3_port is not None:
+            ports["s3.port"] = s3_port
         server = cls(Path(data_dir), access_key, secret_key, ports, buckets)
         server.restart(timeout=timeout)
         atexit.register(

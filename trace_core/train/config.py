@@ -71,7 +71,8 @@ class TrainConfig:
     train_workers: int = 0
     """Trainer actors holding the policy and its optimizer state (0: in this process)."""
     train_gpus: bool = False
-    """Each trainer actor takes one GPU (NCCL between them): train_workers = GPUs used."""
+    """Each trainer actor takes one GPU (NCCL between them): train_workers = GPUs used, all on
+    one node (at most ``engine.gpus_per_node``: ``rollout.placement``)."""
     train_fsdp: bool = False
     """Shard the policy, its gradients and AdamW's moments across the trainer actors (FSDP)
     instead of replicating them (DDP): for policies whose replicas do not fit."""
@@ -118,6 +119,13 @@ class TrainConfig:
             raise ValueError("train_gpus needs train_workers >= 1 (one trainer actor per GPU)")
         if self.train_fsdp and not self.train_workers:
             raise ValueError("train_fsdp needs train_workers >= 1 (the ranks it shards across)")
+        if self.train_gpus and self.train_workers > self.engine.gpus_per_node:
+            raise ValueError(
+                f"train_workers {self.train_workers} with train_gpus: the trainers share one "
+                f"node (one placement-group bundle: NCCL over NVLink and shared memory), and the "
+                f"largest GPU pod has {self.engine.gpus_per_node} (engine.gpus_per_node): lower "
+                f"train_workers, or raise gpus_per_node with the pods' GPUs"
+            )
         if not self.wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         for name in ("eval_tasks", "eval_k", "max_tokens"):

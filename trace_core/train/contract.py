@@ -144,8 +144,18 @@ class PipelineConfig:
     tracking_uri: str = ""
     """An MLflow tracking server the run logs to (``train.tracking``); empty: the steps'
     ``MLFLOW_TRACKING_URI``, if set."""
+    keep_checkpoints: int = 2
+    """How many of the run's newest checkpoints the registry keeps: after each commit the
+    older ones are deleted (``CheckpointRegistry.prune``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int):
+            raise ValueError(f"keep_checkpoints must be an integer, got {self.keep_checkpoints!r}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(
+                f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}: the registry "
+                "keeps at least the checkpoint a run resumes from"
+            )
         if self.run_name:
             check_run_name(self.run_name, "run_name")
         if self.run_name and not self.store:
@@ -176,6 +186,7 @@ class PipelineConfig:
             "run_name": self.run_name,
             "store": self.store,
             "ray_jobs_url": self.ray_jobs_url,
+            "keep_checkpoints": self.keep_checkpoints,
         }
         if self.engine_name:
             body["engine_name"] = self.engine_name
@@ -191,7 +202,10 @@ class PipelineConfig:
             raise ValueError(f"config_json is not JSON: {err}") from None
         if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
             raise ValueError("config_json: expected an object with a 'train' object")
-        known = {"train", "run_name", "store", "ray_jobs_url", "engine_name", "tracking_uri"}
+        known = {
+            "train", "run_name", "store", "ray_jobs_url", "engine_name", "tracking_uri",
+            "keep_checkpoints",
+        }  # fmt: skip
         unknown = sorted(set(body) - known)
         if unknown:
             raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")
@@ -202,6 +216,7 @@ class PipelineConfig:
             ray_jobs_url=str(body.get("ray_jobs_url", "")),
             engine_name=str(body.get("engine_name", "")),
             tracking_uri=str(body.get("tracking_uri", "")),
+            keep_checkpoints=body.get("keep_checkpoints", 2),
         )
 
     @property
@@ -271,6 +286,9 @@ class PipelineParameters:
     checkpoint_every: int = 5
     """Write the policy, optimizer state and predictor to the registry every this many
     iterations (and after the last); in between they stay on the run's trainers."""
+    keep_checkpoints: int = 2
+    """How many of the run's newest checkpoints the registry keeps (>= 1): once a newer one is
+    committed, older ones are deleted, never the latest (a Qwen3-8B checkpoint is ≈115 GB)."""
     ray_address: str = ""
     """A Ray head's GCS address HOST:PORT that the steps connect to: the run's trainer and
     engine actors live there across steps (empty: each step starts Ray in its own process)."""
@@ -301,7 +319,7 @@ class PipelineParameters:
             raise ValueError("settings_json must be a JSON object of TrainConfig fields")
         own = {
             "task", "data", "init", "strategy", "budget", "continuations", "iterations", "seed",
-            "checkpoint_every", "max_staleness", "retriever_url",
+            "checkpoint_every", "max_staleness", "retriever_url", "keep_checkpoints",
         }  # fmt: skip
         clash = sorted(own & set(settings))
         if clash:
@@ -353,6 +371,7 @@ class PipelineParameters:
         return PipelineConfig(
             train, self.run_name, self.store_uri, self.ray_jobs_url,
             tracking_uri=self.mlflow_tracking_uri.strip(),
+            keep_checkpoints=self.keep_checkpoints,
         )  # fmt: skip
 
 

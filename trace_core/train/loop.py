@@ -195,7 +195,7 @@ def _train(
     # on them too, so the next rollout finds the policy it evaluated already loaded.
     with (
         Weights(config, model, serving, start, out.name) as weights,
-        EngineSession(config.engine, config.ray_address) as session,
+        EngineSession(config.engine, config.ray_address, placement=weights.placement) as session,
     ):
         run = Run(
             config, out.name, suite, suite.tasks("train"), iteration.eval_tasks(suite, config),

@@ -10,7 +10,9 @@ through S3: an input already in object storage (a KFP artifact's ``minio://`` UR
 is passed as is, any other is uploaded under ``<store>/staging/<job id>/in/<name>``; outputs are
 written by the job to ``.../out/<name>`` and downloaded into the step's own output folders, so
 the KFP artifacts carry the results (an output that is itself an ``s3://`` prefix, as in the Argo
-workflow's steps, is written there by the job). The staging prefix is kept (the job's record).
+workflow's steps, is written there by the job). The staging folder stays while the run goes on
+(the job's record); when the run ends, close-session and the exit handler's release delete the
+run's (``steps.handoff.remove_scratch``, by the job id: ``trace-<session>-<step>-...``).
 
 Only non-secret S3 settings (endpoint, region) go into the job's ``runtime_env``, since Ray
 shows it in its dashboard: the Ray cluster's pods must get the credentials themselves (the same
@@ -24,8 +26,11 @@ runs (``train.release``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import queue
+import re
 import shlex
 import signal
 import sys
@@ -33,11 +38,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trace_core.store.sync import download_folder, upload_folder
 from trace_core.store.uri import is_remote
-from trace_core.train.contract import PipelineConfig, StepCall
+from trace_core.train.contract import RAY_STEPS, PipelineConfig, StepCall
+from trace_core.train.ray_auth import check_client, explained
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
 
 UPSTREAM = (
     "ray.job_submission.JobSubmissionClient(address, /)",
@@ -48,6 +57,7 @@ UPSTREAM = (
     "ray.job_submission.JobDetails.message",
     "ray.job_submission.JobSubmissionClient.get_job_status(job_id, /)",
     "ray.job_submission.JobSubmissionClient.get_job_logs(job_id, /)",
+    "ray.job_submission.JobSubmissionClient.tail_job_logs(job_id, /)",
     "ray.job_submission.JobStatus.SUCCEEDED",
     "ray.job_submission.JobStatus.FAILED",
     "ray.job_submission.JobStatus.STOPPED",
@@ -70,6 +80,22 @@ class Terminated(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
+STAGING = "staging"
+"""The store's folder of the steps' Ray jobs: ``<store>/staging/<job id>/in|out/<name>``."""
+
+
+def new_job_id(session: str, step: str, iteration: int) -> str:
+    """A fresh id of a Ray job of the run's session: ``trace-<session>-<step>-NNNN-<8 hex>``
+    (the session is ``<run_id>-<8 hex>``, ``contract.session_name``)."""
+    return f"trace-{session}-{step}-{iteration:04d}-{uuid.uuid4().hex[:8]}"
+
+
+def is_job_of(session: str, name: str) -> bool:
+    """Whether ``name`` is an id ``new_job_id`` gives a job of ``session`` (of no other)."""
+    steps = "|".join(re.escape(step) for step in RAY_STEPS)
+    return bool(re.fullmatch(rf"trace-{re.escape(session)}-({steps})-\d{{4}}-[0-9a-f]{{8}}", name))
+
+
 def step_command(call: StepCall, config: PipelineConfig) -> str:
     """The shell command that runs ``call`` (with URIs) on the cluster."""
     args = ["trace-rl", "step", call.step, "--config-json", config.to_json()]
@@ -88,11 +114,22 @@ def submit_step(
     poll_seconds: float = 1.0,
 ) -> str:
     """Run ``call`` as a Ray job at ``config.ray_jobs_url``; returns the job's id."""
+    check_client(config.ray_jobs_url)
+    with explained(config.ray_jobs_url):
+        return _submit_step(call, config, log, poll_seconds)
+
+
+def _submit_step(
+    call: StepCall,
+    config: PipelineConfig,
+    log: Callable[[str], None] | None,
+    poll_seconds: float,
+) -> str:
     from ray.job_submission import JobSubmissionClient
 
     write = log or (lambda text: print(text, end="", flush=True, file=sys.stdout))
-    job_id = f"trace-{config.run_id}-{call.step}-{call.iteration:04d}-{uuid.uuid4().hex[:8]}"
-    staging = f"{config.store.rstrip('/')}/staging/{job_id}"
+    job_id = new_job_id(config.engine_name or config.run_id, call.step, call.iteration)
+    staging = f"{config.store.rstrip('/')}/{STAGING}/{job_id}"
     inputs = {}
     for name, location in call.inputs.items():
         uri = call.input_uris.get(name, "")
@@ -183,17 +220,70 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+LOG_TAIL_LINES = 20
+"""How many of the log's last lines ``run_job`` returns (a failed step's error carries them)."""
+
+
 def _follow(
-    client: object, job_id: str, write: Callable[[str], None], poll_seconds: float
+    client: JobSubmissionClient, job_id: str, write: Callable[[str], None], poll_seconds: float
 ) -> tuple[str, str]:
-    """Stream the job's log until it ends; returns its final status and the log's last lines."""
-    shown = 0
+    """Write the job's log as its driver writes it, until the job ends; returns its final status
+    and the log's last ``LOG_TAIL_LINES`` lines.
+
+    The log comes over the head's log stream (``_log_parts``), which sends each new part once
+    and closes when the job has ended; the job's status is read then. A stream that closed while
+    the job runs on (a dropped connection, a proxy that refuses websockets) is opened again after
+    ``poll_seconds``, past what was written; one that broke as the job ended is completed from
+    the whole log, fetched once."""
+    shown = 0  # characters of the log written so far
+    recent = ""  # the end of the log: at least its last LOG_TAIL_LINES lines
+    said_broken = False
     while True:
-        status = str(client.get_job_status(job_id).value)  # type: ignore[attr-defined]
-        logs: str = client.get_job_logs(job_id)  # type: ignore[attr-defined]
-        if len(logs) > shown:
-            write(logs[shown:])
-            shown = len(logs)
+        broken: Exception | None = None
+        for part in _log_parts(client, job_id, skip=shown):
+            if isinstance(part, Exception):
+                broken = part
+                continue
+            write(part)
+            shown += len(part)
+            recent = "\n".join((recent + part).split("\n")[-(LOG_TAIL_LINES + 1) :])
+        status = str(client.get_job_status(job_id).value)
         if status in _DONE:
-            return status, "\n".join(logs.splitlines()[-20:])
+            if broken is not None:
+                rest = client.get_job_logs(job_id)[shown:]
+                write(rest)
+                recent += rest
+            return status, "\n".join(recent.splitlines()[-LOG_TAIL_LINES:])
+        if broken is not None and not said_broken:
+            write(f"\n(the log stream of Ray job {job_id} broke: {broken}; reopening it)\n")
+            said_broken = True
         time.sleep(poll_seconds)
+
+
+def _log_parts(client: JobSubmissionClient, job_id: str, skip: int) -> Iterator[str | Exception]:
+    """The job's log past its first ``skip`` characters, part by part as the head's websocket
+    (``tail_job_logs``, which starts at the log's beginning) sends them, until it closes; last,
+    if it broke rather than closed, the error. An asyncio loop in a thread of its own reads the
+    websocket, so the caller's thread writes the parts and takes signals (``_sigterm_raises``) as
+    any blocking call; that thread ends when the stream does (the job stopped, or ended)."""
+    parts: queue.Queue[str | Exception | None] = queue.Queue()
+
+    async def read() -> None:
+        seen = 0
+        async for part in client.tail_job_logs(job_id):
+            if seen + len(part) > skip:
+                parts.put(part[max(skip - seen, 0) :])
+            seen += len(part)
+
+    def run() -> None:
+        try:
+            asyncio.run(read())
+            parts.put(None)
+        except Exception as err:  # a dropped or refused connection: the caller reads the status
+            parts.put(err)
+
+    threading.Thread(target=run, name=f"log of {job_id}", daemon=True).start()
+    while (part := parts.get()) is not None:
+        yield part
+        if isinstance(part, Exception):
+            return

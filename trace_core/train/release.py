@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 
 from trace_core.train.contract import PipelineConfig
+from trace_core.train.ray_auth import RayAuthError, check_client, explained
 
 UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",
@@ -65,11 +66,15 @@ def release_session(
     if not session:
         raise ValueError("no session name to release")
     lines: list[str] = []
-    if ray_jobs_url:
-        lines += _stop_jobs(ray_jobs_url, session)
-        lines += _kill_by_job(ray_jobs_url, session)
-    elif ray_address:
-        lines += kill_actors(session, ray_address)
+    where = ray_jobs_url or ray_address
+    if where:
+        check_client(where)
+    with explained(where):
+        if ray_jobs_url:
+            lines += _stop_jobs(ray_jobs_url, session)
+            lines += _kill_by_job(ray_jobs_url, session)
+        elif ray_address:
+            lines += kill_actors(session, ray_address)
     for line in lines or [f"session {session}: nothing to release"]:
         say(line)
     return lines
@@ -77,16 +82,22 @@ def release_session(
 
 def kill_actors(session: str, address: str | None) -> list[str]:
     """Kill the trainer and kept engine actors of ``session`` on the head at ``address``
-    ("auto": the Ray job this runs in), and remove their placement groups."""
+    ("auto": the Ray job this runs in), and remove their placement groups (the run's, which
+    reserved both: ``rollout.placement``)."""
     from trace_core.rollout.ray_pool import ray_session, release_engines
     from trace_core.rollout.ray_worker import KEPT_NAMESPACE
-    from trace_core.train.trainer_group import TRAINER_NAMESPACE, release_trainers
+    from trace_core.train.trainer_group import (
+        TRAINER_NAMESPACE,
+        release_run_group,
+        release_trainers,
+    )
 
     with ray_session(address):
         trainers = session_actors(session, TRAINER_NAMESPACE)
         engines = session_actors(session, KEPT_NAMESPACE)
         release_trainers(f"{session}-trainer", 1 + max(trainers.values(), default=-1))
         release_engines(session)
+        release_run_group(session)  # the run's devices, trainers' and engines' at once
     return [f"{RELEASED}trainer actor {name}" for name in sorted(trainers)] + [
         f"{RELEASED}engine actor {name}" for name in sorted(engines)
     ]
@@ -193,7 +204,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ray-address", default="", help="the head's GCS HOST:PORT, or auto")
     parser.add_argument("--ray-jobs-url", default="", help="the Ray dashboard http://HEAD:8265")
     args = parser.parse_args(argv)
-    release_session(args.session, args.ray_address, args.ray_jobs_url)
+    try:
+        release_session(args.session, args.ray_address, args.ray_jobs_url)
+    except RayAuthError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

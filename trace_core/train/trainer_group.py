@@ -23,11 +23,15 @@ pipeline use (an HF folder in the serving dtype, ``optimizer.safetensors``, and
 ``master.safetensors`` when the serving dtype rounds the master weights) into a local folder or
 straight to an ``s3://`` prefix; under FSDP every rank gathers and rank 0 writes.
 
-The trainers' devices (one CPU, and one GPU with ``use_gpu``, each) are reserved as one
-placement group, all or nothing (``rollout.placement.reserve``): a group that does not fit
-within ``place_timeout_s`` is removed and the error names the shortfall. Detached trainers (a
-pipeline run's) hold a lease (``train.lease``): each call renews it, and with ``idle_exit_s``
-they stop themselves, their group with them, once their run is gone. Every wait on them is
+The trainers' devices (one CPU, and one GPU with ``use_gpu``, each) are ONE bundle of a
+placement group, so the ranks land on one node (Ray never splits a bundle: NCCL between them
+over NVLink and shared memory), reserved all or nothing (``rollout.placement``): in a run's
+own group beside its engines' bundles (``placement``: a pipeline run's session, ``trace-rl
+train`` with engine actors), else in a group of their own. A group that does not fit within
+``place_timeout_s`` is removed and the error names the shortfall; while it waits, a line every
+minute says what is pending. Detached trainers (a pipeline run's) hold a lease
+(``train.lease``): each call renews it, and with ``idle_exit_s`` they stop themselves, their
+group with them, once their run is gone. Every wait on them is
 bounded by ``wait_timeout_s`` (``rollout.waits``): a rank alive but stuck (a hung NCCL call, a
 frozen node) ends the run with one line naming it and the call.
 """
@@ -39,7 +43,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +65,13 @@ from trace_core.policy.weight_sync import (
     open_store,
 )
 from trace_core.rollout.lease import Lease
-from trace_core.rollout.placement import in_bundle, named_groups, reserve
+from trace_core.rollout.placement import (
+    RunPlacement,
+    RunShape,
+    named_groups,
+    reserve_run,
+    run_group_name,
+)
 from trace_core.rollout.waits import Wait, get
 from trace_core.store.sync import local_copy
 from trace_core.store.uri import is_remote
@@ -405,20 +415,39 @@ class TrainerGroup:
     """The driver's handle on the trainer actors (see the module docstring)."""
 
     def __init__(
-        self, spec: TrainerSpec, start: StartState, name: str = "", detached: bool = False
+        self,
+        spec: TrainerSpec,
+        start: StartState,
+        name: str = "",
+        detached: bool = False,
+        placement: RunPlacement | None = None,
+        say: Callable[[str], None] | None = print,
     ) -> None:
         """``name``: the actors are ``<name>-<rank>`` in the namespace ``TRAINER_NAMESPACE``;
-        ``detached``: they outlive this driver (a pipeline step), until ``release_trainers``."""
+        ``detached``: they outlive this driver (a pipeline step), until ``release_trainers``.
+        ``placement``: the run's group, whose trainers' bundle the ranks start in (the run
+        frees it); None: a group of their own, reserved here (``say``: its progress)."""
         if spec.workers < 1:
             raise ValueError(f"workers must be >= 1, got {spec.workers}")
         if detached and not name:
             raise ValueError("detached trainers need a name (the next step finds them by it)")
         self.spec, self.name, self.ranks = spec, name, []
-        device = {"CPU": 1.0, **({"GPU": 1.0} if spec.use_gpu else {})}
-        what = f"the trainers{f' {name}' if name else ''} (train_workers={spec.workers})"
-        self.reserved = reserve(
-            [device] * spec.workers, name, detached, spec.place_timeout_s, what
-        )  # all of them or none: two runs never each hold part of the devices
+        self.reserved: Any = None  # a group of their own, which close() frees
+        self.placement = placement
+        """The run's group they run in (None: their own, ``reserved``): trainers started again
+        after a fault take its trainers' bundle again (``train.weights``)."""
+        if placement is None:
+            shape = RunShape(trainers=spec.workers, trainer_gpus=spec.use_gpu)
+            what = f"the trainers{f' {name}' if name else ''} (train_workers={spec.workers})"
+            placement = reserve_run(
+                shape, name, detached, spec.place_timeout_s, what, say=say
+            )  # all of them or none: two runs never each hold part of the devices
+            self.reserved = placement.group
+        elif placement.shape.trainers != spec.workers:
+            raise ValueError(
+                f"train_workers={spec.workers}, but the run's group {placement.name} holds "
+                f"{placement.shape.trainers} trainers"
+            )
         options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 1 if spec.use_gpu else 0}
         if name:  # found by name: one run's trainers serve no other
             options |= {"namespace": TRAINER_NAMESPACE}
@@ -427,7 +456,7 @@ class TrainerGroup:
         self.ranks = [
             TrainerRank.options(  # type: ignore[attr-defined]
                 **options,
-                scheduling_strategy=in_bundle(self.reserved, r),
+                scheduling_strategy=placement.trainer(),
                 **({"name": f"{name}-{r}"} if name else {}),
             ).remote(r, spec)
             for r in range(spec.workers)
@@ -451,9 +480,12 @@ class TrainerGroup:
         self.sync_seconds = 0.0
 
     @classmethod
-    def find(cls, spec: TrainerSpec, name: str) -> TrainerGroup | None:
+    def find(
+        cls, spec: TrainerSpec, name: str, placement: RunPlacement | None = None
+    ) -> TrainerGroup | None:
         """The running group ``name`` (started by an earlier step), with its state; None when
-        any of its actors is gone (the group is then stopped: its state is incomplete)."""
+        any of its actors is gone (the group is then stopped: its state is incomplete).
+        ``placement``: the run's group they run in, if any."""
         ranks = []
         for r in range(spec.workers):
             try:
@@ -462,6 +494,7 @@ class TrainerGroup:
                 break
         group = cls.__new__(cls)
         group.spec, group.name, group.ranks, group.reserved = spec, name, ranks, None
+        group.placement = placement
         if len(ranks) < spec.workers or not group.alive():
             group.close()
             return None
@@ -590,6 +623,14 @@ def release_trainers(name: str, workers: int) -> int:
             stopped += 1
     _remove(named_groups(name))
     return stopped
+
+
+def release_run_group(session: str) -> int:
+    """Free the placement group of the run ``session`` (``rollout.placement``: its trainers'
+    and engines' devices; an actor still in it stops with it); how many groups there were."""
+    groups = named_groups(run_group_name(session))
+    _remove(groups)
+    return len(groups)
 
 
 def _remove(groups: Sequence[Any]) -> None:

@@ -15,6 +15,7 @@ hold them). An in-process vLLM engine loads files: it reloads each iteration's c
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,9 @@ class Weights:
         )
         self.trainers: Any = trainers
         self.keep = trainers is not None
+        self.placement: Any = getattr(trainers, "placement", None)
+        """The run's group (``rollout.placement``), reserved here for trainers with Ray engine
+        actors (their ``EngineSession`` takes its engine bundles), or the pipeline step's."""
         self.name = trainers.name if trainers is not None else f"{run}-trainer"
         """The trainer actors' name: ``<run>-trainer-<rank>`` (``trainer_group``)."""
         self._source: Any = None
@@ -66,24 +70,38 @@ class Weights:
     def __enter__(self) -> Weights:
         config = self.config
         if config.train_workers and self.trainers is None:
+            from trace_core.rollout.placement import reserve_run, run_shape
             from trace_core.rollout.ray_pool import ray_session
             from trace_core.train.trainer_group import TrainerGroup, TrainerSpec
 
-            self._stack.enter_context(ray_session(config.ray_address))
+            shape = run_shape(config.train_workers, config.train_gpus, config.engine)
+            cpus = sum(int(b.get("CPU", 0)) for b in shape.bundles())
+            self._stack.enter_context(
+                ray_session(config.ray_address, num_cpus=max(os.cpu_count() or 1, cpus))
+            )
             spec = TrainerSpec(
                 config.objective(),
                 config.train_workers,
                 config.train_gpus,
                 config.train_fsdp,
+                place_timeout_s=config.engine.ready_timeout_s,
                 wait_timeout_s=config.wait_timeout_s,
             )
-            self.trainers = TrainerGroup(spec, self.start, name=self.name)
+            if shape.engines:  # the trainers' and the engine actors' devices, all or nothing
+                what = f"the run {self.run} (train_workers={config.train_workers}, " + (
+                    f"engine workers={shape.engines})"
+                )
+                self.placement = reserve_run(
+                    shape, f"{self.run}-run", False, spec.place_timeout_s, what, say=print
+                )
+                self._stack.callback(self.placement.remove)  # after the trainers (LIFO)
+            self.trainers = TrainerGroup(spec, self.start, name=self.name, placement=self.placement)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.trainers is not None and not self.keep:
             self.trainers.close()
-        self._stack.close()  # Ray, if this started it
+        self._stack.close()  # the run's group, then Ray, if this started them
 
     def recover(
         self, checkpoint: int, folder: str | None, current: bool, say: Callable[[str], None]
@@ -116,7 +134,13 @@ class Weights:
                 master=folder,
                 reference=start.reference,
             )
-        self.trainers = TrainerGroup(trainers.spec, start, name=self.name, detached=self.keep)
+        self.trainers = TrainerGroup(
+            trainers.spec,
+            start,
+            name=self.name,
+            detached=self.keep,
+            placement=trainers.placement,  # the run's group: its trainers' bundle again
+        )
         return True
 
     def sync(self, session: EngineSession, label: str) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -71,12 +71,15 @@ def commit_checkpoint(
     records: Sequence[IterationRecord],
     predictor: Any,
     ahead: Path | None = None,
+    protect: Iterable[str | None] = (),
 ) -> int:
     """The predictor (an object, or a folder it was saved to) and the log beside the trainers'
     files, with the trees grown ahead that a state folder ``ahead`` holds (max_staleness >= 1:
     a run resumed from the checkpoint updates on them, as the unbroken run did), then the
-    manifest and ``latest``; its transfers count as checkpoint bytes. Returns the
-    checkpoint's bytes (every file's, as committed)."""
+    manifest and ``latest``; its transfers count as checkpoint bytes. Then, the commit done,
+    the run's checkpoints beyond the newest ``keep_checkpoints`` are deleted (``prune``), but
+    never one holding a URI of ``protect`` (what the step's session could start again from: a
+    retried step, lost trainers). Returns the checkpoint's bytes (every file's, as committed)."""
     from trace_core.store.artifacts import TRAFFIC, file_sha256
     from trace_core.train.steps.start import BASE_MODEL
 
@@ -102,7 +105,26 @@ def commit_checkpoint(
             files,
             metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
         )
+    prune(config, registry, protect)
     return sum(size for size, _ in files.values())
+
+
+def prune(config: PipelineConfig, registry: Any, protect: Iterable[str | None] = ()) -> None:
+    """The run's checkpoints beyond the newest ``keep_checkpoints`` deleted, each said. A
+    store that refuses (a key that may not delete) costs no training: said, and the next
+    commit tries again."""
+    from trace_core.store.artifacts import StoreError
+
+    run = registry_run(config)
+    try:
+        deleted = registry.prune(run, config.keep_checkpoints, protect)
+    except StoreError as err:
+        print(f"old checkpoints of run {run!r} not deleted ({err}); the next commit tries again",
+              flush=True)  # fmt: skip
+        return
+    for key in deleted:
+        print(f"deleted checkpoint {registry.store.uri(key)} (keep_checkpoints "
+              f"{config.keep_checkpoints})", flush=True)  # fmt: skip
 
 
 def optimizer_files(folder: str) -> tuple[str | None, str | None]:

@@ -15,10 +15,16 @@ whole or not at all: every file, then ``state.json`` (what ``committed`` looks f
 a step that died while publishing left is removed before the step publishes again. A state is
 never replaced once committed: a retried iteration whose first attempt committed hands on
 what that attempt wrote (``train.dispatch.iterate_on_store``).
+
+The session's folder is scratch: when the run ends it is deleted with the staging folders of
+the session's Ray jobs (``remove_scratch``): by close-session, all but the last state (which
+the report reads after it), and by the exit handler's release, however the run ended, the rest.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from trace_core.store.artifacts import open_store
@@ -36,9 +42,61 @@ def session_uri(config: PipelineConfig) -> str:
     return f"{config.store.rstrip('/')}/sessions/{config.engine_name}"
 
 
+def state_folder(iteration: int) -> str:
+    """The name of the state after ``iteration`` in the session's folder."""
+    return f"state-{iteration:04d}"
+
+
 def state_uri(config: PipelineConfig, iteration: int) -> str:
     """Where the run's session keeps its state after ``iteration``."""
-    return f"{session_uri(config)}/state-{iteration:04d}"
+    return f"{session_uri(config)}/{state_folder(iteration)}"
+
+
+def remove_scratch(
+    store_uri: str, session: str, keep: str = "", say: Callable[[str], None] = print
+) -> list[str]:
+    """Delete what the run's session left in the store at ``store_uri``: its folder
+    ``sessions/<session>/`` (all of it, or all but the folder ``keep`` in it, e.g. the last
+    state, which the report still reads) and the staging folders of its steps' Ray jobs
+    (``staging/trace-<session>-<step>-...``, ``rayjob.new_job_id``; never another run's).
+    Returns (and ``say``s) one line per folder deleted; nothing left is no error. A store that
+    refuses costs the run nothing: one line says so (a later call tries again)."""
+    from trace_core.store.artifacts import StoreError
+
+    try:
+        lines = _remove_scratch(store_uri, session, keep)
+    except (StoreError, ValueError) as err:
+        lines = [f"the scratch of session {session} in {store_uri} is not deleted: {err}"]
+    for line in lines:
+        say(line)
+    return lines
+
+
+def _remove_scratch(store_uri: str, session: str, keep: str) -> list[str]:
+    from trace_core.train.rayjob import STAGING, is_job_of
+
+    if not re.fullmatch(r"[\w][\w.-]{0,99}", session, re.A):
+        raise ValueError(f"session {session!r}: expected the run's session name <run_id>-<8 hex>")
+    store = open_store(store_uri)
+    base = f"sessions/{session}"
+    folders: set[str] = set() if keep else {base}
+    for obj in store.list_objects(base) if keep else ():
+        top = obj.key[len(base) + 1 :].split("/", 1)
+        if top[0] == keep:
+            continue
+        if len(top) == 1:
+            store.delete(obj.key)  # a file of its own in the session's folder
+        else:
+            folders.add(f"{base}/{top[0]}")
+    for obj in store.list_objects(STAGING):
+        job = obj.key[len(STAGING) + 1 :].split("/", 1)[0]
+        if is_job_of(session, job):
+            folders.add(f"{STAGING}/{job}")
+    lines = []
+    for folder in sorted(folders):
+        if count := store.delete_prefix(folder):
+            lines.append(f"deleted {store.uri(folder)} ({count} objects)")
+    return lines
 
 
 def last_iteration(config: PipelineConfig, start_iteration: int) -> int:

@@ -19,11 +19,14 @@ What travels from step to step is the run's **state** folder (a KFP artifact of 
 A checkpoint (every ``checkpoint_every`` iterations and the last) is written by trainer rank 0
 straight into a reserved folder of the run's registry (``store.registry``); the step adds the
 predictor and the log, and moves ``latest`` once every file is there at the size its writer
-hashed. On a cluster a checkpoint before the last is written in the background while the next
-iteration rolls out (the trainers' next update waits for it); the next step commits it
-(``RunState.pending``). When the session is gone (the Ray cluster restarted, a trainer actor
-died), the next step rebuilds it from the newest checkpoint if nothing was trained since;
-otherwise it stops with one line naming that checkpoint and how the run resumes from it.
+hashed; then the run's checkpoints beyond the newest ``keep_checkpoints`` are deleted
+(``CheckpointRegistry.prune``), never one the step's session could start again from. On a
+cluster a checkpoint before the last is written in the background while the next iteration
+rolls out (the trainers' next update waits for it); the next step commits it
+(``RunState.pending``).
+When the session is gone (the Ray cluster restarted, a trainer actor died), the next step
+rebuilds it from the newest checkpoint if nothing was trained since; otherwise it stops with
+one line naming that checkpoint and how the run resumes from it.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from trace_core.train.steps.commit import (
     write_log,
 )
 from trace_core.train.steps.finish import eval_metrics, record_metrics
-from trace_core.train.steps.handoff import STATE, session_uri
+from trace_core.train.steps.handoff import STATE, remove_scratch, session_uri, state_folder
 from trace_core.train.steps.tracked import log_tracking, open_tracking
 from trace_core.train.tracking import write_tensorboard
 
@@ -253,6 +256,11 @@ def iterate_step(
     tokenizer = load_tokenizer(state_dir / "tokenizer")
     predictor = SharedPredictor.load(state_dir / "predictor", tokenizer)
     registry = run_registry(config)
+    # What this step's session may start again from (a retried step, lost trainers: the
+    # input state's checkpoint when it holds its iteration's weights, and the KL anchor):
+    # no prune deletes it.
+    rebuilt_from = state.policy if state.checkpoint == state.iteration else None
+    started_from = (rebuilt_from, state.reference)
     reserved: dict[int, str] = {}
     written: dict[str, tuple[int, str]] = {}
     background: list[int] = []
@@ -295,6 +303,7 @@ def iterate_step(
                 records,
                 state_dir / "predictor",
                 ahead=state_dir,
+                protect=started_from,
             )
         )
         print(f"the trainers are gone; iteration {lost.pending}'s checkpoint, which they wrote "
@@ -353,6 +362,7 @@ def iterate_step(
                 earlier,
                 state_dir / "predictor",
                 ahead=state_dir,
+                protect=started_from,
             )
             new = _checkpointed(new, state.pending, registry.store.uri(state.pending_folder),
                                 files)  # fmt: skip
@@ -362,8 +372,9 @@ def iterate_step(
             keep_ahead(state_out, j, grown.trees)
         if iteration not in background and run.checkpointed == iteration:
             committed += commit_checkpoint(
-                config, registry, reserved[iteration], written, records, predictor, state_out
-            )
+                config, registry, reserved[iteration], written, records, predictor, state_out,
+                protect=started_from,
+            )  # fmt: skip
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
         moved = session.traffic() - before
         storage = {"s3_bytes": float(moved), "checkpoint_bytes": float(committed)}
@@ -389,11 +400,12 @@ def _checkpointed(
 
 
 def close_session(config: PipelineConfig, state_dir: Path) -> int:
-    """Stop the run's session (its last step): trainers and kept engine actors; how many ran.
-    Without a Ray cluster they went with the step that started them."""
+    """Stop the run's session (its last step): trainers and kept engine actors, and free the
+    run's placement group; how many actors ran. Without a Ray cluster they went with the step
+    that started them."""
     from trace_core.rollout.ray_pool import ray_session, release_engines
     from trace_core.train.contract import worker_address
-    from trace_core.train.trainer_group import release_trainers
+    from trace_core.train.trainer_group import release_run_group, release_trainers
 
     if not on_cluster(config):
         return 0
@@ -402,6 +414,7 @@ def close_session(config: PipelineConfig, state_dir: Path) -> int:
     stopped = release_engines(state.session, address)
     with ray_session(address):
         stopped += release_trainers(f"{state.session}-trainer", config.train.train_workers)
+        release_run_group(state.session)  # the devices the run reserved
     return stopped
 
 
@@ -409,7 +422,9 @@ def close_session_step(
     config: PipelineConfig, state_dir: Path, result_dir: Path
 ) -> dict[str, float]:
     """The run's last step: stop its session; ``result/eval.json`` is the last iteration's
-    held-out evaluation, with the iteration and the checkpoint the registry holds of it."""
+    held-out evaluation, with the iteration and the checkpoint the registry holds of it. The
+    session's scratch in the store goes too, but the last state, which the report reads
+    (``handoff.remove_scratch``; the exit handler's release deletes that)."""
     state, records = read_state(state_dir)
     close_session(config, state_dir)
     last = records[-1]
@@ -424,6 +439,8 @@ def close_session_step(
     (result_dir / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n")
     metrics = eval_metrics(result)
     write_metrics(result_dir, metrics)
+    if config.store and config.engine_name:
+        remove_scratch(config.store, config.engine_name, state_folder(state.iteration))
     return metrics
 
 
@@ -500,8 +517,14 @@ class _Session:
                 place_timeout_s=train.engine.ready_timeout_s,
                 wait_timeout_s=train.wait_timeout_s,
             )
+            # From here on, this step renews the leases of the run's actors it has found or
+            # started, the whole time: while it waits for devices (pods Pending while nodes come
+            # up), while the engines start, and while the step runs.
+            self.trainers, self._engines = None, None
+            self._stack.enter_context(renewing(self._lease_holders, keep))
+            placement = _run_placement(config, spec)
             name = f"{state.session}-trainer"
-            trainers = TrainerGroup.find(spec, name)
+            trainers = self.trainers = TrainerGroup.find(spec, name, placement)
             retried = stop_if_updated(trainers, config, self.iteration, len(train_tasks))
             trainers = None if retried is not None else trainers
             if trainers is None and state.pending is not None and self.adopt is not None:
@@ -512,10 +535,14 @@ class _Session:
                         config, state.checkpoint, state.iteration, state.policy, retried
                     )
                     raise SessionLostError(why)
+                if placement is None:  # the run's devices, trainers' and engines', all at once
+                    placement = _run_placement(config, spec, reserve=True)
                 start = StartState(state.policy, state.optimizer, state.master, state.reference)
-                trainers = TrainerGroup(spec, start, name=name, detached=True)
-            session = self._stack.enter_context(
-                EngineSession(train.engine, address, name=state.session)
+                trainers = self.trainers = TrainerGroup(
+                    spec, start, name=name, detached=True, placement=placement
+                )
+            session = self._engines = self._stack.enter_context(
+                EngineSession(train.engine, address, name=state.session, placement=placement)
             )
             start = StartState(state.policy, state.optimizer, state.master, state.reference)
             weights = Weights(train, None, torch.float32, start, name, trainers=trainers)  # type: ignore[arg-type]
@@ -530,11 +557,18 @@ class _Session:
                 checkpoint_at=lambda i: state.policy.rsplit("/policy", 1)[0], total_tokens=0,
             )  # fmt: skip
             self.trainers = trainers
-            self._stack.enter_context(renewing(lambda: self.run.weights.trainers.ranks, keep))
         except BaseException:
             self._stack.__exit__(None, None, None)
             raise
         return self
+
+    def _lease_holders(self) -> list[Any]:
+        """The run's actors this step holds now (trainer ranks, engine actors): their leases
+        are renewed while it runs (``train.lease.renewing``)."""
+        run = getattr(self, "run", None)
+        trainers = run.weights.trainers if run is not None else self.trainers
+        pool = self._engines.pool if self._engines is not None else None
+        return [*(trainers.ranks if trainers is not None else []), *(pool.actors if pool else [])]
 
     def traffic(self) -> int:
         """Bytes read plus written through object storage so far by this process and the
@@ -554,6 +588,42 @@ class _Session:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _run_placement(config: PipelineConfig, spec: Any, reserve: bool = False) -> Any:
+    """The run's placement group (``rollout.placement``): its trainers' devices and its engine
+    actors', reserved as one group, all or nothing. Found by name (an earlier step's; one that
+    waits for a lost node's bundles is waited for, a line every minute saying what is pending),
+    else, with ``reserve``, reserved here; else None (trainers started before the run had a
+    group of its own: its engines are placed one by one)."""
+    from trace_core.rollout.placement import (
+        PlacementError,
+        find_run,
+        reserve_run,
+        run_group_name,
+        run_shape,
+        shortfall,
+        wait_placed,
+    )
+
+    train = config.train
+    shape = run_shape(train.train_workers, train.train_gpus, train.engine)
+    name, what = run_group_name(config.engine_name), f"the run {config.engine_name}"
+    timeout = spec.place_timeout_s
+    found = find_run(shape, name)
+    if found is not None:
+        if not wait_placed(found.group, timeout, what, "ready_timeout_s", _say):
+            raise PlacementError(  # kept: it holds what the run started
+                shortfall(shape.bundles(), what, timeout, "ready_timeout_s", shape.describe())
+            )
+        return found
+    if not reserve:
+        return None
+    return reserve_run(shape, name, True, timeout, what, say=_say)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _check_session(config: PipelineConfig) -> None:
