@@ -45,7 +45,7 @@ from typing import TextIO
 
 from pipelines.ray_head import loopback_head
 from pipelines.steplog import StepLog
-from trace_core.train.ray_auth import CLIENT_ENV, TOKEN_ENV
+from trace_core.rollout.ray_auth import CLIENT_ENV, TOKEN_ENV
 from trace_core.train.contract import PipelineParameters
 
 # make run: the calc task's tiny policy, warm-started, then K iterations of TRACE. Chosen so

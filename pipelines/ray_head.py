@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from trace_core.train.ray_auth import CLIENT_ENV, TOKEN_ENV
+from trace_core.rollout.ray_auth import CLIENT_ENV, TOKEN_ENV
 
 READY_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 500_000_000
@@ -57,7 +57,7 @@ def session_pids(sid: int) -> list[int]:
 def loopback_head(token: str, num_cpus: int | None = None) -> Iterator[str]:
     """Start the head, wait until it answers, yield its address; stop it all after the block.
     It requires ``token`` as the cluster's heads do (``RAY_AUTH_MODE=token``): its clients
-    need ``RAY_AUTH_TOKEN=token`` and ``RAY_AUTH_MODE=token`` (``train.ray_auth``).
+    need ``RAY_AUTH_TOKEN=token`` and ``RAY_AUTH_MODE=token`` (``rollout.ray_auth``).
     ``num_cpus``: what it schedules (default: this machine's cores, at least 4, so that one
     trainer and the engine actors of a small run fit on two cores)."""
     if not token:

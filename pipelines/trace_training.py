@@ -47,7 +47,7 @@ Cluster settings:
   steps TRACE_IMAGE (``components/images.env``). With a Ray cluster the GPUs are the cluster's: run
   with gpus=0 then. The steps that use Ray get RAY_AUTH_TOKEN from the Secret
   ``ray_auth_secret`` (key auth_token, optional), which a token-auth cluster needs, and
-  RAY_AUTH_MODE=token, without which Ray's clients send no token (``train.ray_auth``).
+  RAY_AUTH_MODE=token, without which Ray's clients send no token (``rollout.ray_auth``).
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
@@ -81,7 +81,7 @@ from components import (
 from components.cluster import DEFAULT_S3_ENDPOINT, DEFAULT_STORE_URI
 from components.images import check_images, gpu_node_affinity
 from components.images import image as image_of
-from trace_core.train.ray_auth import CLIENT_ENV, SECRET_KEY, TOKEN_ENV
+from trace_core.rollout.ray_auth import CLIENT_ENV, SECRET_KEY, TOKEN_ENV
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"

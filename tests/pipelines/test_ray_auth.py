@@ -1,7 +1,7 @@
 """Token auth as shipped: every step that the compiled pipeline or the Argo manifests give the
 Ray token also sets RAY_AUTH_MODE=token, and with the environment its executor declares the
 release step gets through to a token-auth head; without the mode, without a token or with a
-wrong one it fails in one line naming the Secret and the variable (``train.ray_auth``)."""
+wrong one it fails in one line naming the Secret and the variable (``rollout.ray_auth``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pipelines.trace_training import COMPILED
-from trace_core.train.ray_auth import MODE_ENV, SECRET, SECRET_KEY, TOKEN_ENV
+from trace_core.rollout.ray_auth import MODE_ENV, SECRET, SECRET_KEY, TOKEN_ENV
 
 ARGO = Path(__file__).resolve().parents[2] / "manifests" / "argo"
 

@@ -46,7 +46,7 @@ EXPECTED_ELSEWHERE = frozenset(
         "trace_core.rollout.waits.WaitTimeoutError",  # actors stuck in a call: which, which call
         "trace_core.train.weights.TrainersLostError",  # the checkpoint a rerun resumes from
         "trace_core.train.weights.EnginesLostError",  # the checkpoint a rerun resumes from
-        "trace_core.train.ray_auth.RayAuthError",  # the Ray head's token: which Secret, variable
+        "trace_core.rollout.ray_auth.RayAuthError",  # the Ray head's token: which Secret, variable
     }
 )
 """Library errors that are the input's fault, named so that the CLI imports none of them."""

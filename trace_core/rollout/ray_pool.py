@@ -82,6 +82,7 @@ from trace_core.policy.sampling import prompt_seeds
 from trace_core.rollout.engine_config import DRIVERS
 from trace_core.rollout.engine_start import EngineStartError, start_failure
 from trace_core.rollout.placement import RunPlacement, in_group, tensor_parallel_group
+from trace_core.rollout.ray_auth import check_client
 from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
 from trace_core.rollout.ray_worker import (
@@ -136,10 +137,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
         return
     if address:
-        if address != "auto":  # "auto": a Ray job's driver, on the head (the head's own env)
-            from trace_core.train.ray_auth import check_client
-
-            check_client(address)
+        check_client(address)  # the head's token, or one line on what to set
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     else:
         ray.init(

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 
 from trace_core.train.contract import PipelineConfig
-from trace_core.train.ray_auth import RayAuthError, check_client, explained
+from trace_core.rollout.ray_auth import RayAuthError, check_client, explained
 
 UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",

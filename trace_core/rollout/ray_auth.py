@@ -52,6 +52,8 @@ def check_client(where: str) -> None:
     its token: ``RAY_AUTH_TOKEN`` set while ``RAY_AUTH_MODE`` is not ``token`` (Ray sends
     nothing), or ``RAY_AUTH_MODE=token`` with no token at all. A head without auth needs
     neither variable (``RAY_AUTH_MODE=disabled`` or unset, no token)."""
+    if where == "auto":  # a Ray job's driver on a node of the cluster: the node's own settings
+        return
     mode = os.environ.get(MODE_ENV, "").strip().lower()
     if os.environ.get(TOKEN_ENV, "").strip() and mode != "token":
         raise RayAuthError(
