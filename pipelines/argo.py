@@ -95,8 +95,8 @@ from hera.workflows import (
 from hera.workflows import models as m
 
 from components.images import check_images, gpu_node_affinity, image
-from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
 from trace_core.rollout.ray_auth import CLIENT_ENV, SECRET, SECRET_KEY, TOKEN_ENV
+from trace_core.train.contract import STEP_FOLDERS, PipelineParameters
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "manifests" / "argo"
 TEMPLATE_FILE = "workflowtemplate.yaml"

@@ -159,7 +159,10 @@ def run_too_big(tmp_path: Path) -> None:
     else:
         raise AssertionError("5 GPUs reserved on a 4-GPU head")
     assert len(lines) >= 2, lines
-    assert "the run big: waiting" in lines[0] and "for 2 of 2 bundle(s) (0-1): 5 GPU" in lines[0]
+    assert (
+        "the run big: waiting" in lines[0]
+        and "for 2 of 2 bundle(s) (trainers 0, engines 1): 5 GPU" in lines[0]
+    )
     assert "the cluster has 4 GPU, 2 CPU free" in lines[0] and "PENDING" in lines[0]
     assert message.startswith(
         "the run big: trainers: 1 bundle of 1 CPU, 1 GPU (one node); engines: 1 bundle of 1 "

@@ -174,3 +174,13 @@ def test_a_real_models_update_is_not_left_on_the_ray_heads_cpu(tmp_path: Path) -
     check_update_place(None, 0, real)  # no cluster: here is where it runs
     with pytest.raises(ValueError, match=r"train_workers is 0 .*--train-workers N"):
         check_update_place("127.0.0.1:6379", 0, real)
+
+
+def test_gpu_trainers_beyond_one_node_are_refused_before_any_work() -> None:
+    """The trainers' GPUs are one placement-group bundle, on one node (``rollout.placement``):
+    more than a pod's GPUs would wait for a node that never comes."""
+    with pytest.raises(ValueError, match=r"train_workers 16 with train_gpus: the trainers share"):
+        TrainConfig(train_workers=16, train_gpus=True)
+    wide = EngineConfig(gpus_per_node=16)
+    assert TrainConfig(train_workers=16, train_gpus=True, engine=wide).train_workers == 16
+    assert TrainConfig(train_workers=16).train_workers == 16  # CPU trainers: one bundle too

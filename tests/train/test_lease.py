@@ -139,7 +139,7 @@ class Group:
 def test_the_wait_for_a_placement_group_says_what_is_pending_at_its_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def line(group: Any, what: str, waited: float, timeout: float, setting: str) -> str:
+    def line(group: Any, what: str, waited: float, timeout: float, setting: str, kinds: Any) -> str:
         return f"{what}: {waited:.1f} of {timeout:g} s ({setting})"
 
     monkeypatch.setattr(placement, "pending_line", line)

@@ -12,8 +12,9 @@ other actors go with it) and stops itself, which frees its devices. The engine a
 Time spent waiting for devices does not count: while ``working()`` holds (a checkpoint being
 written) or the actor's placement group is not placed whole (``placement_pending``: some of its
 bundles wait for a node, as when a node was lost and its pod is Pending while the autoscaler
-brings up another), the lease is renewed, and the idle time starts again when that ends. The
-run's steps renew it from the driver too while they wait (``train.lease.renewing``).
+brings up another), the lease is renewed: the idle time counts from the last look that saw it
+(a look every ``idle_s``, 5 s at most). The run's steps renew it from the driver too, the whole
+time they run, their waits for devices included (``train.lease.renewing``).
 """
 
 from __future__ import annotations

@@ -114,20 +114,21 @@ def reserve(
     say: Callable[[str], None] | None = None,
     every_s: float = PROGRESS_EVERY_S,
     described: str = "",
+    kinds: Sequence[str] = (),
 ) -> PlacementGroup:
     """``bundles`` reserved as one placement group ``name`` (PACK: as few nodes as fit, more
     when they must), waited for up to ``timeout_s``; ``detached``: it outlives this driver.
     While it waits, ``say`` gets a line every ``every_s`` seconds saying what is pending
-    (``pending_line``). On timeout the group is removed and ``PlacementError`` says what
-    ``what`` (the trainers of a run, say) asked for and what the cluster had (``setting``: the
-    timeout's name)."""
+    (``pending_line``; ``kinds``: what each bundle holds). On timeout the group is removed and
+    ``PlacementError`` says what ``what`` (the trainers of a run, say) asked for
+    (``described``: in words) and what the cluster had (``setting``: the timeout's name)."""
     group = placement_group(
         [dict(b) for b in bundles],
         strategy="PACK",
         name=name,
         lifetime="detached" if detached else None,
     )
-    if wait_placed(group, timeout_s, what, setting, say, every_s):
+    if wait_placed(group, timeout_s, what, setting, say, every_s, kinds):
         return group
     remove_placement_group(group)  # all or nothing: no part of it stays reserved
     raise PlacementError(shortfall(bundles, what, timeout_s, setting, described))
@@ -140,6 +141,7 @@ def wait_placed(
     setting: str = "ready_timeout_s",
     say: Callable[[str], None] | None = None,
     every_s: float = PROGRESS_EVERY_S,
+    kinds: Sequence[str] = (),
 ) -> bool:
     """Whether ``group`` is placed within ``timeout_s``; meanwhile a ``pending_line`` to
     ``say`` every ``every_s`` seconds."""
@@ -153,25 +155,35 @@ def wait_placed(
         if waited >= timeout_s:
             return False
         if say is not None:
-            say(pending_line(group, what, waited, timeout_s, setting))
+            say(pending_line(group, what, waited, timeout_s, setting, kinds))
 
 
 def pending_line(
-    group: PlacementGroup, what: str, waited_s: float, timeout_s: float, setting: str
+    group: PlacementGroup,
+    what: str,
+    waited_s: float,
+    timeout_s: float,
+    setting: str,
+    kinds: Sequence[str] = (),
 ) -> str:
-    """One line: which bundles of ``group`` are not placed yet, the GPUs and CPUs they ask for,
-    the cluster's free ones, Ray's scheduling state, and how long it has waited of how long."""
+    """One line: which bundles of ``group`` are not placed yet (by what they hold, ``kinds``,
+    and index), the GPUs and CPUs they ask for, the cluster's free ones, Ray's scheduling
+    state, and how long it has waited of how long."""
     entry = placement_group_table(group) or {}
     bundles = {int(i): b for i, b in (entry.get("bundles") or {}).items()}
     nodes = {int(i): n for i, n in (entry.get("bundles_to_node_id") or {}).items()}
     waiting = [i for i in sorted(bundles) if not _placed(nodes.get(i))]
     asked = {k: sum(bundles[i].get(k, 0.0) for i in waiting) for k in ("GPU", "CPU")}
+    by_kind: dict[str, list[int]] = {}
+    for i in waiting:
+        by_kind.setdefault(kinds[i] if i < len(kinds) else "bundles", []).append(i)
+    listed = ", ".join(f"{kind} {_listed(ix)}" for kind, ix in by_kind.items()) or "none"
     free = ray.available_resources()
     state = entry.get("state", "PENDING")
     why = (entry.get("stats") or {}).get("scheduling_state", "")
     return (
         f"{what}: waiting {waited_s / 60:.1f} of {timeout_s / 60:.1f} min ({setting}) for "
-        f"{len(waiting)} of {len(bundles)} bundle(s) ({_listed(waiting)}): "
+        f"{len(waiting)} of {len(bundles)} bundle(s) ({listed}): "
         f"{asked['GPU']:g} GPU, {asked['CPU']:g} CPU, reserved together; the cluster has "
         f"{free.get('GPU', 0.0):g} GPU, {free.get('CPU', 0.0):g} CPU free; group "
         f"{state}{f' ({why})' if why else ''}: pods may be Pending while nodes come up"
@@ -191,7 +203,7 @@ def _listed(indices: Sequence[int]) -> str:
             runs[-1].append(i)
         else:
             runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs) or "none"
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 def shortfall(
@@ -282,6 +294,10 @@ class RunShape:
             engine["GPU"] = float(self.engine_gpus)
         return ([trainers] if self.trainers else []) + [dict(engine) for _ in range(self.engines)]
 
+    def kinds(self) -> list[str]:
+        """What each bundle holds: ``trainers``, then ``engines``."""
+        return ["trainers"] * (1 if self.trainers else 0) + ["engines"] * self.engines
+
     def describe(self) -> str:
         """The bundles in words: ``trainers: 1 bundle of 4 CPU, 4 GPU (one node); engines: 12
         bundles of 1 CPU, 1 GPU``."""
@@ -349,7 +365,7 @@ def reserve_run(
     ``timeout_s``, progress to ``say``, removed on timeout with the shortfall in one line)."""
     group = reserve(
         shape.bundles(), name, detached, timeout_s, what, setting,
-        say=say, every_s=every_s, described=shape.describe(),
+        say=say, every_s=every_s, described=shape.describe(), kinds=shape.kinds(),
     )  # fmt: skip
     return RunPlacement(group, shape, name)
 

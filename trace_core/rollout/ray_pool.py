@@ -47,6 +47,12 @@ sync (``worker_pids``) is bounded by ``ready_timeout_s``, and every wait for a c
 ``call_timeout_s``: an actor alive but stuck ends the run with one line naming it
 (``rollout.waits``).
 
+**Placement.** Given the run's placement group (``placement``, ``rollout.placement``: the
+trainers' devices and the engines', reserved together, all or nothing), actor i starts in its
+engine bundle of it, and a restarted one comes back there; a tensor-parallel vLLM engine keeps
+a group of its own; without one, each actor asks the cluster for its devices. The pool never
+removes the run's group (the run does); closing it frees only its own groups.
+
 **In-process Ray.** Without an address and without an existing connection, the pool starts
 Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS`` or
 ``/tmp/ray``) with the machine's CPUs, a capped object store and no dashboard, and shuts it

@@ -31,14 +31,12 @@ credential fail at once with an error naming the URI.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import logging
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -48,6 +46,9 @@ from typing import Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
 import pyarrow.fs as pafs
+
+from trace_core.store.traffic import TRAFFIC, Traffic  # noqa: F401  (their home before)
+from trace_core.store.traffic import MinioProgress as _MinioProgress
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -184,47 +185,6 @@ def _check_key(key: str) -> str:
     if key.startswith("/") or ".." in parts or "\\" in key:
         raise ValueError(f"key {key!r} must be a relative POSIX path without '..'")
     return "/".join(p for p in parts if p != ".")
-
-
-class Traffic:
-    """Bytes this process moved to and from object storage (``S3Store``), for the benchmarks
-    and the steps' metrics. What a thread moves inside ``checkpoint()`` also counts, apart, as
-    checkpoint bytes (a checkpoint uploaded in the background is then told from the rest)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self.read = self.written = self.checkpoint_bytes = 0
-
-    def add(self, read: int = 0, written: int = 0) -> None:
-        with self._lock:
-            self.read += read
-            self.written += written
-            if getattr(self._local, "checkpoint", False):
-                self.checkpoint_bytes += read + written
-
-    def snapshot(self) -> tuple[int, int]:
-        with self._lock:
-            return self.read, self.written
-
-    def counts(self) -> tuple[int, int, int]:
-        """Bytes read, written, and of those, moved inside ``checkpoint()``."""
-        with self._lock:
-            return self.read, self.written, self.checkpoint_bytes
-
-    @contextlib.contextmanager
-    def checkpoint(self) -> Iterator[None]:
-        """This thread's transfers inside count as checkpoint bytes too."""
-        self._local.checkpoint = True
-        try:
-            yield
-        finally:
-            self._local.checkpoint = False
-
-
-TRAFFIC = Traffic()
-"""Every ``S3Store`` of this process counts into it (minio transfers; Parquet written through
-pyarrow's own S3 client is not counted)."""
 
 
 # --- local folder ------------------------------------------------------------------------------
@@ -403,21 +363,6 @@ class S3Settings:
             if secret:
                 text = text.replace(secret, "***")
         return text
-
-
-class _MinioProgress:
-    """The progress object ``minio`` expects, forwarding the bytes read so far."""
-
-    def __init__(self, callback: Progress) -> None:
-        self.callback = callback
-        self.sent = 0
-
-    def set_meta(self, object_name: str, total_length: int) -> None:
-        self.sent = 0
-
-    def update(self, size: int) -> None:
-        self.sent += size
-        self.callback(self.sent)
 
 
 class S3Store:

@@ -10,10 +10,12 @@ once their run is gone (a failed or cancelled run never reaches close-session).
         ...                                          # (a rollout calls no trainer for minutes)
 
 Every call a step makes to a trainer renews its lease, and while a step runs it renews the
-lease in the background (``renewing``); a trainer without a call for ``idle_s`` seconds and
-with nothing running (no call, no checkpoint being written) removes its placement group (the
-devices its group reserved; the group's other trainers go with it) and stops itself, which
-frees its GPU.
+lease in the background (``renewing``), its trainers' and its kept engine actors' (the run's
+session, ``train.steps.session``), from the step's start: its waits for the run's placement
+group and for the engines to start count as no idle time. A trainer without a call for
+``idle_s`` seconds and with nothing running (no call, no checkpoint being written, no wait for
+its group's devices) removes its placement group (the run's: the devices it reserved; the
+group's other actors go with it) and stops itself, which frees its GPU.
 """
 
 from __future__ import annotations

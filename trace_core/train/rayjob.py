@@ -40,10 +40,10 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from trace_core.rollout.ray_auth import check_client, explained
 from trace_core.store.sync import download_folder, upload_folder
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import RAY_STEPS, PipelineConfig, StepCall
-from trace_core.rollout.ray_auth import check_client, explained
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient

@@ -26,8 +26,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from trace_core.train.contract import PipelineConfig
 from trace_core.rollout.ray_auth import RayAuthError, check_client, explained
+from trace_core.train.contract import PipelineConfig
 
 UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",

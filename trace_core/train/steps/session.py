@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from trace_core.train.contract import (
     write_metrics,
 )
 from trace_core.train.lost import SessionLostError, lost_line, stop_if_updated
-from trace_core.train.record import LOG, IterationRecord, read_log
+from trace_core.train.record import LOG, read_log
 from trace_core.train.steps.commit import (
     MASTER,
     carry_ahead,
@@ -60,90 +60,21 @@ from trace_core.train.steps.commit import (
     optimizer_files,
     registry_run,
     run_registry,
-    write_log,
 )
 from trace_core.train.steps.finish import eval_metrics, record_metrics
 from trace_core.train.steps.handoff import STATE, remove_scratch, session_uri, state_folder
+from trace_core.train.steps.run_state import (  # noqa: F401  (their home before)
+    KIND,
+    RunState,
+    StartPoint,
+    read_state,
+    write_state,
+)
 from trace_core.train.steps.tracked import log_tracking, open_tracking
-from trace_core.train.tracking import write_tensorboard
 
 UPSTREAM = ("ray.get(object_refs, /)", "ray.actor.ActorMethod.remote")
 """What the steps call in Ray directly (``policy.upstream``: entry syntax there); the session's
 actors are ``rollout.ray_pool``'s and ``train.trainer_group``'s."""
-
-KIND = "trace.run-state"
-
-
-@dataclass(frozen=True)
-class StartPoint:
-    """Where a session starts: the warm start's or load step's folders (paths or URIs); the
-    policy's ``log.jsonl``, if any, is the log a resumed run goes on from."""
-
-    policy: str
-    predictor: str
-    optimizer: str | None = None
-    """A folder holding ``optimizer.safetensors`` (and ``master.safetensors``), if any."""
-    iteration: int = 0
-
-
-@dataclass(frozen=True)
-class RunState:
-    """``state.json``: see the module docstring."""
-
-    iteration: int
-    checkpoint: int
-    """The newest checkpoint's iteration; its files are ``policy``, ``optimizer``, ``master``."""
-    policy: str
-    optimizer: str | None
-    master: str | None
-    reference: str | None
-    """The starting policy (the KL anchor), when ``kl_coef`` > 0."""
-    serving: str
-    """The sync label the engines hold."""
-    session: str
-    """The actors' name: engines ``<session>-<i>``, trainers ``<session>-trainer-<rank>``."""
-    pending: int | None = None
-    """A checkpoint the trainers are writing in the background (its iteration): the next step
-    commits it once written."""
-    pending_folder: str | None = None
-    """The registry folder reserved for it."""
-    mlflow_run: str | None = None
-    """The run's MLflow run id, when it logs to MLflow (``steps.tracked``)."""
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": KIND, **asdict(self)}, indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str, where: str) -> RunState:
-        try:
-            body = json.loads(text)
-            if body.pop("kind") != KIND:
-                raise ValueError(f"kind is not {KIND!r}")
-            return cls(**body)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{where}: not a run state ({err})") from None
-
-
-def write_state(
-    folder: Path,
-    state: RunState,
-    records: Sequence[IterationRecord],
-    predictor: Any,
-    tokenizer: Any,
-) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / STATE).write_text(state.to_json())
-    write_log(folder / LOG, records)
-    write_tensorboard(folder, records)
-    predictor.save(folder / "predictor")
-    tokenizer.save_pretrained(folder / "tokenizer")
-
-
-def read_state(folder: Path) -> tuple[RunState, list[IterationRecord]]:
-    path = folder / STATE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; pass the state output of the previous step")
-    return RunState.from_json(path.read_text(), str(path)), read_log(folder)
 
 
 # --- the steps --------------------------------------------------------------------------------
@@ -612,7 +543,9 @@ def _run_placement(config: PipelineConfig, spec: Any, reserve: bool = False) -> 
     timeout = spec.place_timeout_s
     found = find_run(shape, name)
     if found is not None:
-        if not wait_placed(found.group, timeout, what, "ready_timeout_s", _say):
+        if not wait_placed(
+            found.group, timeout, what, "ready_timeout_s", _say, kinds=shape.kinds()
+        ):
             raise PlacementError(  # kept: it holds what the run started
                 shortfall(shape.bundles(), what, timeout, "ready_timeout_s", shape.describe())
             )
