@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -123,40 +124,48 @@ def test_without_a_limit_nothing_is_renewed() -> None:
 
 
 class Group:
-    """A placement group that is placed after ``waits`` waits of its own."""
+    """A placement group that is placed after ``waits`` waits of its own; like Ray's, it waits
+    in whole seconds, on ``clock`` (the test's: nothing sleeps)."""
 
-    def __init__(self, waits: int) -> None:
-        self.waits, self.asked = waits, []
+    def __init__(self, waits: int, clock: list[float]) -> None:
+        self.waits, self.clock, self.asked = waits, clock, []
 
-    def wait(self, timeout_s: float) -> bool:
+    def wait(self, timeout_s: int) -> bool:
+        assert isinstance(timeout_s, int)  # Ray would drop a fraction: 0.5 returns at once
         self.asked.append(timeout_s)
         self.waits -= 1
         if self.waits >= 0:
-            time.sleep(timeout_s)
+            self.clock[0] += timeout_s  # as if it waited that long
         return self.waits < 0
 
 
 def test_the_wait_for_a_placement_group_says_what_is_pending_at_its_interval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def line(group: Any, what: str, waited: float, timeout: float, setting: str, kinds: Any) -> str:
-        return f"{what}: {waited:.1f} of {timeout:g} s ({setting})"
+    """A line after each ``every_s`` of waiting, in whole seconds (one at least); past the
+    timeout, False; without a listener, one wait for the whole timeout."""
 
+    def line(group: Any, what: str, waited: float, timeout: float, setting: str, kinds: Any) -> str:
+        return f"{what}: {timeout:g} s ({setting})"
+
+    clock = [0.0]
     monkeypatch.setattr(placement, "pending_line", line)
+    monkeypatch.setattr(placement, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     lines: list[str] = []
-    group = Group(waits=3)
-    assert placement.wait_placed(group, 10.0, "the run r", say=lines.append, every_s=0.1)  # type: ignore[arg-type]
-    assert len(lines) == 3 and all(x.startswith("the run r: ") for x in lines), lines
-    assert all(x.endswith(" of 10 s (ready_timeout_s)") for x in lines)
-    assert group.asked[:3] == [pytest.approx(0.1)] * 3
-    # Past its timeout: False, and no line after the last wait.
+    group = Group(3, clock)
+    assert placement.wait_placed(group, 600.0, "the run r", say=lines.append, every_s=60.0)  # type: ignore[arg-type]
+    assert lines == ["the run r: 600 s (ready_timeout_s)"] * 3
+    assert group.asked == [60, 60, 60, 60]
     lines.clear()
-    assert not placement.wait_placed(Group(waits=100), 0.35, "r", say=lines.append, every_s=0.1)  # type: ignore[arg-type]
-    assert 2 <= len(lines) <= 3, lines
-    # Without a listener: one wait for the whole timeout.
-    quiet = Group(waits=0)
-    assert placement.wait_placed(quiet, 5.0, "r")  # type: ignore[arg-type]
-    assert quiet.asked == [pytest.approx(5.0, abs=0.1)]
+    late = Group(100, clock)
+    assert not placement.wait_placed(late, 150.5, "r", say=lines.append, every_s=60.0)  # type: ignore[arg-type]
+    assert late.asked == [60, 60, 31] and len(lines) == 2, (late.asked, lines)
+    short = Group(100, clock)
+    assert not placement.wait_placed(short, 0.4, "r", say=lines.append, every_s=0.1)  # type: ignore[arg-type]
+    assert short.asked == [1]  # never a wait of 0 s, which would spin
+    quiet = Group(0, clock)
+    assert placement.wait_placed(quiet, 1800.0, "r")  # type: ignore[arg-type]
+    assert quiet.asked == [1800]
 
 
 def test_a_lease_watcher_is_a_daemon_thread() -> None:

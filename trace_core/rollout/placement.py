@@ -42,6 +42,7 @@ the error names the shortfall: what was asked against what the cluster has free 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,12 +145,13 @@ def wait_placed(
     kinds: Sequence[str] = (),
 ) -> bool:
     """Whether ``group`` is placed within ``timeout_s``; meanwhile a ``pending_line`` to
-    ``say`` every ``every_s`` seconds."""
+    ``say`` every ``every_s`` seconds. Ray waits in whole seconds (``PlacementGroup.wait``
+    drops a fraction: 0.5 returns at once), so each wait is one second at least."""
     start = time.monotonic()
     while True:
-        waited = time.monotonic() - start
-        step = min(every_s, timeout_s - waited) if say is not None else timeout_s - waited
-        if group.wait(max(step, 0.0)):
+        left = timeout_s - (time.monotonic() - start)
+        step = min(every_s, left) if say is not None else left
+        if group.wait(max(1, math.ceil(step))):
             return True
         waited = time.monotonic() - start
         if waited >= timeout_s:
@@ -182,12 +184,16 @@ def pending_line(
     state = entry.get("state", "PENDING")
     why = (entry.get("stats") or {}).get("scheduling_state", "")
     return (
-        f"{what}: waiting {waited_s / 60:.1f} of {timeout_s / 60:.1f} min ({setting}) for "
+        f"{what}: waiting {_duration(waited_s)} of {_duration(timeout_s)} ({setting}) for "
         f"{len(waiting)} of {len(bundles)} bundle(s) ({listed}): "
         f"{asked['GPU']:g} GPU, {asked['CPU']:g} CPU, reserved together; the cluster has "
         f"{free.get('GPU', 0.0):g} GPU, {free.get('CPU', 0.0):g} CPU free; group "
         f"{state}{f' ({why})' if why else ''}: pods may be Pending while nodes come up"
     )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _placed(node: str | None) -> bool:

@@ -105,7 +105,7 @@ def commit_checkpoint(
             files,
             metadata={"strategy": config.train.strategy, BASE_MODEL: str(config.train.init or "")},
         )
-    prune(config, registry, protect)
+        prune(config, registry, protect)  # its reads count as checkpoint traffic too
     return sum(size for size, _ in files.values())
 
 
