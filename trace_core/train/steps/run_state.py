@@ -53,6 +53,10 @@ class RunState:
     """The registry folder reserved for it."""
     mlflow_run: str | None = None
     """The run's MLflow run id, when it logs to MLflow (``steps.tracked``)."""
+    last: int | None = None
+    """The run's last iteration: its start's and ``iterations`` more (a resumed run's count
+    goes on from its checkpoint's); it is checkpointed and evaluated whatever the schedule.
+    None (a state written before it was kept): ``iterations`` itself."""
 
     def to_json(self) -> str:
         return json.dumps({"kind": KIND, **asdict(self)}, indent=2) + "\n"

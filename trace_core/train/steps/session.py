@@ -107,6 +107,7 @@ def open_session_step(
         reference=start.policy if config.train.update.kl_coef > 0 else None,
         serving="",
         session=config.engine_name,
+        last=start.iteration + config.train.iterations,
     )
     with tempfile.TemporaryDirectory(prefix="trace-session-") as scratch:
         light = Path(scratch, "tokenizer")
@@ -213,7 +214,7 @@ def iterate_step(
         if save is None:
             return
         trainers = session.run.weights.trainers
-        if i < config.train.iterations and on_cluster(config):  # while the next rollout runs
+        if i < session.run.config.iterations and on_cluster(config):  # while the next rollout runs
             trainers.save_in_background(checkpoint_at(i))
             background.append(i)
         else:
@@ -480,8 +481,11 @@ class _Session:
             label = state.serving or f"sync:{config.run_id}:{state.iteration}"
             if not session.attach(state.policy, label):
                 weights.sync(session, label)  # new or restarted engines: the current weights
+            # The run's last iteration, as ``train.phases`` counts it: a resumed run's goes on
+            # from its checkpoint's (it is checkpointed and evaluated whatever the schedule).
+            last = replace(train, iterations=state.last) if state.last else train
             self.run = Run(
-                train, config.run_id, suite, train_tasks, eval_tasks,
+                last, config.run_id, suite, train_tasks, eval_tasks,
                 iteration.turn_format(train, suite, self.tokenizer), None, self.tokenizer,  # type: ignore[arg-type]
                 torch.float32, None, None, self.predictor, weights, session,  # type: ignore[arg-type]
                 serving_now=label, checkpointed=state.checkpoint, started=state.checkpoint,
