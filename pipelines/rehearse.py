@@ -32,7 +32,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -47,11 +46,10 @@ from typing import Any
 
 import yaml
 
+from pipelines.cluster_check import render_overlay
 from pipelines.ray_head import stop_head
 from pipelines.trace_training import COMPILED
 
-REPO = Path(__file__).resolve().parents[1]
-MANIFESTS = REPO / "manifests"
 KFP_STORE_PORT = 8333
 """Where KFP's SeaweedFS serves S3 (``components.cluster``): the rehearsal's store port too."""
 SETTINGS = {"warmstart_steps": 20, "prompts": 16, "eval_tasks": 8, "eval_k": 1, "max_tokens": 16}
@@ -67,28 +65,6 @@ Manifest = dict[str, Any]
 
 
 # --- the manifests ----------------------------------------------------------------------------
-def render(overlay: str = "kfp") -> list[Manifest]:
-    """The objects ``kubectl kustomize manifests/overlays/<overlay>`` prints, from a scratch copy
-    whose Secret env files are the tracked examples (no credential is read)."""
-    kubectl = Path(sys.executable).parent / "kubectl"
-    with tempfile.TemporaryDirectory(prefix="rehearse-") as scratch:
-        root = Path(scratch) / "manifests"
-        shutil.copytree(MANIFESTS, root, ignore=shutil.ignore_patterns("*.env"))
-        for example in root.rglob("*.env.example"):
-            shutil.copyfile(example, example.with_suffix(""))
-        command = [str(kubectl) if kubectl.exists() else "kubectl", "kustomize"]
-        done = subprocess.run(
-            [*command, str(root / "overlays" / overlay)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"kubectl kustomize overlays/{overlay} failed: {done.stderr.strip()}")
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
 def _one(objects: list[Manifest], kind: str) -> Manifest:
     found = [obj for obj in objects if obj.get("kind") == kind]
     if len(found) != 1:
@@ -127,9 +103,12 @@ class Rehearsal:
         return f"{match[1]}127.0.0.1{match[3] or ''}{match[4] or ''}"
 
     def node_env(
-        self, container: Manifest, auth: Manifest, maps: Mapping[str, Mapping[str, str]],
+        self,
+        container: Manifest,
+        auth: Manifest,
+        maps: Mapping[str, Mapping[str, str]],
         where: str,
-    ) -> dict[str, str]:  # fmt: skip
+    ) -> dict[str, str]:
         """A Ray container's environment: its ``env`` resolved, then what KubeRay's
         authOptions add; values under the pod's volume mounts move into this run's folder."""
         held = self.secrets()
@@ -237,12 +216,20 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
         temp = tempfile.mkdtemp(prefix=f"rr{name[0]}", dir="/tmp")  # socket paths <= 107 bytes
         log = (rehearsal.work / f"ray-{name}.log").open("w")
         process = subprocess.Popen(
-            [ray, "start", *flags, *common, f"--temp-dir={temp}",
-             f"--dashboard-agent-listen-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}"],
+            [
+                ray,
+                "start",
+                *flags,
+                *common,
+                f"--temp-dir={temp}",
+                f"--dashboard-agent-listen-port={_free_port()}",
+                f"--metrics-export-port={_free_port()}",
+            ],
             env={**os.environ, **env, "PATH": bin_path},
-            start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         started.append((process, temp))
 
     url = f"http://127.0.0.1:{dashboard}"
@@ -250,10 +237,16 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 start(
-                    ["--head", f"--port={port}", f"--dashboard-port={dashboard}",
-                     f"--ray-client-server-port={_free_port()}", *head_flags],
-                    head_env, "head",
-                )  # fmt: skip
+                    [
+                        "--head",
+                        f"--port={port}",
+                        f"--dashboard-port={dashboard}",
+                        f"--ray-client-server-port={_free_port()}",
+                        *head_flags,
+                    ],
+                    head_env,
+                    "head",
+                )
                 _wait(url + "/api/version", rehearsal.token, started[0][0], "the Ray head")
                 start([f"--address=127.0.0.1:{port}", *worker_flags], worker_env, "worker")
                 _wait_nodes(url, rehearsal.token, 2, started)
@@ -409,7 +402,7 @@ def rehearse(compiled: Path, output: Path, say: Any = print) -> int:
 
     output.mkdir(parents=True, exist_ok=True)
     rehearsal = Rehearsal(token=secrets.token_hex(32), work=Path(tempfile.mkdtemp(dir=output)))
-    objects = render("kfp")
+    objects = render_overlay("kfp")
     arguments: dict[str, Any] = {
         "iterations": 2,
         "budget": 8,

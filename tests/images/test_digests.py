@@ -150,8 +150,11 @@ def test_make_manifests_pins_the_recorded_digests(tmp_path: Path) -> None:
 
     made = subprocess.run(
         ["make", "--no-print-directory", "manifests"],
-        cwd=repo, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     component = yaml.safe_load((repo / "manifests" / "images" / "kustomization.yaml").read_text())
     assert {i["name"]: i.get("digest") for i in component["images"]} == {
@@ -178,6 +181,9 @@ def test_make_manifests_pins_the_recorded_digests(tmp_path: Path) -> None:
 
     planned = subprocess.run(
         ["make", "--no-print-directory", "-n", "images", "IMAGE_TOOL=docker"],
-        cwd=repo, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert f"-t {env['TRACE_IMAGE'].split('@')[0]} ." in planned.stdout

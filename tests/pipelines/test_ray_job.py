@@ -173,8 +173,9 @@ def test_the_session_steps_run_as_ray_jobs_and_find_the_runs_actors(
     # Each iteration's trees went through the store to the trainer (sessions/<session>/
     # trees-NNNN, the bytes of the step's artifact, which the job wrote to staging/<job id>/
     # out/trees): written once, read once.
-    sizes = [(run / task / "trees" / "trees.parquet").stat().st_size
-             for task in ("iterate", "iterate-2")]  # fmt: skip
+    sizes = [
+        (run / task / "trees" / "trees.parquet").stat().st_size for task in ("iterate", "iterate-2")
+    ]
     assert moved == [2 * size for size in sizes], (moved, sizes)
     # close-session deleted the session's scratch, all but the last state (the report reads
     # it), and its jobs' staging; what is left of staging is its own job's output, written after.

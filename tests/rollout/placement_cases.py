@@ -182,8 +182,9 @@ def second_run_waits(tmp_path: Path) -> None:
     assert _free() == (0.0, 0.0)
     lines: list[str] = []
     try:
-        reserve_run(shape, "second-run", False, 2.5, "the run second", say=lines.append,
-                    every_s=1.0)  # fmt: skip
+        reserve_run(
+            shape, "second-run", False, 2.5, "the run second", say=lines.append, every_s=1.0
+        )
     except PlacementError as err:
         assert "the cluster has 0 CPU, 0 GPU free of 2 CPU, 4 GPU" in str(err), str(err)
     else:

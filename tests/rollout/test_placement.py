@@ -86,13 +86,23 @@ def worker_node(head: Any, num_cpus: int, num_gpus: int) -> Iterator[None]:
     log = (temp_dir.parent / f"{temp_dir.name}.log").open("w")  # why it did not start, if not
     node = subprocess.Popen(
         [
-            str(bin_dir / "ray"), "start", f"--address={head.address}",
-            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--node-ip-address=127.0.0.1",
-            f"--dashboard-agent-listen-port={free_port()}", "--object-store-memory=100000000",
-            "--disable-usage-stats", f"--temp-dir={temp_dir}", "--block",
+            str(bin_dir / "ray"),
+            "start",
+            f"--address={head.address}",
+            f"--num-cpus={num_cpus}",
+            f"--num-gpus={num_gpus}",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=100000000",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--block",
         ],
-        env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        env=env,
+        start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         status = [str(bin_dir / "ray"), "status", f"--address={head.address}"]
         deadline = time.monotonic() + 90

@@ -194,9 +194,9 @@ def test_an_upload_in_flight_retries_until_the_server_is_back(
 def folders(store: LocalStore | S3Store, run: str) -> list[str]:
     """The run's checkpoint folders as the store lists them (complete or not)."""
     base = f"checkpoints/{run}/"
-    return sorted({o.key[len(base) :].split("/")[0] for o in store.list_objects(base[:-1])} - {
-        "latest.json"
-    })  # fmt: skip
+    return sorted(
+        {o.key[len(base) :].split("/")[0] for o in store.list_objects(base[:-1])} - {"latest.json"}
+    )
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

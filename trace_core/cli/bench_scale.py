@@ -251,9 +251,13 @@ def bench_iteration_cost(
     for r in rows:
         for t in r.transfers:
             table.add_row(
-                f"Qwen3-{r.model.upper()}", r.design, t.name, f"{t.bytes / 1e9:.1f}",
-                t.transport, t.where,
-            )  # fmt: skip
+                f"Qwen3-{r.model.upper()}",
+                r.design,
+                t.name,
+                f"{t.bytes / 1e9:.1f}",
+                t.transport,
+                t.where,
+            )
     console.print(table)
     stale = staleness_costs(rows)
     table = Table(

@@ -370,9 +370,17 @@ def reserve_run(
     """The run's group (``shape``) reserved whole, as ``reserve`` does (PACK, waited for up to
     ``timeout_s``, progress to ``say``, removed on timeout with the shortfall in one line)."""
     group = reserve(
-        shape.bundles(), name, detached, timeout_s, what, setting,
-        say=say, every_s=every_s, described=shape.describe(), kinds=shape.kinds(),
-    )  # fmt: skip
+        shape.bundles(),
+        name,
+        detached,
+        timeout_s,
+        what,
+        setting,
+        say=say,
+        every_s=every_s,
+        described=shape.describe(),
+        kinds=shape.kinds(),
+    )
     return RunPlacement(group, shape, name)
 
 

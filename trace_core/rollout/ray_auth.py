@@ -50,8 +50,7 @@ def _has_token() -> bool:
 def check_client(where: str) -> None:
     """Raise ``RayAuthError`` when this process would reach the head at ``where`` without
     its token: ``RAY_AUTH_TOKEN`` set while ``RAY_AUTH_MODE`` is not ``token`` (Ray sends
-    nothing), or ``RAY_AUTH_MODE=token`` with no token at all. A head without auth needs
-    neither variable (``RAY_AUTH_MODE=disabled`` or unset, no token)."""
+    nothing), or ``RAY_AUTH_MODE=token`` with no token at all."""
     if where == "auto":  # a Ray job's driver on a node of the cluster: the node's own settings
         return
     mode = os.environ.get(MODE_ENV, "").strip().lower()

@@ -203,9 +203,14 @@ class PipelineConfig:
         if not isinstance(body, dict) or not isinstance(body.get("train"), dict):
             raise ValueError("config_json: expected an object with a 'train' object")
         known = {
-            "train", "run_name", "store", "ray_jobs_url", "engine_name", "tracking_uri",
+            "train",
+            "run_name",
+            "store",
+            "ray_jobs_url",
+            "engine_name",
+            "tracking_uri",
             "keep_checkpoints",
-        }  # fmt: skip
+        }
         unknown = sorted(set(body) - known)
         if unknown:
             raise ValueError(f"config_json: unknown field(s) {', '.join(unknown)}")

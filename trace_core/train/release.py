@@ -67,8 +67,8 @@ def release_session(
         raise ValueError("no session name to release")
     lines: list[str] = []
     where = ray_jobs_url or ray_address
-    if where:
-        check_client(where)
+    if ray_jobs_url:  # an address is checked where the session connects (ray_session)
+        check_client(ray_jobs_url)
     with explained(where):
         if ray_jobs_url:
             lines += _stop_jobs(ray_jobs_url, session)

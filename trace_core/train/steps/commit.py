@@ -119,12 +119,17 @@ def prune(config: PipelineConfig, registry: Any, protect: Iterable[str | None] =
     try:
         deleted = registry.prune(run, config.keep_checkpoints, protect)
     except StoreError as err:
-        print(f"old checkpoints of run {run!r} not deleted ({err}); the next commit tries again",
-              flush=True)  # fmt: skip
+        print(
+            f"old checkpoints of run {run!r} not deleted ({err}); the next commit tries again",
+            flush=True,
+        )
         return
     for key in deleted:
-        print(f"deleted checkpoint {registry.store.uri(key)} (keep_checkpoints "
-              f"{config.keep_checkpoints})", flush=True)  # fmt: skip
+        print(
+            f"deleted checkpoint {registry.store.uri(key)} (keep_checkpoints "
+            f"{config.keep_checkpoints})",
+            flush=True,
+        )
 
 
 def optimizer_files(folder: str) -> tuple[str | None, str | None]:

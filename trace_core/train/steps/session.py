@@ -304,9 +304,15 @@ def iterate_step(
             keep_ahead(state_out, j, grown.trees)
         if iteration not in background and run.checkpointed == iteration:
             committed += commit_checkpoint(
-                config, registry, reserved[iteration], written, records, predictor, state_out,
+                config,
+                registry,
+                reserved[iteration],
+                written,
+                records,
+                predictor,
+                state_out,
                 protect=started_from,
-            )  # fmt: skip
+            )
             new = _checkpointed(new, iteration, checkpoint_at(iteration), written)
         moved = session.traffic() - before
         storage = {"s3_bytes": float(moved), "checkpoint_bytes": float(committed)}
