@@ -248,11 +248,14 @@ def test_the_pipelines_session_on_vllm_actors_reads_the_start_from_s3(
 
     (trees_path,) = (tmp_path / "kfp").glob("vllm-session-*/iterate/trees/trees.parquet")
     assert sum(t.units for t in read_trees(trees_path)) == 6 * (1 + 2 / 2)
-    # The run's one engine actor ran on the head, with the one CPU asked...
+    # The run's one engine actor ran on the head, with the one CPU asked, in its bundle (1) of
+    # the run's placement group (Ray names a bundle's CPU CPU_group_<index>_<group id>)...
     jobs = JobSubmissionClient(head.dashboard_url).list_jobs()
     (job,) = [j for j in jobs if "-open-session-" in (j.submission_id or "")]
     (actor,) = engine_actors(head, job.job_id)
-    assert actor.required_resources == {"CPU": 1.0}
+    cpus = {k: v for k, v in actor.required_resources.items() if k.startswith("CPU")}
+    assert len(cpus) == 2 and set(cpus.values()) == {1.0}, actor.required_resources
+    assert any(k.startswith("CPU_group_1_") for k in cpus), actor.required_resources
     # ...and read the starting policy's weights from the base model on S3 (the reference load
     # passed), into the node's cache; later policies came by broadcast from the trainer.
     (copy,) = [p for p in node_cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
