@@ -117,12 +117,13 @@ class Rehearsal:
             name, source = item["name"], item.get("valueFrom")
             if source is None:
                 value = str(item.get("value", ""))
-            elif "configMapKeyRef" in source:
-                ref = source["configMapKeyRef"]
-                value = maps[ref["name"]][ref["key"]]
-            elif "secretKeyRef" in source:
-                ref = source["secretKeyRef"]
-                value = held[ref["name"]][ref["key"]]
+            elif "configMapKeyRef" in source or "secretKeyRef" in source:
+                kind = "configMapKeyRef" if "configMapKeyRef" in source else "secretKeyRef"
+                ref = source[kind]
+                found = (maps if kind == "configMapKeyRef" else held).get(ref["name"], {})
+                if ref["key"] not in found and ref.get("optional"):
+                    continue  # as the kubelet does: an optional key that is not there is unset
+                value = found[ref["key"]]
             else:
                 self.unhonoured.append(f"{where}: env {name} from {sorted(source)} is not set")
                 continue

@@ -50,7 +50,9 @@ Cluster settings:
   RAY_AUTH_MODE=token, without which Ray's clients send no token (``rollout.ray_auth``).
 - every step gets AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY from the Secret ``s3_secret``
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
-  default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``.
+  default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``; with a run store
+  (``PipelineOptions.run_store_endpoint``), its endpoint, bucket and the keys of its Secret as
+  TRACE_STORE_* too (``trace_core.store.artifacts``).
 - caching is off for every step but warmstart, schedule and report (pure functions of their
   inputs): prep and load read the registry, the session's steps act on actors and write
   checkpoints.
@@ -82,6 +84,7 @@ from components.cluster import DEFAULT_S3_ENDPOINT, DEFAULT_STORE_URI
 from components.images import check_images, gpu_node_affinity
 from components.images import image as image_of
 from trace_core.rollout.ray_auth import CLIENT_ENV, SECRET_KEY, TOKEN_ENV
+from trace_core.store.s3_settings import RUN_STORE, RUN_STORE_BUCKET
 
 PIPELINE_NAME = "trace-training"
 COMPILED = Path(__file__).resolve().parent / "compiled" / "trace_training.yaml"
@@ -153,6 +156,14 @@ class PipelineOptions:
         }
     )
     """Secret key → environment variable (the keys of KFP's mlpipeline-minio-artifact)."""
+    run_store_endpoint: str = ""
+    """A store of the runs' own for ``store_uri``'s bucket (checkpoints, the session's scratch),
+    while KFP's artifacts stay on KFP's store: every step gets ``TRACE_STORE_ENDPOINT_URL``, the
+    bucket as ``TRACE_STORE_BUCKET`` and the keys of the Secret ``run_store_secret``
+    (``trace_core.store.artifacts``). Empty: everything on the ``s3_endpoint`` store."""
+    run_store_secret: str = "trace-store"
+    """The Secret (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, as ``manifests/secrets/s3``)
+    with the run store's credentials, in the namespace the steps run in."""
     image: str = field(default_factory=lambda: image_of("TRACE_IMAGE"))
     """The CPU steps' image (default: TRACE_IMAGE of ``components/images.env``)."""
     gpu_image: str = field(default_factory=lambda: image_of("TRACE_GPU_IMAGE"))
@@ -172,8 +183,19 @@ class PipelineOptions:
         check_images(self.image, self.gpu_image, self.image_pull_secrets)
         if self.store_uri and not self.store_uri.startswith("s3://"):
             raise ValueError(f"store_uri {self.store_uri!r}: expected s3://bucket/prefix")
-        if self.s3_endpoint and not self.s3_endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"s3_endpoint {self.s3_endpoint!r}: expected http(s)://host:port")
+        for name in ("s3_endpoint", "run_store_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("http://", "https://")):
+                raise ValueError(f"{name} {value!r}: expected http(s)://host:port")
+        if self.run_store_endpoint and not self.store_uri:
+            raise ValueError("run_store_endpoint needs store_uri: its bucket is the run store's")
+
+    def run_store_env(self) -> dict[str, str]:
+        """What every step is told of the run store (nothing without one)."""
+        if not self.run_store_endpoint:
+            return {}
+        bucket = self.store_uri.removeprefix("s3://").split("/")[0]
+        return {RUN_STORE_BUCKET: bucket, RUN_STORE + "ENDPOINT_URL": self.run_store_endpoint}
 
 
 # No ``from __future__ import annotations`` here: KFP reads the pipeline function's annotations
@@ -233,6 +255,11 @@ def build_pipeline(options: PipelineOptions | None = None) -> Callable[..., obje
             kubernetes.use_secret_as_env(task, s3_secret, dict(opts.s3_secret_keys), True)
             if opts.s3_endpoint:
                 task.set_env_variable("AWS_ENDPOINT_URL_S3", opts.s3_endpoint)
+            if opts.run_store_endpoint:  # the run's checkpoints on a store of their own
+                for name, value in opts.run_store_env().items():
+                    task.set_env_variable(name, value)
+                keys = {f"AWS_{k}": RUN_STORE + k for k in ("ACCESS_KEY_ID", "SECRET_ACCESS_KEY")}
+                kubernetes.use_secret_as_env(task, opts.run_store_secret, keys)
             if gpu and opts.gpu_requests:
                 task.set_accelerator_type(accelerator).set_accelerator_limit(gpus)
             if gpu:

@@ -44,6 +44,13 @@ RULES: list[tuple[str, str, str]] = [
     (r"kubectl apply -k (\S+)", KUSTOMIZE, "applies to a cluster; here built offline"),
     (r"kubectl -n trace-rl get raycluster trace-rl", CLUSTER, "reads a live RayCluster"),
     (
+        r"kubectl -n (kubeflow|trace-rl) create secret generic trace-store .*",
+        CLUSTER,
+        "creates a Secret in a cluster",
+    ),
+    (r"kubectl -n trace-rl patch configmap trace-rl-settings .*", CLUSTER, "edits a live object"),
+    (r"kubectl -n trace-rl delete pod -l ray\.io/cluster=trace-rl", CLUSTER, "restarts pods"),
+    (
         r"trace-rl cluster check",
         CLUSTER,
         "reads a cluster's nodes (tests/pipelines/test_cluster_check.py runs it as printed, with "
@@ -131,6 +138,11 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     assert spec["pipelineInfo"]["name"] == "trace-training"
     for config in platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values():
         assert [s["secretName"] for s in config["imagePullSecret"]] == ["trace-registry"]
+    # The package whose runs keep their weights on a store of their own (section 7).
+    spec = next(yaml.safe_load_all((repo / "build/trace_training-run-store.yaml").read_text()))
+    for executor in spec["deploymentSpec"]["executors"].values():
+        env = {e["name"]: e["value"] for e in executor["container"]["env"]}
+        assert env["TRACE_STORE_BUCKET"] == "trace-weights"
     template = yaml.safe_load((repo / "manifests/argo/workflowtemplate.yaml").read_text())
     assert template["spec"]["imagePullSecrets"] == [{"name": "trace-registry"}]
     assert list((repo / "build").glob("kustomize-*.yaml"))

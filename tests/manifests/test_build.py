@@ -239,6 +239,8 @@ def test_references_resolve(built: dict[str, list[Manifest]], overlay: str) -> N
                         wanted.append(("ConfigMap", source["configMapRef"]["name"]))
                 for env in container.get("env", []):
                     ref = env.get("valueFrom", {})
+                    if any(r.get("optional") for r in ref.values()):
+                        continue  # unset where it is not created (a run store's, when none)
                     if "secretKeyRef" in ref:
                         wanted.append(("Secret", ref["secretKeyRef"]["name"]))
                     if "configMapKeyRef" in ref:

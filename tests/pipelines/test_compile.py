@@ -236,3 +236,38 @@ def test_the_cluster_is_the_default_and_its_gpus_are_the_workers(
     assert alone["gpu_node_affinity"] == GPU_NODE_AFFINITY
     with pytest.raises(ValueError, match="ray_jobs_url 'trace-rl-head:8265'"):
         PipelineOptions(ray_jobs_url="trace-rl-head:8265")
+
+
+def test_compile_command_gives_the_runs_a_store_of_their_own(tmp_path: Path) -> None:
+    """`--run-store-endpoint` (and `--run-store-secret`): every step is told the run store's
+    bucket (store_uri's) and endpoint and gets its keys from that Secret, beside KFP's store's;
+    the committed package has no run store."""
+    from typer.testing import CliRunner
+
+    from trace_core.cli import app
+    from trace_core.train.rayjob import PASSED_ENV
+
+    out = tmp_path / "p.yaml"
+    args = ["pipeline", "compile", "--output", str(out), "--store-uri", "s3://weights/trace"]
+    args += ["--run-store-endpoint", "http://weights.storage.svc:9000"]
+    done = CliRunner().invoke(app, [*args, "--run-store-secret", "weights-keys"])
+    assert done.exit_code == 0, done.output
+    spec, platform = yaml.safe_load_all(out.read_text())
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, executor in spec["deploymentSpec"]["executors"].items():
+        env = {e["name"]: e["value"] for e in executor["container"].get("env", [])}
+        assert env["TRACE_STORE_BUCKET"] == "weights", name
+        assert env["TRACE_STORE_ENDPOINT_URL"] == "http://weights.storage.svc:9000", name
+        assert env["AWS_ENDPOINT_URL_S3"] == PipelineOptions().s3_endpoint, name
+        secrets = {s.get("secretName"): s for s in executors[name]["secretAsEnv"]}
+        keys = {k["secretKey"]: k["envVar"] for k in secrets["weights-keys"]["keyToEnv"]}
+        assert keys == {
+            "AWS_ACCESS_KEY_ID": "TRACE_STORE_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY": "TRACE_STORE_SECRET_ACCESS_KEY",
+        }
+    # A step's Ray job is told the same (never the keys: the Ray pods hold their own).
+    assert {"TRACE_STORE_BUCKET", "TRACE_STORE_ENDPOINT_URL"} <= set(PASSED_ENV)
+    assert not any("KEY" in name for name in PASSED_ENV)
+    assert "TRACE_STORE" not in COMPILED.read_text()
+    refused = CliRunner().invoke(app, [*args[:4], "--run-store-endpoint", "weights:9000"])
+    assert refused.exit_code == 2 and "run_store_endpoint 'weights:9000'" in refused.output

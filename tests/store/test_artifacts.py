@@ -326,3 +326,51 @@ def test_the_servers_error_lines_are_read_from_its_log(tmp_path: Path) -> None:
     server.log_path.write_text("\n".join(lines) + "\n")
     assert server.errors() == [lines[1], lines[4]]
     assert server.errors(last=1) == [lines[4]]
+
+
+# --- a run store of its own ---------------------------------------------------------------------
+def test_a_run_store_holds_its_bucket_and_kfps_store_the_rest(
+    s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With TRACE_STORE_* set (a pipeline compiled with --run-store-endpoint), s3:// URIs in the
+    run store's bucket go to that server with its own keys; KFP's artifacts (minio://) and any
+    other bucket stay on the AWS_* store."""
+    from trace_core.store.s3_settings import check_run_store
+
+    with SeaweedServer.start(
+        tmp_path / "runs", access_key="run-store-key", secret_key=SECRET, buckets=("runs",)
+    ) as runs:
+        run_store = {
+            "TRACE_STORE_BUCKET": "runs",
+            "TRACE_STORE_ENDPOINT_URL": runs.endpoint,
+            "TRACE_STORE_ACCESS_KEY_ID": runs.access_key,
+            "TRACE_STORE_SECRET_ACCESS_KEY": runs.secret_key,
+        }
+        for name, value in run_store.items():
+            monkeypatch.setenv(name, value)
+        open_store("s3://runs/ckpt/run-1").put_bytes("iter-000001/manifest.json", b"{}")
+        open_store("minio://trace/kfp/step-1").put_bytes("trees.parquet", b"PAR1")
+        open_store("s3://trace/other").put_bytes("x.json", b"[]")
+
+        direct = S3Store("runs", "", S3Settings.from_env({**runs.env()}))
+        assert [o.key for o in direct.list_objects("ckpt")] == [
+            "ckpt/run-1/iter-000001/manifest.json"
+        ]
+        kfp = S3Store("trace", "", S3Settings.from_env(s3_env))
+        assert kfp.get_bytes("kfp/step-1/trees.parquet") == b"PAR1"
+        assert kfp.get_bytes("other/x.json") == b"[]"
+        assert not kfp.exists("ckpt/run-1/iter-000001/manifest.json")
+
+        # A run given another bucket would put its checkpoints on KFP's store: prep refuses it.
+        check_run_store("s3://runs/ckpt")
+        with pytest.raises(ValueError, match=r"store_uri s3://trace/ckpt: the run store serves"):
+            check_run_store("s3://trace/ckpt")
+        # Its endpoint and keys are required, by name; the secret is never printed.
+        monkeypatch.delenv("TRACE_STORE_ENDPOINT_URL")
+        with pytest.raises(ValueError, match="TRACE_STORE_BUCKET=runs needs TRACE_STORE_ENDPOINT"):
+            open_store("s3://runs/ckpt")
+        monkeypatch.setenv("TRACE_STORE_ENDPOINT_URL", runs.endpoint)
+        monkeypatch.delenv("TRACE_STORE_SECRET_ACCESS_KEY")
+        with pytest.raises(AccessDenied, match="set TRACE_STORE_SECRET_ACCESS_KEY") as err:
+            open_store("s3://runs/ckpt")
+        assert SECRET not in str(err.value)

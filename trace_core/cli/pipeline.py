@@ -133,6 +133,20 @@ def pipeline_compile(
             "checkpoints and trees under (KFP's bucket, a prefix a profile may write)."
         ),
     ] = "s3://mlpipeline/shared/trace-rl",
+    run_store_endpoint: Annotated[
+        str,
+        typer.Option(
+            help="An S3 endpoint of the runs' own for --store-uri's bucket (checkpoints, "
+            "scratch), KFP's artifacts staying on KFP's store; its keys come from "
+            "--run-store-secret. Empty: the runs use --s3-endpoint too."
+        ),
+    ] = "",
+    run_store_secret: Annotated[
+        str,
+        typer.Option(
+            help="The Secret with the run store's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."
+        ),
+    ] = "trace-store",
     image: StepImage = None,
     gpu_image: GpuStepImage = None,
     image_pull_secrets: PullSecrets = None,
@@ -149,6 +163,8 @@ def pipeline_compile(
             s3_endpoint=s3_endpoint,
             ray_jobs_url=ray_jobs_url,
             store_uri=store_uri,
+            run_store_endpoint=run_store_endpoint,
+            run_store_secret=run_store_secret,
             **_images(image, gpu_image, image_pull_secrets),
         )
     except ValueError as err:

@@ -22,6 +22,8 @@ Secret sets (``envFrom``). They never appear in URIs, logs or error messages:
 
 ``minio://bucket/key`` (how KFP names its artifacts) is read as ``s3://bucket/key``.
 
+A run's checkpoints may have an S3 store of their own (``TRACE_STORE_*``: ``s3_settings``).
+
 Object calls go through the ``minio`` SDK; Parquet reads go through pyarrow's ``S3FileSystem``
 (ranged reads of the column chunks a query needs). Transient failures (connection refused or
 reset, timeouts, HTTP 5xx, SlowDown) are retried with exponential backoff, a whole call at a
@@ -39,7 +41,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol, TypeVar
@@ -47,6 +49,14 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow.fs as pafs
 
+from trace_core.store.errors import (
+    AccessDenied,
+    BucketNotFound,
+    ObjectNotFound,
+    StoreError,
+    StoreUnavailable,
+)
+from trace_core.store.s3_settings import S3Settings
 from trace_core.store.traffic import TRAFFIC, Traffic  # noqa: F401  (their home before)
 from trace_core.store.traffic import MinioProgress as _MinioProgress
 
@@ -54,27 +64,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 Progress = Callable[[int], None]  # called with the bytes sent so far
 _CHUNK = 1 << 20
-
-
-# --- errors ------------------------------------------------------------------------------------
-class StoreError(OSError):
-    """A storage call failed; the message names the URI and never a credential."""
-
-
-class ObjectNotFound(StoreError, FileNotFoundError):
-    """No such object, prefix or bucket."""
-
-
-class BucketNotFound(ObjectNotFound):
-    """The URI's bucket does not exist."""
-
-
-class AccessDenied(StoreError, PermissionError):
-    """Credentials missing, unknown or not allowed to do this."""
-
-
-class StoreUnavailable(StoreError, ConnectionError):
-    """The server could not be reached or kept failing after every retry."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +135,8 @@ def open_store(uri: str | os.PathLike[str], retry: RetryPolicy | None = None) ->
             raise ValueError(f"{text}: no bucket; expected s3://bucket/prefix")
         prefix = parsed.path.strip("/")
         _check_bucket(parsed.netloc, prefix)  # before the credentials: the URI's own mistake first
-        return S3Store(parsed.netloc, prefix, S3Settings.from_env(), retry or RetryPolicy())
+        settings = S3Settings.for_bucket(parsed.netloc, scheme)
+        return S3Store(parsed.netloc, prefix, settings, retry or RetryPolicy())
     raise ValueError(f"{text}: unsupported URI scheme {scheme!r}; use a path, s3:// or file://")
 
 
@@ -297,7 +287,6 @@ class LocalStore:
 
 # --- S3 ----------------------------------------------------------------------------------------
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT")
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "ResourceNotFound", "NoSuchUpload", "NotFound"}
 _DENIED = {
     "AccessDenied",
@@ -317,52 +306,6 @@ _TRANSIENT = {
     "OperationAborted",
     "XMinioServerNotInitialized",
 }
-
-
-@dataclass(frozen=True)
-class S3Settings:
-    """Endpoint, region and credentials, read from the environment; never printed."""
-
-    endpoint: str | None  # host[:port]; None: AWS S3
-    secure: bool
-    region: str
-    access_key: str = field(repr=False)
-    secret_key: str = field(repr=False)
-    session_token: str | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> S3Settings:
-        env = os.environ if env is None else env
-        access_key = env.get("AWS_ACCESS_KEY_ID", "")
-        secret_key = env.get("AWS_SECRET_ACCESS_KEY", "")
-        if not access_key or not secret_key:
-            missing = [n for n in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not env.get(n)]
-            raise AccessDenied(
-                f"no S3 credentials: set {' and '.join(missing)} in the environment "
-                "(in a cluster, from a Kubernetes Secret)"
-            )
-        raw = next((env[n] for n in _ENDPOINT_VARS if env.get(n)), "")
-        endpoint, secure = None, True
-        if raw:
-            parsed = urlparse(raw if "://" in raw else f"https://{raw}")
-            if parsed.scheme not in ("http", "https") or not parsed.hostname:
-                raise ValueError(
-                    f"S3 endpoint {parsed.scheme}://{parsed.hostname or ''}: "
-                    "expected http(s)://host[:port]"
-                )
-            if parsed.username or parsed.password:
-                raise ValueError("the S3 endpoint must not hold credentials")
-            endpoint, secure = parsed.netloc, parsed.scheme == "https"
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-        token = env.get("AWS_SESSION_TOKEN") or None
-        return cls(endpoint, secure, region, access_key, secret_key, token)
-
-    def redact(self, text: str) -> str:
-        """``text`` with every credential value replaced by ***."""
-        for secret in (self.secret_key, self.session_token, self.access_key):
-            if secret:
-                text = text.replace(secret, "***")
-        return text
 
 
 class S3Store:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from trace_core.rollout.ray_auth import check_client, explained
+from trace_core.store.s3_settings import RUN_STORE_SETTINGS
 from trace_core.store.sync import download_folder, upload_folder
 from trace_core.store.uri import is_remote
 from trace_core.train.contract import RAY_STEPS, PipelineConfig, StepCall
@@ -64,8 +65,15 @@ UPSTREAM = (
 )
 """What this module calls in Ray's job client (``policy.upstream``: entry syntax there)."""
 
-PASSED_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "S3_ENDPOINT", "AWS_REGION")
-"""Settings the job inherits from the submitting step (never credentials)."""
+PASSED_ENV = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL",
+    "S3_ENDPOINT",
+    "AWS_REGION",
+    *RUN_STORE_SETTINGS,
+)
+"""Settings the job inherits from the submitting step (never credentials: the Ray pods hold
+their own, from the Secrets trace-s3 and, for a run store, trace-store)."""
 _DONE = ("SUCCEEDED", "FAILED", "STOPPED")
 
 

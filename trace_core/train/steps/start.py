@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from trace_core.envs.base import TaskSuite
 from trace_core.envs.suites import SYNTHETIC
+from trace_core.store.s3_settings import check_run_store
 from trace_core.train.contract import (
     OPTIMIZER,
     PROMPTS_EVAL,
@@ -102,6 +103,7 @@ def with_session(config: PipelineConfig, pipeline_run_id: str = "") -> PipelineC
     themselves after the engine's ``keep_alive_s`` without a call (30 min by default)."""
     if not config.store:
         raise ValueError("store_uri is empty: the run's checkpoints are written there")
+    check_run_store(config.store)
     train = config.train
     engine = train.engine
     if not engine.workers or not engine.keep_alive_s:
