@@ -18,6 +18,7 @@ def close_session(
     import tempfile
     from pathlib import Path
 
+    from trace_core.rollout.ray_auth import step_errors
     from trace_core.train.contract import EVAL_FILE, PipelineConfig, StepCall
     from trace_core.train.dispatch import run_step
     from trace_core.train.steps.handoff import last_iteration, state_uri
@@ -32,6 +33,7 @@ def close_session(
             {"result": str(Path(scratch, "result"))},
             input_uris={"state": state},
         )
-        for key, value in run_step(call, config).items():
-            metrics.log_metric(key, value)
+        with step_errors():
+            for key, value in run_step(call, config).items():
+                metrics.log_metric(key, value)
         return Path(scratch, "result", EVAL_FILE).read_text()

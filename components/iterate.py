@@ -22,10 +22,12 @@ def iterate(
     (``trace_core.train.steps.handoff``); the trees Parquet out (the state lists where, for
     the report), the iteration's figures and the S3 bytes it moved as metrics. Run again after
     it committed (a retried pod), it hands on what it wrote then."""
+    from trace_core.rollout.ray_auth import step_errors
     from trace_core.train.contract import PipelineConfig
     from trace_core.train.dispatch import iterate_on_store
 
     config = PipelineConfig.from_json(config_json)
-    for key, value in iterate_on_store(config, iteration, prompts, trees).items():
-        metrics.log_metric(key, value)
+    with step_errors():
+        for key, value in iterate_on_store(config, iteration, prompts, trees).items():
+            metrics.log_metric(key, value)
     trees.metadata.update({"iteration": iteration, "format": "trace.trees.parquet"})

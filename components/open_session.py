@@ -21,11 +21,11 @@ def open_session(
     actors boot from it; a new run's starting policy is evaluated (iteration 0 of the log).
     Where load's artifacts hold references, the actors read the weights where those name
     (``train.dispatch.start_point``); with ``ray_jobs_url`` this pod only submits the job.
-    Returns that evaluation as JSON; ``state`` is what the iterations start from (a few MB),
-    published in the store too, where the first iteration reads it
-    (``trace_core.train.steps.handoff``)."""
+    Returns that evaluation as JSON; ``state`` (what the iterations start from) is published
+    in the store too, where the first iteration reads it (``train.steps.handoff``)."""
     from pathlib import Path
 
+    from trace_core.rollout.ray_auth import step_errors
     from trace_core.train.contract import EVAL_FILE, PipelineConfig, StepCall
     from trace_core.train.dispatch import run_step
     from trace_core.train.steps.handoff import publish, state_uri
@@ -39,8 +39,9 @@ def open_session(
         {"state": state.path},
         input_uris={name: artifact.uri for name, artifact in inputs.items()},
     )
-    for key, value in run_step(call, config).items():
-        metrics.log_metric(key, value)
+    with step_errors():
+        for key, value in run_step(call, config).items():
+            metrics.log_metric(key, value)
     # A retried open-session publishes the same session's start again.
     publish(Path(state.path), state_uri(config, start_iteration), replace=True)
     state.metadata.update({"format": "trace.run-state", "iteration": start_iteration})

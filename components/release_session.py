@@ -18,9 +18,11 @@ def release_session(
     the session name prep gave them (run_name and the KFP run's id: pass
     ``dsl.PIPELINE_JOB_ID_PLACEHOLDER``), and deletes the session's folder and its Ray jobs'
     staging under ``store_uri``; returns what it released and deleted, one line each."""
+    from trace_core.rollout.ray_auth import step_errors
     from trace_core.train.contract import session_name
     from trace_core.train.steps.release import release_step
 
     print(f"session {session_name(run_name, pipeline_run_id)}")
-    released = release_step(run_name, pipeline_run_id, ray_address, ray_jobs_url, store_uri)
+    with step_errors():
+        released = release_step(run_name, pipeline_run_id, ray_address, ray_jobs_url, store_uri)
     return "\n".join(released)

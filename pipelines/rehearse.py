@@ -84,6 +84,9 @@ class Rehearsal:
     store_port: int = KFP_STORE_PORT
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rehearse-")))
     unhonoured: list[str] = field(default_factory=list)
+    dropped: tuple[str, ...] = ()
+    """Variables taken out of every executor's environment (``--drop-env``): what a compiled
+    pipeline without them would do, e.g. RAY_AUTH_MODE."""
 
     def secrets(self) -> dict[str, dict[str, str]]:
         """The cluster's Secrets by name, as ``manifests/secrets`` and KFP make them."""
@@ -322,6 +325,7 @@ def executor_env(
     for name, executor in pipeline["deploymentSpec"]["executors"].items():
         container = executor["container"]
         env = container.setdefault("env", [])
+        env[:] = [item for item in env if item["name"] not in rehearsal.dropped]
         for item in env:
             item["value"] = rehearsal.local_url(item["value"], f"{name}: env {item['name']}")
         config = kubernetes.get(name, {})
@@ -339,7 +343,9 @@ def executor_env(
                     raise ValueError(f"{name}: Secret {secret_name!r} is not one the cluster has")
                 continue
             for item in secret["keyToEnv"]:
-                env.append({"name": item["envVar"], "value": held[secret_name][item["secretKey"]]})
+                if item["envVar"] not in rehearsal.dropped:
+                    value = held[secret_name][item["secretKey"]]
+                    env.append({"name": item["envVar"], "value": value})
         for key in ("nodeSelector", "nodeAffinity", "tolerations", "imagePullSecret"):
             if config.get(key):
                 rehearsal.unhonoured.append(f"{name}: {key} is not applied on one machine")
@@ -397,12 +403,16 @@ def released(root: Path) -> str:
     return ""
 
 
-def rehearse(compiled: Path, output: Path, say: Any = print) -> int:
-    """The whole rehearsal (module docstring); its exit code."""
+def rehearse(compiled: Path, output: Path, say: Any = print, drop_env: tuple[str, ...] = ()) -> int:
+    """The whole rehearsal (module docstring); its exit code. ``drop_env``: variables taken
+    out of every executor first (``Rehearsal.dropped``)."""
     from trace_core.store.server import SeaweedServer
 
     output.mkdir(parents=True, exist_ok=True)
-    rehearsal = Rehearsal(token=secrets.token_hex(32), work=Path(tempfile.mkdtemp(dir=output)))
+    work = Path(tempfile.mkdtemp(dir=output))
+    rehearsal = Rehearsal(token=secrets.token_hex(32), work=work, dropped=drop_env)
+    for name in drop_env:
+        say(f"taken out of every step's environment: {name}")
     objects = render_overlay("kfp")
     arguments: dict[str, Any] = {
         "iterations": 2,
@@ -460,11 +470,19 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.rehearse", description=__doc__)
     parser.add_argument("--compiled", type=Path, default=COMPILED, help="the compiled pipeline")
     parser.add_argument("--output", type=Path, default=Path("build/rehearsal"))
+    parser.add_argument(
+        "--drop-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="take NAME out of every step's environment (what the compiled pipeline would do "
+        "without it: --drop-env RAY_AUTH_MODE must fail); repeat for more",
+    )
     args = parser.parse_args(argv)
     if not args.compiled.is_file():
         print(f"error: --compiled {args.compiled}: no such file", file=sys.stderr)
         return 2
-    return rehearse(args.compiled, args.output)
+    return rehearse(args.compiled, args.output, drop_env=tuple(args.drop_env))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import yaml
 from pipelines.trace_training import COMPILED
 from trace_core.rollout.ray_auth import MODE_ENV, SECRET, SECRET_KEY, TOKEN_ENV
 
-ARGO = Path(__file__).resolve().parents[2] / "manifests" / "argo"
+REPO = Path(__file__).resolve().parents[2]
+ARGO = REPO / "manifests" / "argo"
 
 
 def compiled_executors() -> dict[str, tuple[dict[str, str], set[str]]]:
@@ -122,3 +123,19 @@ def test_a_client_the_head_would_refuse_fails_in_one_line(
     for name in named:
         assert name in line
     assert "Traceback" not in done.stderr
+
+
+def test_a_pipeline_step_ends_with_the_one_line_not_a_traceback() -> None:
+    """The Ray steps' components run ``with step_errors()``: the executor exits with the
+    error's line (what KFP's log then ends with); other errors pass through."""
+    from trace_core.rollout.ray_auth import RayAuthError, step_errors
+
+    with pytest.raises(SystemExit) as stopped, step_errors():
+        raise RayAuthError("RAY_AUTH_MODE=token but RAY_AUTH_TOKEN is empty")
+    assert stopped.value.code == "error: RAY_AUTH_MODE=token but RAY_AUTH_TOKEN is empty"
+    assert stopped.value.__cause__ is None and stopped.value.__suppress_context__
+    with pytest.raises(ValueError, match="other"), step_errors():
+        raise ValueError("other")
+    for name in ("open_session", "iterate", "close_session", "release_session"):
+        source = (REPO / "components" / f"{name}.py").read_text()
+        assert "with step_errors():" in source, name

@@ -38,6 +38,19 @@ def test_each_executor_gets_its_own_secrets_and_the_requests_are_listed() -> Non
     assert "its GPU request is not made" in listed
 
 
+def test_a_variable_taken_out_is_in_no_executor() -> None:
+    """``--drop-env RAY_AUTH_MODE``: the rehearsal of a compiled pipeline without the mode (it
+    must fail at open-session, in one line: the note of issue 59 shows that run)."""
+    rehearsal = Rehearsal(token="t" * 64, dropped=("RAY_AUTH_MODE",))
+    documents = list(yaml.safe_load_all(COMPILED.read_text()))
+    (pipeline,) = executor_env(rehearsal, documents, {"s3_secret": "mlpipeline-minio-artifact"})
+    for executor in pipeline["deploymentSpec"]["executors"].values():
+        names = [item["name"] for item in executor["container"]["env"]]
+        assert "RAY_AUTH_MODE" not in names
+    release = pipeline["deploymentSpec"]["executors"]["exec-release-session"]
+    assert "RAY_AUTH_TOKEN" in [item["name"] for item in release["container"]["env"]]
+
+
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.long  # ≈ 5 min: every step a KFP subprocess, the steps Ray jobs

@@ -13,7 +13,8 @@ and before connecting a client checks them here:
         client = JobSubmissionClient(url)
 
 A missing or refused token fails in one line that names the Secret and the variable, not in a
-traceback from Ray's HTTP layer.
+traceback from Ray's HTTP layer; a pipeline step's body runs ``with step_errors():`` so the
+step's log ends with that line alone (``trace-rl`` commands print it as ``error: ...``).
 """
 
 from __future__ import annotations
@@ -93,3 +94,13 @@ def explained(where: str) -> Iterator[None]:
             f"{os.environ.get(MODE_ENV, 'unset')}): {TOKEN_ENV} must hold key {SECRET_KEY} of "
             f"the Secret {SECRET} that the RayCluster's authOptions name, with {MODE_ENV}=token"
         ) from None
+
+
+@contextlib.contextmanager
+def step_errors() -> Iterator[None]:
+    """For a KFP step's body: a ``RayAuthError`` ends the step (exit 1) with its one line
+    instead of the executor's traceback."""
+    try:
+        yield
+    except RayAuthError as err:
+        raise SystemExit(f"error: {err}") from None
