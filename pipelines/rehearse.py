@@ -325,7 +325,6 @@ def executor_env(
     for name, executor in pipeline["deploymentSpec"]["executors"].items():
         container = executor["container"]
         env = container.setdefault("env", [])
-        env[:] = [item for item in env if item["name"] not in rehearsal.dropped]
         for item in env:
             item["value"] = rehearsal.local_url(item["value"], f"{name}: env {item['name']}")
         config = kubernetes.get(name, {})
@@ -343,9 +342,8 @@ def executor_env(
                     raise ValueError(f"{name}: Secret {secret_name!r} is not one the cluster has")
                 continue
             for item in secret["keyToEnv"]:
-                if item["envVar"] not in rehearsal.dropped:
-                    value = held[secret_name][item["secretKey"]]
-                    env.append({"name": item["envVar"], "value": value})
+                env.append({"name": item["envVar"], "value": held[secret_name][item["secretKey"]]})
+        env[:] = [item for item in env if item["name"] not in rehearsal.dropped]
         for key in ("nodeSelector", "nodeAffinity", "tolerations", "imagePullSecret"):
             if config.get(key):
                 rehearsal.unhonoured.append(f"{name}: {key} is not applied on one machine")
@@ -409,8 +407,9 @@ def rehearse(compiled: Path, output: Path, say: Any = print, drop_env: tuple[str
     from trace_core.store.server import SeaweedServer
 
     output.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=output))
-    rehearsal = Rehearsal(token=secrets.token_hex(32), work=work, dropped=drop_env)
+    rehearsal = Rehearsal(
+        token=secrets.token_hex(32), work=Path(tempfile.mkdtemp(dir=output)), dropped=drop_env
+    )
     for name in drop_env:
         say(f"taken out of every step's environment: {name}")
     objects = render_overlay("kfp")

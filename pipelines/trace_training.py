@@ -52,7 +52,7 @@ Cluster settings:
   (kfp-kubernetes ``use_secret_as_env``, optional, KFP's own ``mlpipeline-minio-artifact`` by
   default) and AWS_ENDPOINT_URL_S3 from ``PipelineOptions.s3_endpoint``; with a run store
   (``PipelineOptions.run_store_endpoint``), its endpoint, bucket and the keys of its Secret as
-  TRACE_STORE_* too (``trace_core.store.artifacts``).
+  TRACE_STORE_* too (``trace_core.store.s3_settings``).
 - caching is off for every step but warmstart, schedule and report (pure functions of their
   inputs): prep and load read the registry, the session's steps act on actors and write
   checkpoints.
@@ -160,7 +160,7 @@ class PipelineOptions:
     """A store of the runs' own for ``store_uri``'s bucket (checkpoints, the session's scratch),
     while KFP's artifacts stay on KFP's store: every step gets ``TRACE_STORE_ENDPOINT_URL``, the
     bucket as ``TRACE_STORE_BUCKET`` and the keys of the Secret ``run_store_secret``
-    (``trace_core.store.artifacts``). Empty: everything on the ``s3_endpoint`` store."""
+    (``trace_core.store.s3_settings``). Empty: everything on the ``s3_endpoint`` store."""
     run_store_secret: str = "trace-store"
     """The Secret (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, as ``manifests/secrets/s3``)
     with the run store's credentials, in the namespace the steps run in."""
