@@ -134,8 +134,7 @@ class RunShape:
     def of(cls, params: PipelineParameters) -> RunShape:
         config = params.config()
         engine, train = config.train.engine, config.train
-        spans = engine.engine == "vllm" and engine.tensor_parallel > 1 and engine.gpus_per_worker
-        each = float(engine.tensor_parallel) if spans else float(engine.gpus_per_worker)
+        each = engine.engine_gpus
         trainers = train.train_workers if train.train_gpus else 0
         what = f"{engine.workers} engines × {each:g} GPU + {trainers} trainer GPUs"
         return cls((each,) * engine.workers, trainers, what, params.keep_checkpoints)

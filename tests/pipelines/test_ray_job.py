@@ -262,14 +262,14 @@ session = sys.argv[1]
 ray.init()
 @ray.remote(num_cpus=0)
 class Held:
-    def placement(self): return None
+    def ready(self): return None
     def shutdown(self): pass
 group = placement_group([{"CPU": 0.1}], name=f"{session}-trainer", lifetime="detached")
 ray.get(group.ready())
 held = [Held.options(name=name, namespace=namespace, lifetime="detached").remote()
         for name, namespace in ((f"{session}-trainer-0", "trace-trainers"),
                                 (f"{session}-0", "trace-engines"))]
-ray.get([h.placement.remote() for h in held])
+ray.get([h.ready.remote() for h in held])
 print("holding", flush=True)
 time.sleep(600)
 """

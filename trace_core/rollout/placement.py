@@ -1,12 +1,10 @@
 """Where a run's devices are reserved: its trainers and engines as ONE placement group, all or
-nothing; a tensor-parallel vLLM engine's GPUs on one node of their own.
+nothing; a tensor-parallel vLLM engine's GPUs in one bundle of it, on one node.
 
-    placement = reserve_run(RunShape(trainers=4, trainer_gpus=True, engines=12, engine_gpus=1),
+    placement = reserve_run(RunShape(trainers=4, trainer_gpus=True, engines=2, engine_gpus=2),
                             "run-0a1b2c3d-run", detached=True, timeout_s=1800, what="...")
     TrainerRank.options(scheduling_strategy=placement.trainer()).remote(...)   # every rank
-    EngineWorker.options(scheduling_strategy=placement.engine(i)).remote(...)  # engine i
-    group = tensor_parallel_group(2, threads=4, detached=False)   # 2 GPUs, STRICT_PACK
-    EngineWorker.options(scheduling_strategy=in_group(group)).remote(...)
+    EngineWorker.options(num_gpus=2, scheduling_strategy=placement.engine(i)).remote(...)
 
 **What Ray 2.60 guarantees, and what the run's group is built on.** A placement group is
 reserved whole or not at all: its bundles are committed together (two-phase, by the GCS), and a
@@ -27,12 +25,13 @@ names no node that a Pending pod has not brought up yet. So the run's group (``R
   beside the trainers first, then on further nodes, best effort (``RunPlacement.nodes`` says
   where they landed).
 
-A tensor-parallel vLLM engine cannot sit in that group: vLLM's Ray executor takes the group it
-runs in as its own (every GPU bundle of it, and none of more than one GPU), so such an engine
-keeps a STRICT_PACK group of its own (``tensor_parallel_group``), reserved after the run's.
-
-The engine actor of such a group sits in bundle 0 without a GPU of its own; vLLM's Ray executor
-finds the group and starts one worker on each bundle's GPU (``ray_worker.executor_backend``).
+A tensor-parallel vLLM engine is one engine actor holding all its ranks' GPUs
+(``EngineConfig.engine_gpus``), so its bundle, like any, lies on one node, and it is reserved
+with the trainers and the other engines. vLLM runs its ranks as processes of that actor (its
+multiprocessing executor, ``ray_worker.executor_backend``): each sees the actor's GPUs and
+takes one. vLLM's Ray executor would instead start a worker per GPU bundle of the group it
+runs in, refusing bundles of more than one GPU (the trainers' is one), so it cannot share a
+run's group.
 
 ``reserve`` and ``reserve_run`` wait for the whole group, saying every ``every_s`` what is still
 pending (which bundles, how many GPUs, for how long: a cluster that scales up from zero takes
@@ -70,31 +69,9 @@ UPSTREAM = (
     "ray.available_resources()",
     "ray.cluster_resources()",
     "ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(placement_group, "
-    "placement_group_bundle_index, placement_group_capture_child_tasks)",
+    "placement_group_bundle_index)",
 )
 """What this module calls in Ray (``policy.upstream``: entry syntax there)."""
-
-
-def tensor_parallel_group(gpus: int, threads: int, detached: bool) -> PlacementGroup:
-    """The placement group of one tensor-parallel vLLM engine: ``gpus`` bundles of one GPU
-    each, packed on one node (STRICT_PACK). vLLM finds the group it runs in and puts one of its
-    Ray workers (no CPU, one GPU) on each bundle; it refuses bundles of more than one GPU. The
-    engine actor takes bundle 0's ``threads`` CPUs and no GPU. ``detached``: outlives this
-    job, with a kept actor."""
-    bundles = [{"GPU": 1.0, **({"CPU": float(threads)} if i == 0 else {})} for i in range(gpus)]
-    return placement_group(
-        bundles, strategy="STRICT_PACK", lifetime="detached" if detached else None
-    )
-
-
-def in_group(group: PlacementGroup) -> PlacementGroupSchedulingStrategy:
-    """Schedule an engine actor on bundle 0 of ``group``; what it starts (vLLM's workers)
-    lands in the group too."""
-    return PlacementGroupSchedulingStrategy(
-        placement_group=group,
-        placement_group_bundle_index=0,
-        placement_group_capture_child_tasks=True,
-    )
 
 
 PROGRESS_EVERY_S = 60.0
@@ -400,14 +377,12 @@ def find_run(shape: RunShape, name: str) -> RunPlacement | None:
 
 def run_shape(trainers: int, trainer_gpus: bool, engine: EngineConfig) -> RunShape:
     """A run's group: ``trainers`` ranks (each one GPU with ``trainer_gpus``) and ``engine``'s
-    Ray engine actors, but for tensor-parallel vLLM engines on GPUs, which keep groups of their
-    own (module docstring)."""
-    spread = engine.engine == "vllm" and engine.tensor_parallel > 1 and engine.gpus_per_worker > 0
-    engines = 0 if spread else engine.workers
+    Ray engine actors, each with its threads and ``engine_gpus`` (a tensor-parallel engine's:
+    all its ranks')."""
     return RunShape(
         trainers=trainers,
         trainer_gpus=trainer_gpus,
-        engines=engines,
+        engines=engine.workers,
         engine_threads=engine.threads_per_worker,
-        engine_gpus=engine.gpus_per_worker if engines else 0.0,
+        engine_gpus=engine.engine_gpus if engine.workers else 0.0,
     )

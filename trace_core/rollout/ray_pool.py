@@ -2,7 +2,7 @@
 
 Each worker is an actor (``EngineWorker``, ``rollout.ray_worker``) that holds one policy
 replica, loaded from an HF checkpoint directory, behind a ``TorchEngine`` (CPU or one GPU), an
-``HFGenerateEngine`` or a ``VLLMEngine`` (a tensor-parallel one placed by ``rollout.placement``).
+``HFGenerateEngine`` or a ``VLLMEngine`` (a tensor-parallel one holding all its ranks' GPUs).
 ``grow_trees`` and everything else see one engine (``rollout.engines.open_engine`` builds the
 pool from an ``EngineConfig``)::
 
@@ -49,9 +49,10 @@ sync (``worker_pids``) is bounded by ``ready_timeout_s``, and every wait for a c
 
 **Placement.** Given the run's placement group (``placement``, ``rollout.placement``: the
 trainers' devices and the engines', reserved together, all or nothing), actor i starts in its
-engine bundle of it, and a restarted one comes back there; a tensor-parallel vLLM engine keeps
-a group of its own; without one, each actor asks the cluster for its devices. The pool never
-removes the run's group (the run does); closing it frees only its own groups.
+engine bundle of it, and a restarted one comes back there; without one, each actor asks the
+cluster for its devices. A tensor-parallel vLLM engine's actor holds its ranks' GPUs
+(``EngineConfig.engine_gpus``), on one node either way. The pool never removes the run's
+group (the run does).
 
 **In-process Ray.** Without an address and without an existing connection, the pool starts
 Ray inside this process (``address="local"``: never one found in ``RAY_ADDRESS`` or
@@ -81,13 +82,12 @@ from typing import Literal
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from trace_core.policy.engine import Completion, EngineStats, SamplingParams
 from trace_core.policy.sampling import prompt_seeds
-from trace_core.rollout.engine_config import DRIVERS
+from trace_core.rollout.engine_config import DRIVERS, engine_gpus
 from trace_core.rollout.engine_start import EngineStartError, start_failure
-from trace_core.rollout.placement import RunPlacement, in_group, tensor_parallel_group
+from trace_core.rollout.placement import RunPlacement
 from trace_core.rollout.ray_auth import check_client
 from trace_core.rollout.ray_continuous import ContinuousStream
 from trace_core.rollout.ray_stream import TurnStream
@@ -115,8 +115,6 @@ UPSTREAM = (
     "ray.util.list_named_actors(all_namespaces)",
     "ray.exceptions.ActorDiedError",
     "ray.exceptions.RayActorError",
-    "ray.util.placement_group.PlacementGroup",
-    "ray.util.placement_group.remove_placement_group(placement_group, /)",
     "ray.actor.ActorClass.options",  # checks its keywords against Ray's table:
     "ray._common.ray_option_utils.actor_options(num_cpus, num_gpus, max_restarts, "
     "max_task_retries, scheduling_strategy, name, namespace, lifetime, get_if_exists)",
@@ -207,8 +205,8 @@ class RayEnginePool:
         once a sync reached them (a ``SYNCED`` label): found actors that hold it keep it, and
         the pool serves it when every actor does; new ones start from ``checkpoint``.
         ``placement``: the run's group, whose engine bundles the actors start in (reserved
-        with the trainers', all or nothing: ``rollout.placement``); a tensor-parallel vLLM
-        engine keeps a group of its own. None: each actor asks the cluster for its devices."""
+        with the trainers', all or nothing: ``rollout.placement``). None: each actor asks the
+        cluster for its devices (a tensor-parallel vLLM engine's actor: all its ranks')."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if threads_per_worker < 1:
@@ -237,12 +235,10 @@ class RayEnginePool:
         self._session.enter_context(
             ray_session(address, num_cpus=max(os.cpu_count() or 1, workers * threads_per_worker))
         )
-        self._groups: list[PlacementGroup] = []
         try:
-            spread = engine == "vllm" and tensor_parallel > 1 and num_gpus_per_worker > 0
-            options = {
+            options: dict[str, object] = {
                 "num_cpus": threads_per_worker,
-                "num_gpus": 0 if spread else num_gpus_per_worker,
+                "num_gpus": engine_gpus(engine, tensor_parallel, num_gpus_per_worker),
                 "max_restarts": max_restarts,
                 "max_task_retries": max_restarts,
             }
@@ -262,24 +258,15 @@ class RayEnginePool:
                 dtype=dtype,
                 pool_workers=workers,
             )
-
-            if placement is not None and not spread and workers > placement.shape.engines:
+            if placement is not None and workers > placement.shape.engines:
                 raise ValueError(
                     f"{workers} engine workers, but the run's group {placement.name} holds "
                     f"{placement.shape.engines} engine bundles"
                 )
 
-            def placed(i: int) -> dict[str, object]:
-                """Actor i's options: in its bundle of the run's group; with tensor
-                parallelism, inside a placement group of its own that holds its GPUs (created
-                unless a kept actor i already runs)."""
-                if placement is not None and not spread:
-                    return {**options, "scheduling_strategy": placement.engine(i)}
-                if not spread or (self.kept and _kept_actor(f"{name}-{i}") is not None):
-                    return options
-                group = tensor_parallel_group(tensor_parallel, threads_per_worker, self.kept)
-                self._groups += [] if self.kept else [group]
-                return {**options, "scheduling_strategy": in_group(group)}
+            def placed(i: int) -> dict[str, object]:  # in its bundle of the run's group, if any
+                where = {} if placement is None else {"scheduling_strategy": placement.engine(i)}
+                return {**options, **where}
 
             if self.kept:  # detached and named: found by the next pool of this name
                 self._actors = [
@@ -568,10 +555,7 @@ class RayEnginePool:
         it. Idempotent."""
         actors = [] if getattr(self, "kept", False) else getattr(self, "_actors", [])
         _stop(actors)
-        for group in getattr(self, "_groups", []):  # the GPUs the engines held
-            with contextlib.suppress(Exception):
-                remove_placement_group(group)
-        self._actors, self._live, self._groups = [], [], []
+        self._actors, self._live = [], []
         self._session.close()
 
     def __enter__(self) -> RayEnginePool:
@@ -601,18 +585,12 @@ def release_engines(name: str, address: str | None = None) -> int:
 
 def _stop(actors: Sequence[ray.actor.ActorHandle]) -> None:
     """Stop the actors' engines (vLLM's engine processes would outlive a killed actor), then
-    the actors, then the placement groups kept actors hold (a pool's own go in ``close``)."""
-    groups: list[PlacementGroup | None] = []
+    the actors."""
     with contextlib.suppress(Exception):  # a dead or hung worker must not block closing
-        groups = ray.get([a.placement.remote() for a in actors], timeout=30)
         ray.get([a.shutdown.remote() for a in actors], timeout=30)
     for actor in actors:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-    for group in groups:
-        if group is not None:
-            with contextlib.suppress(Exception):
-                remove_placement_group(group)
 
 
 def _kept_actor(name: str) -> ray.actor.ActorHandle | None:

@@ -32,7 +32,6 @@ UPSTREAM = (
     "ray.remote",
     "ray._common.ray_option_utils.actor_options(concurrency_groups)",  # what @ray.remote takes
     "ray.method(concurrency_group)",
-    "ray.util.get_current_placement_group()",
     "ray.get_runtime_context()",
     "ray.runtime_context.RuntimeContext.get_node_id()",
     "ray.get_gpu_ids()",
@@ -84,18 +83,17 @@ class WorkerSpec:
 
 
 def executor_backend(spec: WorkerSpec) -> str | None:
-    """vLLM's executor for ``spec``'s engine: Ray for a tensor-parallel engine on GPUs, else
-    vLLM's own choice (None).
+    """vLLM's executor for ``spec``'s engine: multiprocessing for a tensor-parallel engine on
+    GPUs, else vLLM's own choice (None).
 
-    A tensor-parallel engine actor holds no GPU itself: its placement group's bundles do, one
-    per rank, and vLLM's Ray executor starts a worker in each. Left to choose, vLLM 0.33 takes
-    Ray only after checking that this process sees as many GPUs as ranks
-    (``vllm/config/parallel.py``), which holds only while Ray leaves ``CUDA_VISIBLE_DEVICES``
-    alone for a zero-GPU actor; under ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`` Ray empties it and
-    the engine fails with "World size (N) is larger than the number of available GPUs (0)".
-    Named explicitly, the check is not made."""
+    Such an engine actor holds all its ranks' GPUs (``EngineConfig.engine_gpus``: one bundle of
+    the run's placement group, on one node), and vLLM's multiprocessing executor runs one rank
+    per GPU as processes of this actor (vLLM 0.33 spawns them, passing on the Ray address, when
+    it runs in a Ray actor: ``vllm/utils/system_utils.py``). Left to choose, vLLM would take its
+    Ray executor whenever the actor sits in a placement group, and that one wants a bundle of
+    one GPU per rank: the run's group has none such to give."""
     if spec.engine == "vllm" and spec.tensor_parallel > 1 and spec.device == "cuda":
-        return "ray"
+        return "mp"
     return None
 
 
@@ -360,15 +358,6 @@ class EngineWorker:
         from trace_core.store.artifacts import TRAFFIC
 
         return TRAFFIC.counts()
-
-    @ray.method(concurrency_group="control")
-    def placement(self) -> object:
-        """The placement group of this actor's own (a tensor-parallel engine's: stopping the
-        actor frees it), or None: an engine without one, or in its run's group (which the run
-        frees: ``rollout.placement``)."""
-        if executor_backend(self.spec) != "ray":
-            return None
-        return ray.util.get_current_placement_group()
 
     @ray.method(concurrency_group="control")
     def renew(self) -> None:
