@@ -6,7 +6,9 @@ trainer and engine actors outlive each step as they do on a cluster.
 
 The head runs in a session of its own (``ray start --block``); when the block ends it gets
 SIGTERM, and whatever of its session is still running a while later is killed, so no actor
-outlives the run.
+outlives the run. ``started_head`` is how every head here starts (the suite's too,
+``tests/conftest.py``): on ports found free, which another process can take before Ray binds
+them, so a ``ray start`` that exits before its head answers is started again on fresh ones.
 """
 
 from __future__ import annotations
@@ -20,16 +22,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from trace_core.rollout.ray_auth import CLIENT_ENV, TOKEN_ENV
 
 READY_TIMEOUT_S = 90.0
 OBJECT_STORE_BYTES = 500_000_000
+START_ATTEMPTS = 3
+"""``ray start`` tries, each on fresh ports (``started_head``)."""
+
+Head = TypeVar("Head")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (another process may take it before it is bound)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -53,6 +63,83 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A ``ray start --head --block`` process, in a session of its own."""
+
+    process: subprocess.Popen[bytes]
+    temp_dir: Path
+    """Its sessions, sockets and logs; ``ray-start.log``: ``ray start``'s own output."""
+
+
+def launch(flags: Sequence[str], env: Mapping[str, str]) -> Launched:
+    """``ray start --head --block`` with ``flags`` (its ports and resources) and a temp dir of
+    its own."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths ≤ 107
+    with (temp_dir / "ray-start.log").open("wb") as log:
+        process = subprocess.Popen(
+            [_ray(), "start", "--head", *flags, f"--temp-dir={temp_dir}", "--block"],
+            env=dict(env),
+            start_new_session=True,  # its session id is its pid: how its processes are found
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return Launched(process, temp_dir)
+
+
+@contextlib.contextmanager
+def started_head(
+    start: Callable[[], tuple[Launched, Head]],
+    ready: Callable[[Head], bool],
+    attempts: int = START_ATTEMPTS,
+    timeout_s: float = READY_TIMEOUT_S,
+) -> Iterator[Head]:
+    """The head ``start`` launches (on fresh ports at each call), once ``ready`` says it
+    answers; stopped, with all it started, after the block (``stop_head``). A ``ray start``
+    that exits before its head answers is started again, ``attempts`` times in all; then, or
+    when it does not answer within ``timeout_s``, RuntimeError with its output's tail."""
+    for attempt in range(1, attempts + 1):
+        launched, head = start()
+        try:
+            up = _wait_up(launched, partial(ready, head), timeout_s)
+            tail = "" if up else _tail(launched)
+        except BaseException:
+            stop_head(launched.process, launched.temp_dir)
+            raise
+        if up:
+            break
+        stop_head(launched.process, launched.temp_dir)
+        if attempt == attempts:
+            raise RuntimeError(
+                f"ray start exited ({launched.process.returncode}) {attempts} times; "
+                f"its last output:\n{tail}"
+            )
+    try:
+        yield head
+    finally:
+        stop_head(launched.process, launched.temp_dir)
+
+
+def _wait_up(launched: Launched, ready: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether the head answered; False when ``ray start`` exited first."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if launched.process.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the Ray head did not answer in {timeout_s:g} s; ray start's output:\n"
+                f"{_tail(launched)}"
+            )
+        time.sleep(0.5)
+    return True
+
+
+def _tail(launched: Launched) -> str:
+    """The end of ``ray start``'s output."""
+    return (launched.temp_dir / "ray-start.log").read_text("utf-8", "replace")[-3000:]
+
+
 @contextlib.contextmanager
 def loopback_head(token: str, num_cpus: int | None = None) -> Iterator[str]:
     """Start the head, wait until it answers, yield its address; stop it all after the block.
@@ -62,39 +149,30 @@ def loopback_head(token: str, num_cpus: int | None = None) -> Iterator[str]:
     trainer and the engine actors of a small run fit on two cores)."""
     if not token:
         raise ValueError("loopback_head needs a token: its head runs with token auth")
-    port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rayl", dir="/tmp")  # short: socket paths <= 107 bytes
     env = {**os.environ, **CLIENT_ENV, TOKEN_ENV: token}
     cpus = num_cpus or max(4, os.cpu_count() or 1)
-    command = [
-        _ray(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-        f"--num-cpus={cpus}", "--num-gpus=0", "--include-dashboard=false",
-        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--object-store-memory={OBJECT_STORE_BYTES}", "--disable-usage-stats",
-        f"--temp-dir={temp_dir}", "--block",
-    ]  # fmt: skip
-    head = subprocess.Popen(
-        command,
-        env=env,
-        start_new_session=True,  # its session id is its pid: how its processes are found
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+
+    def start() -> tuple[Launched, str]:
+        port = free_port()
+        flags = [
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={cpus}",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--object-store-memory={OBJECT_STORE_BYTES}",
+            "--disable-usage-stats",
+        ]
+        return launch(flags, env), f"127.0.0.1:{port}"
+
+    def ready(address: str) -> bool:
         status = [_ray(), "status", f"--address={address}"]
-        while subprocess.run(status, env=env, capture_output=True).returncode != 0:
-            if head.poll() is not None:
-                raise RuntimeError(f"ray start exited ({head.returncode}): {' '.join(command)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the Ray head at {address} did not answer in {READY_TIMEOUT_S:g} s"
-                )
-            time.sleep(0.5)
+        return subprocess.run(status, env=env, capture_output=True).returncode == 0
+
+    with started_head(start, ready) as address:
         yield address
-    finally:
-        stop_head(head, temp_dir)
 
 
 def stop_head(head: subprocess.Popen[bytes], temp_dir: str | Path) -> None:

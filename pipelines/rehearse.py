@@ -32,7 +32,6 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from typing import Any
 import yaml
 
 from pipelines.cluster_check import render_overlay
-from pipelines.ray_head import stop_head
+from pipelines.ray_head import START_ATTEMPTS, free_port, stop_head
 from pipelines.trace_training import COMPILED
 
 KFP_STORE_PORT = 8333
@@ -57,7 +56,6 @@ SETTINGS = {"warmstart_steps": 20, "prompts": 16, "eval_tasks": 8, "eval_k": 1, 
 ACCESS_KEY, SECRET_KEY_VALUE = "rehearsal-key", "rehearsal-secret"  # a loopback server's
 PIPELINE_CHANNEL = "pipelinechannel--"
 READY_S = 120.0
-START_ATTEMPTS = 3
 OBJECT_STORE_CAP = 1_000_000_000
 """A node's object store here at most (the GPU pods' is sized for their /dev/shm)."""
 
@@ -173,12 +171,6 @@ class Rehearsal:
 
 
 # --- the Ray cluster --------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class Cluster:
     address: str
@@ -193,7 +185,7 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
     spec = cluster["spec"]
     auth, maps = spec.get("authOptions", {}), config_maps(objects)
     ray = str(Path(sys.executable).parent / "ray")
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     head_spec = spec["headGroupSpec"]
     (head_container,) = [
         c for c in head_spec["template"]["spec"]["containers"] if c["name"] == "ray-head"
@@ -226,8 +218,8 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
                 *flags,
                 *common,
                 f"--temp-dir={temp}",
-                f"--dashboard-agent-listen-port={_free_port()}",
-                f"--metrics-export-port={_free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--metrics-export-port={free_port()}",
             ],
             env={**os.environ, **env, "PATH": bin_path},
             start_new_session=True,
@@ -245,7 +237,7 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
                         "--head",
                         f"--port={port}",
                         f"--dashboard-port={dashboard}",
-                        f"--ray-client-server-port={_free_port()}",
+                        f"--ray-client-server-port={free_port()}",
                         *head_flags,
                     ],
                     head_env,
@@ -261,7 +253,7 @@ def ray_cluster(rehearsal: Rehearsal, objects: list[Manifest]) -> Iterator[Clust
                 print(f"{error} (see {rehearsal.work}/ray-*.log); starting the cluster again")
                 while started:
                     stop_head(*started.pop())
-                port, dashboard = _free_port(), _free_port()
+                port, dashboard = free_port(), free_port()
                 url = f"http://127.0.0.1:{dashboard}"
         yield Cluster(f"127.0.0.1:{port}", url)
     finally:

@@ -31,10 +31,8 @@ import importlib.util
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
@@ -45,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pipelines.ray_head import session_pids, stop_head
+from pipelines.ray_head import Launched, free_port, launch, session_pids, started_head
 
 if TYPE_CHECKING:
     from support.image_context import ImageVenv
@@ -128,17 +126,6 @@ class RayHead:
     pid: int
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-START_ATTEMPTS = 3
-"""``ray start`` tries: a free port picked here can be taken by another test's server before
-Ray binds it (the suite starts many side by side), and ``ray start`` then exits."""
-
-
 @contextlib.contextmanager
 def ray_head(
     dashboard: bool = False, env: Mapping[str, str] | None = None, num_gpus: int = 0
@@ -147,87 +134,41 @@ def ray_head(
     ``num_gpus``: GPUs it advertises (``ray start --num-gpus``: Ray schedules by the count,
     without devices; ``CUDA_VISIBLE_DEVICES`` is what a task then sees, not a GPU).
 
-    Ready means ``ray status`` answers, or, with the dashboard, its job API does. A ``ray
-    start`` that exits first is tried again on fresh ports (``START_ATTEMPTS``); its output is
-    ``ray-start.log`` in its temp dir, whose tail the last failure shows.
+    Ready means ``ray status`` answers, or, with the dashboard, its job API does. Started as
+    ``make run``'s head is (``pipelines.ray_head.started_head``: a ``ray start`` that exits
+    first, on a port another test's server took, is tried again on fresh ports).
     """
     full_env = {
         **os.environ,
         **(env or {}),
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
-    for attempt in range(1, START_ATTEMPTS + 1):
-        head, info = _start_head(dashboard, num_gpus, full_env)
-        try:
-            if _wait_ready(head, info, full_env, last=attempt == START_ATTEMPTS):
-                break
-        except BaseException:
-            _stop_checked(head, info)
-            raise
-        _stop_checked(head, info)
-    try:
-        yield info
-    finally:
-        _stop_checked(head, info)
 
-
-def _start_head(
-    dashboard: bool, num_gpus: int, env: Mapping[str, str]
-) -> tuple[subprocess.Popen[bytes], RayHead]:
-    port, dashboard_port = free_port(), free_port()
-    temp_dir = Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths ≤ 107
-    with (temp_dir / "ray-start.log").open("wb") as log:
-        head = subprocess.Popen(
-            [
-                str(BIN / "ray"),
-                "start",
-                "--head",
-                f"--port={port}",
-                "--num-cpus=2",
-                f"--num-gpus={num_gpus}",
-                "--node-ip-address=127.0.0.1",
-                f"--include-dashboard={str(dashboard).lower()}",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dashboard_port}",
-                f"--ray-client-server-port={free_port()}",
-                f"--dashboard-agent-listen-port={free_port()}",
-                "--object-store-memory=200000000",
-                "--disable-usage-stats",
-                f"--temp-dir={temp_dir}",
-                "--block",
-            ],
-            env=dict(env),
-            start_new_session=True,  # its session id is its pid: how its processes are found
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    def start() -> tuple[Launched, RayHead]:
+        port, dashboard_port = free_port(), free_port()
+        flags = [
+            f"--port={port}",
+            "--num-cpus=2",
+            f"--num-gpus={num_gpus}",
+            "--node-ip-address=127.0.0.1",
+            f"--include-dashboard={str(dashboard).lower()}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--object-store-memory=200000000",
+            "--disable-usage-stats",
+        ]
+        launched = launch(flags, full_env)
+        return launched, RayHead(
+            address=f"127.0.0.1:{port}",
+            dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
+            temp_dir=launched.temp_dir,
+            pid=launched.process.pid,
         )
-    info = RayHead(
-        address=f"127.0.0.1:{port}",
-        dashboard_url=f"http://127.0.0.1:{dashboard_port}" if dashboard else None,
-        temp_dir=temp_dir,
-        pid=head.pid,
-    )
-    return head, info
 
-
-def _wait_ready(
-    head: subprocess.Popen[bytes], info: RayHead, env: Mapping[str, str], last: bool
-) -> bool:
-    """Whether the head came up; False when ``ray start`` exited first (and this is not the
-    ``last`` try: then the test fails with its output)."""
-    deadline = time.monotonic() + 90
-    while not _ready(info, env):
-        if head.poll() is not None:
-            tail = (info.temp_dir / "ray-start.log").read_text(errors="replace")[-3000:]
-            assert not last, f"ray start exited ({head.returncode}) {START_ATTEMPTS} times:\n{tail}"
-            return False
-        assert time.monotonic() < deadline, "the Ray head did not come up in 90 s"
-        time.sleep(0.5)
-    return True
-
-
-def _stop_checked(head: subprocess.Popen[bytes], info: RayHead) -> None:
-    stop_head(head, info.temp_dir)
+    with started_head(start, lambda head: _ready(head, full_env)) as head:
+        yield head
     assert session_pids(head.pid) == [], "processes of the Ray head were left running"
 
 
