@@ -249,7 +249,8 @@ def test_a_commit_that_fails_prunes_nothing_and_one_that_succeeds_prunes(
     """The pipeline's commit (``steps.commit.commit_checkpoint``, keep_checkpoints 1): the
     trainers uploaded the newer checkpoint's files but one, and the step died before the
     commit; nothing is deleted, ``latest`` stays. The next attempt's commit deletes the older
-    checkpoints; a folder without a manifest (a save in flight) is never deleted."""
+    checkpoints and the folders without a manifest of earlier iterations (saves that crashed
+    before their commit); one of a later iteration (a save in flight) stays."""
     from trace_core.store.artifacts import file_sha256
     from trace_core.train.config import TrainConfig
     from trace_core.train.contract import PipelineConfig
@@ -263,6 +264,8 @@ def test_a_commit_that_fails_prunes_nothing_and_one_that_succeeds_prunes(
     second = registry.save("nightly", 2, checkpoint_dir(tmp_path / "v2", 2))
     in_flight = registry.reserve("nightly", 4)  # another save, still uploading
     store.put_bytes(f"{in_flight}/model.safetensors", b"half")
+    crashed = registry.reserve("nightly", 2)  # a save of 2 that died before its commit
+    store.put_bytes(f"{crashed}/model.safetensors", b"half")
     predictor = tmp_path / "predictor"
     predictor.mkdir()
     (predictor / "predictor.json").write_text("{}")
@@ -281,6 +284,7 @@ def test_a_commit_that_fails_prunes_nothing_and_one_that_succeeds_prunes(
     latest = registry.latest("nightly")
     assert latest is not None and latest.key == second.key
     assert registry.checkpoints("nightly") == [first, second]  # none deleted
+    assert crashed.rsplit("/", 1)[-1] in folders(store, "nightly")
 
     store.put_file(f"{third}/model.safetensors", weights / "model.safetensors")
     committed = commit_checkpoint(config, registry, third, written, records, predictor)
@@ -292,5 +296,6 @@ def test_a_commit_that_fails_prunes_nothing_and_one_that_succeeds_prunes(
     assert folders(store, "nightly") == sorted(names)  # the save in flight is untouched
     said = capsys.readouterr().out.splitlines()
     assert said == [
-        f"deleted checkpoint {store.uri(c.key)} (keep_checkpoints 1)" for c in (first, second)
+        f"deleted checkpoint {store.uri(key)} (keep_checkpoints 1)"
+        for key in (first.key, second.key, crashed)  # by iteration, the complete ones first
     ]

@@ -20,16 +20,20 @@ the most recent complete save, whatever its iteration number.
 
 Old checkpoints are deleted by ``prune``, which the pipeline calls after each commit (its run
 parameter ``keep_checkpoints``): the run's complete checkpoints beyond the newest ``keep`` go,
-never the one ``latest.json`` names and never a folder without a manifest (a save still being
-written, or one that crashed before its commit). Each goes manifest first, so a prune stopped
-halfway leaves a folder that no reader takes for a checkpoint. Pruning only after the commit
-means a crash between the two leaves one checkpoint too many, never one too few.
+never the one ``latest.json`` names. Each goes manifest first, so a prune stopped halfway leaves
+a folder that no reader takes for a checkpoint. Pruning only after the commit means a crash
+between the two leaves one checkpoint too many, never one too few. A folder without a manifest
+is a save still being written or one that crashed before its commit: it goes once a later
+iteration than its own is committed (a run saves one checkpoint at a time, in iteration order,
+so no save of an earlier iteration can still be running then); one of the committed iteration
+or later stays.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -42,6 +46,8 @@ from trace_core.store.treeset import ManifestError, join_key
 from trace_core.store.uri import check_run_name
 
 MANIFEST = "manifest.json"
+ITERATION = re.compile(r"iter-(\d{6})-[0-9a-f]+$")
+"""A checkpoint folder's name (``reserve``): its iteration."""
 LATEST = "latest.json"
 KIND = "trace.checkpoint"
 
@@ -179,9 +185,10 @@ class CheckpointRegistry:
     def prune(self, run: str, keep: int, protect: Iterable[str | None] = ()) -> list[str]:
         """Delete ``run``'s complete checkpoints but the newest ``keep`` (by iteration, then
         creation), the one ``latest.json`` names, and those holding a URI of ``protect`` (a
-        folder or a file in it: what a running session may still read). Folders without a
-        manifest are left alone, and nothing is deleted while ``latest.json`` is missing or
-        unreadable. Returns the deleted folders' keys, oldest first."""
+        folder or a file in it: what a running session may still read); and folders without a
+        manifest from iterations before the one ``latest.json`` names (saves that crashed).
+        Nothing is deleted while ``latest.json`` is missing or unreadable. Returns the deleted
+        folders' keys, oldest first."""
         if keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
         try:
@@ -197,8 +204,9 @@ class CheckpointRegistry:
                 continue  # a damaged manifest: not ours to judge here
         complete.sort(key=lambda c: (c.iteration, c.created))
         kept = {c.key for c in complete[-keep:]} | {self._run_key(run, str(current))}
+        crashed = self._crashed(run, pointer.get("iteration"))
         held = [uri.rstrip("/") for uri in protect if uri]
-        deleted = []
+        deleted: list[tuple[int, str]] = []
         for checkpoint in complete:
             where = self.store.uri(checkpoint.key)
             if checkpoint.key in kept or any(
@@ -207,8 +215,24 @@ class CheckpointRegistry:
                 continue
             self.store.delete(join_key(checkpoint.key, MANIFEST))  # no longer a checkpoint
             self.store.delete_prefix(checkpoint.key)
-            deleted.append(checkpoint.key)
-        return deleted
+            deleted.append((checkpoint.iteration, checkpoint.key))
+        for _, folder in crashed:
+            self.store.delete_prefix(folder)
+        return [key for _, key in sorted(deleted + crashed, key=lambda found: found[0])]
+
+    def _crashed(self, run: str, committed: object) -> list[tuple[int, str]]:
+        """``run``'s folders without a manifest from iterations before ``committed`` (the
+        iteration ``latest.json`` names; none when it names none), with their iterations."""
+        if not isinstance(committed, int):
+            return []
+        base = self._run_key(run)
+        names = {o.key[len(base) + 1 :].split("/")[0] for o in self.store.list_objects(base)}
+        found = ((ITERATION.match(name), name) for name in sorted(names - self._folders(run)))
+        return [
+            (int(match.group(1)), self._run_key(run, name))
+            for match, name in found
+            if match and int(match.group(1)) < committed
+        ]
 
     def latest(self, run: str, say: Callable[[str], None] | None = None) -> Checkpoint | None:
         """The last complete checkpoint of ``run``; None if it has none.
