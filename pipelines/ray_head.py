@@ -135,6 +135,13 @@ def _wait_up(launched: Launched, ready: Callable[[], bool], timeout_s: float) ->
     return True
 
 
+def answers(address: str, env: Mapping[str, str]) -> bool:
+    """Whether the head at ``address`` answers ``ray status`` (its node registered), asked
+    with ``env`` (a token-auth head's clients need its token)."""
+    status = [_ray(), "status", f"--address={address}"]
+    return subprocess.run(status, env=dict(env), capture_output=True).returncode == 0
+
+
 def _tail(launched: Launched) -> str:
     """The end of ``ray start``'s output."""
     return (launched.temp_dir / "ray-start.log").read_text("utf-8", "replace")[-3000:]
@@ -167,11 +174,7 @@ def loopback_head(token: str, num_cpus: int | None = None) -> Iterator[str]:
         ]
         return launch(flags, env), f"127.0.0.1:{port}"
 
-    def ready(address: str) -> bool:
-        status = [_ray(), "status", f"--address={address}"]
-        return subprocess.run(status, env=env, capture_output=True).returncode == 0
-
-    with started_head(start, ready) as address:
+    with started_head(start, partial(answers, env=env)) as address:
         yield address
 
 

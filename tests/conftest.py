@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pipelines.ray_head import Launched, free_port, launch, session_pids, started_head
+from pipelines.ray_head import (
+    Launched,
+    answers,
+    free_port,
+    launch,
+    session_pids,
+    started_head,
+)
 
 if TYPE_CHECKING:
     from support.image_context import ImageVenv
@@ -174,8 +181,7 @@ def ray_head(
 
 def _ready(head: RayHead, env: Mapping[str, str]) -> bool:
     if head.dashboard_url is None:
-        status = [str(BIN / "ray"), "status", f"--address={head.address}"]
-        return subprocess.run(status, env=dict(env), capture_output=True).returncode == 0
+        return answers(head.address, env)
     request = urllib.request.Request(f"{head.dashboard_url}/api/version")
     if env.get("RAY_AUTH_TOKEN"):  # the job API answers a token-auth head's clients only
         request.add_header("Authorization", f"Bearer {env['RAY_AUTH_TOKEN']}")

@@ -591,10 +591,3 @@ def _stop(actors: Sequence[ray.actor.ActorHandle]) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-
-
-def _kept_actor(name: str) -> ray.actor.ActorHandle | None:
-    try:
-        return ray.get_actor(name, namespace=KEPT_NAMESPACE)
-    except ValueError:
-        return None

@@ -196,15 +196,16 @@ class CheckpointRegistry:
             current = pointer["folder"]
         except (ObjectNotFound, ValueError, TypeError, KeyError):
             return []  # no commit to prune after: ``latest`` says what to do
+        names, with_manifest = self._listing(run)
         complete = []
-        for name in sorted(self._folders(run)):
+        for name in sorted(with_manifest):
             try:
                 complete.append(self._read(run, self._run_key(run, name)))
             except (ObjectNotFound, ManifestError):
                 continue  # a damaged manifest: not ours to judge here
         complete.sort(key=lambda c: (c.iteration, c.created))
         kept = {c.key for c in complete[-keep:]} | {self._run_key(run, str(current))}
-        crashed = self._crashed(run, pointer.get("iteration"))
+        crashed = _crashed(names - with_manifest, pointer.get("iteration"))
         held = [uri.rstrip("/") for uri in protect if uri]
         deleted: list[tuple[int, str]] = []
         for checkpoint in complete:
@@ -216,23 +217,11 @@ class CheckpointRegistry:
             self.store.delete(join_key(checkpoint.key, MANIFEST))  # no longer a checkpoint
             self.store.delete_prefix(checkpoint.key)
             deleted.append((checkpoint.iteration, checkpoint.key))
-        for _, folder in crashed:
+        for iteration, name in crashed:
+            folder = self._run_key(run, name)
             self.store.delete_prefix(folder)
-        return [key for _, key in sorted(deleted + crashed, key=lambda found: found[0])]
-
-    def _crashed(self, run: str, committed: object) -> list[tuple[int, str]]:
-        """``run``'s folders without a manifest from iterations before ``committed`` (the
-        iteration ``latest.json`` names; none when it names none), with their iterations."""
-        if not isinstance(committed, int):
-            return []
-        base = self._run_key(run)
-        names = {o.key[len(base) + 1 :].split("/")[0] for o in self.store.list_objects(base)}
-        found = ((ITERATION.match(name), name) for name in sorted(names - self._folders(run)))
-        return [
-            (int(match.group(1)), self._run_key(run, name))
-            for match, name in found
-            if match and int(match.group(1)) < committed
-        ]
+            deleted.append((iteration, folder))
+        return [key for _, key in sorted(deleted, key=lambda found: found[0])]
 
     def latest(self, run: str, say: Callable[[str], None] | None = None) -> Checkpoint | None:
         """The last complete checkpoint of ``run``; None if it has none.
@@ -283,11 +272,18 @@ class CheckpointRegistry:
 
     def _folders(self, run: str) -> set[str]:
         """Checkpoint folders with a manifest (a save that crashed mid-upload has none)."""
+        return self._listing(run)[1]
+
+    def _listing(self, run: str) -> tuple[set[str], set[str]]:
+        """The names below ``run``'s key (folders and ``latest.json``), and of those the
+        checkpoint folders with a manifest: one listing."""
         base = self._run_key(run)
-        parts = (o.key[len(base) + 1 :].split("/") for o in self.store.list_objects(base))
-        return {
+        parts = [o.key[len(base) + 1 :].split("/") for o in self.store.list_objects(base)]
+        names = {p[0] for p in parts}
+        with_manifest = {
             p[0] for p in parts if len(p) == 2 and p[0].startswith("iter-") and p[1] == MANIFEST
         }
+        return names, with_manifest
 
     def _check(self, run: str, folder: str) -> str | None:
         """None if the checkpoint in ``folder`` is complete (manifest, every file, sizes);
@@ -381,3 +377,12 @@ class CheckpointRegistry:
             )
         self.download(checkpoint, directory)
         return checkpoint
+
+
+def _crashed(names: Iterable[str], committed: object) -> list[tuple[int, str]]:
+    """Of folder ``names`` without a manifest, those of iterations before ``committed`` (the
+    iteration ``latest.json`` names; none when it names none), with their iterations."""
+    if not isinstance(committed, int):
+        return []
+    found = ((ITERATION.match(name), name) for name in sorted(names))
+    return [(int(m.group(1)), name) for m, name in found if m and int(m.group(1)) < committed]
